@@ -1,0 +1,61 @@
+"""Compose a JobConfig from recipes + CLI overrides (Hydra compose API), and load one back from a bundle."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from launcher import RECIPES_DIR
+from launcher.schema import JobConfig, register
+
+
+class ConfigError(Exception):
+    """A recipe or override that cannot be composed (unknown key, wrong type, missing recipe)."""
+
+
+def compose_dict(overrides: Sequence[str] = ()) -> DictConfig:
+    """Compose recipes/config.yaml with the overrides; struct mode rejects unknown keys."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    register()
+    try:
+        with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base=None):
+            return compose(config_name="config", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+        raise ConfigError(_one_line(exc)) from None
+
+
+def to_job(cfg: DictConfig) -> JobConfig:
+    """Turn a composed DictConfig into typed dataclass instances."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_one_line(exc)) from None
+
+
+def compose_job(overrides: Sequence[str] = ()) -> JobConfig:
+    """Compose and type a job in one call."""
+    return to_job(compose_dict(overrides))
+
+
+def load_job(path: str | Path) -> JobConfig:
+    """Load a resolved config.yaml (as written into a run bundle) back into a typed JobConfig."""
+    base = OmegaConf.structured(JobConfig)
+    return to_job(OmegaConf.merge(base, OmegaConf.load(str(path))))
+
+
+def job_to_yaml(job: JobConfig) -> str:
+    """Serialise a typed job to YAML (the bundle's resolved config)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(job))
+
+
+def _one_line(exc: Exception) -> str:
+    """Hydra/OmegaConf messages span lines with full keys/context; keep the informative first part."""
+    text = " ".join(str(exc).split())
+    text = text.replace("Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.", "")
+    return text.strip()

@@ -1,0 +1,387 @@
+"""The typed job schema: the single source of truth for every field a recipe may set.
+
+Recipes (YAML under ``recipes/``) only choose values for these fields; Hydra's struct mode rejects any key
+that is not declared here. Each section is its own dataclass so that builders can take exactly the
+sub-config they need (``build_model(model=..., parallel=..., precision=...)``), never the root.
+
+Attribute docstrings (the string literal under each field) are the field's documentation: ``--help``
+reads them from this file's source, so keep one under every field.
+
+This module is imported on the login node: it must not import torch or megatron.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of the decoder-only transformer (Megatron-Core GPTModel)."""
+
+    name: str = "smoke"
+    """Architecture name, for logs and reports."""
+    num_layers: int = 4
+    """Number of transformer layers (decoder blocks), excluding MTP layers."""
+    hidden_size: int = 128
+    """Model width (d_model)."""
+    ffn_hidden_size: int = 512
+    """Width of the dense MLP (per projection for SwiGLU)."""
+    num_attention_heads: int = 4
+    """Number of query heads."""
+    num_query_groups: Optional[int] = None
+    """Number of key/value heads for grouped-query attention; null means multi-head attention (= heads)."""
+    kv_channels: Optional[int] = None
+    """Per-head dimension; null means hidden_size / num_attention_heads."""
+    vocab_size: int = 8192
+    """Tokenizer vocabulary size (unpadded); the embedding is padded to make_vocab_size_divisible_by x TP."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the embedding rows to a multiple of this (times the tensor-parallel size)."""
+    seq_length: int = 256
+    """Training sequence length in tokens."""
+    max_position_embeddings: Optional[int] = None
+    """Maximum positions for learned embeddings / RoPE tables; null means seq_length."""
+    normalization: str = "RMSNorm"
+    """Normalization layer: RMSNorm or LayerNorm."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of the normalization layers."""
+    activation: str = "swiglu"
+    """MLP activation: swiglu (gated SiLU), gelu, or squared_relu."""
+    position_embedding: str = "rope"
+    """Position embedding: rope, learned_absolute, or none."""
+    rotary_base: float = 500000.0
+    """RoPE base frequency (theta)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's dimensions that RoPE rotates."""
+    rope_scaling: bool = False
+    """Apply Llama-3.1 style RoPE frequency scaling (long-context)."""
+    rope_scaling_factor: float = 8.0
+    """Llama-3.1 RoPE scaling factor (used when rope_scaling is true)."""
+    tie_embeddings: bool = False
+    """Share the input embedding and output projection weights (Llama 3 unties them)."""
+    add_bias_linear: bool = False
+    """Bias terms in all linear layers (GPT-3 style uses them; Llama does not)."""
+    add_qkv_bias: bool = False
+    """Bias in the QKV projection only (Qwen2 style)."""
+    qk_layernorm: bool = False
+    """Normalize queries and keys per head (Qwen3 style)."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    hidden_dropout: float = 0.0
+    """Dropout on residual branches."""
+    init_method_std: float = 0.02
+    """Standard deviation of the normal weight initialisation."""
+    # --- Mixture of Experts -------------------------------------------------------------------------
+    num_experts: Optional[int] = None
+    """Routed experts per MoE layer; null means a dense model."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """Width of each routed expert's MLP; null means ffn_hidden_size."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """Total width of the shared expert(s); null means no shared expert."""
+    moe_layer_freq: int = 1
+    """Every n-th layer is MoE (1 = all layers after the first dense ones)."""
+    moe_first_k_dense: int = 0
+    """The first k layers use a dense MLP (DeepSeek-V3 uses 3)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Load-balancing auxiliary loss coefficient."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    """Load balancing: aux_loss, seq_aux_loss, sinkhorn, or none."""
+    moe_router_score_function: str = "softmax"
+    """Router score function: softmax or sigmoid."""
+    moe_token_dispatcher_type: str = "alltoall"
+    """Token dispatcher: alltoall or allgather."""
+    moe_grouped_gemm: bool = True
+    """Use grouped GEMM for experts (GPU only; ignored on CPU)."""
+    # --- Multi-latent attention (DeepSeek) ----------------------------------------------------------
+    multi_latent_attention: bool = False
+    """Use multi-latent attention instead of standard attention."""
+    q_lora_rank: Optional[int] = None
+    """Query low-rank dimension for MLA; null means no query compression."""
+    kv_lora_rank: int = 512
+    """Key/value low-rank dimension for MLA."""
+    qk_head_dim: int = 128
+    """MLA query/key head dimension (without the RoPE part)."""
+    qk_pos_emb_head_dim: int = 64
+    """MLA query/key RoPE head dimension."""
+    v_head_dim: int = 128
+    """MLA value head dimension."""
+    # --- Multi-token prediction ---------------------------------------------------------------------
+    mtp_num_layers: int = 0
+    """Multi-token-prediction layers (DeepSeek-V3 uses 1)."""
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout. Their product (with data parallel) equals the world size."""
+
+    tensor: int = 1
+    """Tensor-parallel size (TP); must fit inside one node's NVLink domain."""
+    pipeline: int = 1
+    """Pipeline-parallel size (PP)."""
+    virtual_pipeline: Optional[int] = None
+    """Virtual pipeline stages per pipeline rank (VPP, interleaved schedule); null means 1."""
+    context: int = 1
+    """Context-parallel size (CP), splitting the sequence; needs Transformer Engine attention."""
+    expert: int = 1
+    """Expert-parallel size (EP) for MoE layers."""
+    expert_tensor: Optional[int] = None
+    """Tensor-parallel size inside experts (ETP); null means equal to tensor."""
+    data: Optional[int] = None
+    """Data-parallel size; derived from the world size. Set it only to assert the expected value."""
+    sequence_parallel: bool = False
+    """Shard LayerNorm/dropout activations along the sequence over the TP group (SP)."""
+    distributed_optimizer: bool = True
+    """Shard optimizer state and master weights over data-parallel ranks (ZeRO-1 style)."""
+    overlap_grad_reduce: bool = True
+    """Overlap the data-parallel gradient reduce-scatter with backward (GPU)."""
+    overlap_param_gather: bool = True
+    """Overlap the distributed optimizer's parameter all-gather with forward (GPU)."""
+    first_stage_layers: Optional[int] = None
+    """Layers on the first pipeline stage for an uneven split; null means an even split."""
+    last_stage_layers: Optional[int] = None
+    """Layers on the last pipeline stage for an uneven split; null means an even split."""
+
+
+@dataclass
+class ScheduleConfig:
+    """Pipeline schedule."""
+
+    kind: str = "1f1b"
+    """Pipeline schedule: 1f1b, interleaved (needs virtual_pipeline > 1) or zb_h1 (zero bubble)."""
+    microbatch_group_size: Optional[int] = None
+    """Interleaved: microbatches run per virtual stage before switching; null means the pipeline size."""
+    batch_p2p_comm: bool = True
+    """Batch pipeline send/recv into one call. Interleaved with PP=2 needs false (upstream bug)."""
+    overlap_p2p_comm: bool = False
+    """Overlap pipeline send/recv with compute (interleaved only)."""
+
+
+@dataclass
+class PrecisionConfig:
+    """Numerics: training dtype and FP8."""
+
+    dtype: str = "bf16"
+    """Parameter/compute dtype: bf16, fp16 or fp32."""
+    fp8: Optional[str] = None
+    """FP8 recipe: delayed, tensorwise, blockwise (Hopper+) or mxfp8 (Blackwell); null disables FP8."""
+    fp8_format: str = "hybrid"
+    """FP8 format: hybrid (E4M3 forward, E5M2 backward) or e4m3."""
+    fp8_param: bool = False
+    """Keep parameters in FP8 (saves the BF16 weight copy; needs FP8)."""
+    fp8_amax_history_len: int = 1024
+    """Delayed scaling: amax history length."""
+    fp8_amax_compute_algo: str = "max"
+    """Delayed scaling: max or most_recent."""
+    transformer_engine: str = "auto"
+    """Use Transformer Engine layers: auto (on when the cluster has GPUs), true, or false."""
+
+
+@dataclass
+class TrainConfig:
+    """Batch sizes, length of the run, optimizer and LR schedule."""
+
+    micro_batch_size: int = 1
+    """Sequences per microbatch per data-parallel rank."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step across all data-parallel ranks."""
+    train_steps: Optional[int] = 20
+    """Optimizer steps; exactly one of train_steps and train_tokens is set."""
+    train_tokens: Optional[int] = None
+    """Train for this many tokens instead (rounded up to whole steps)."""
+    lr: float = 3.0e-4
+    """Peak learning rate."""
+    min_lr: float = 3.0e-5
+    """Final learning rate of the decay."""
+    lr_schedule: str = "cosine"
+    """LR decay: cosine, linear, constant or wsd (warmup-stable-decay)."""
+    warmup_steps: int = 0
+    """Linear warmup steps."""
+    wsd_decay_steps: Optional[int] = None
+    """WSD: steps of the final decay phase; null means 10% of the run."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay (AdamW)."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.95
+    """Adam beta2."""
+    adam_eps: float = 1.0e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+    seed: int = 1234
+    """Random seed for initialisation and data order."""
+    eval_interval: int = 0
+    """Evaluate on the validation split every n steps (0 disables periodic eval)."""
+    eval_iters: int = 2
+    """Validation batches per evaluation."""
+    recompute: str = "selective"
+    """Activation recomputation: none, selective (core attention) or full."""
+    recompute_num_layers: Optional[int] = None
+    """Full recompute: layers per stage recomputed; null means all."""
+    exit_after_minutes: Optional[float] = None
+    """Stop cleanly (with a checkpoint) after this wall time; null means no limit."""
+
+
+@dataclass
+class DataConfig:
+    """Training data: a blend of Megatron indexed datasets (.bin/.idx), or mock data."""
+
+    kind: str = "indexed"
+    """indexed (Megatron .bin/.idx prefixes) or mock (synthetic tokens, for debugging only)."""
+    blend: List[Any] = field(default_factory=list)
+    """Dataset prefixes, optionally weighted: [0.3, path/a, 0.7, path/b] or [path/a, path/b]."""
+    split: str = "969,30,1"
+    """Train/valid/test split of each dataset, as relative weights."""
+    tokenizer: Optional[str] = None
+    """Path to a Hugging Face tokenizer.json (nothing is downloaded)."""
+    cache_dir: Optional[str] = None
+    """Where dataset index caches go; null means inside the run bundle (node-local safe)."""
+    num_workers: int = 1
+    """DataLoader worker processes per rank."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Distributed checkpointing (megatron.core.dist_checkpointing)."""
+
+    dir: Optional[str] = None
+    """Checkpoint directory; null means <bundle>/checkpoints. A run resumes from its latest checkpoint."""
+    save_interval: int = 0
+    """Save every n steps (0: only at the end)."""
+    save_at_end: bool = True
+    """Save when training finishes or is stopped."""
+    resume: bool = True
+    """Resume automatically from the latest complete checkpoint in dir."""
+    keep_last: Optional[int] = None
+    """Keep only the newest n checkpoints; null keeps all."""
+    format: str = "torch_dist"
+    """dist_checkpointing backend format."""
+    async_save: bool = False
+    """Write checkpoints asynchronously (GPU clusters)."""
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics and logs."""
+
+    log_interval: int = 1
+    """Print metrics every n steps."""
+    tensorboard: bool = True
+    """Write TensorBoard event files into the bundle."""
+    wandb_project: Optional[str] = None
+    """Weights & Biases project; null disables wandb. The API key comes from WANDB_API_KEY only."""
+    wandb_entity: Optional[str] = None
+    """Weights & Biases entity (team)."""
+    wandb_mode: str = "offline"
+    """wandb mode: offline, online or disabled."""
+
+
+@dataclass
+class ClusterConfig:
+    """Where the job runs: hardware facts and site settings (a cluster profile)."""
+
+    name: str = "local"
+    """Profile name."""
+    launcher: str = "local"
+    """slurm (sbatch + srun + torchrun per node) or local (torchrun on this machine)."""
+    gpu: str = "cpu"
+    """Accelerator: H100, H200, B200, or cpu."""
+    gpus_per_node: int = 4
+    """GPUs (or CPU processes for the cpu profile) per node."""
+    gpu_memory_gb: float = 24.0
+    """Usable memory per GPU in GB (10^9 bytes)."""
+    peak_tflops_bf16: float = 1.0
+    """Dense BF16 peak per GPU in TFLOP/s (MFU denominator)."""
+    peak_tflops_fp8: float = 2.0
+    """Dense FP8 peak per GPU in TFLOP/s."""
+    hbm_bandwidth_gbps: float = 100.0
+    """Memory bandwidth per GPU in GB/s."""
+    nvlink_bandwidth_gbps: float = 10.0
+    """Intra-node bandwidth per GPU per direction in GB/s (NVLink)."""
+    network_bandwidth_gbps: float = 1.0
+    """Inter-node bandwidth per GPU per direction in GB/s (InfiniBand / RoCE)."""
+    gemm_efficiency: float = 0.7
+    """Fraction of peak that large GEMMs reach (planner constant; see launcher/plan notes)."""
+    comm_efficiency: float = 0.8
+    """Fraction of link bandwidth collectives reach (planner constant)."""
+    memory_reserve_gb: float = 4.0
+    """Memory held back per GPU for the CUDA context, allocator fragmentation and NCCL."""
+    backend: str = "gloo"
+    """torch.distributed backend: nccl (GPU) or gloo (CPU)."""
+    partition: Optional[str] = None
+    """Slurm partition."""
+    account: Optional[str] = None
+    """Slurm account."""
+    container_image: Optional[str] = None
+    """pyxis/enroot container image; null runs on the host environment."""
+    container_mounts: List[str] = field(default_factory=list)
+    """Container mounts, src:dst. Every data and checkpoint path must be under a mount's dst."""
+    workdir: Optional[str] = None
+    """Directory the job starts in on the nodes; null means the launcher checkout."""
+    python: str = "python"
+    """Python interpreter on the nodes."""
+    env: Dict[str, str] = field(default_factory=dict)
+    """Environment variables exported in the job (NCCL, CUDA_DEVICE_MAX_CONNECTIONS, ...)."""
+    secret_env: List[str] = field(default_factory=lambda: ["WANDB_API_KEY", "HF_TOKEN"])
+    """Variables passed through by name only; their values are never written into the bundle."""
+
+
+@dataclass
+class SlurmConfig:
+    """Slurm submission settings."""
+
+    time: str = "04:00:00"
+    """Wall-time limit (HH:MM:SS or D-HH:MM:SS)."""
+    job_name: Optional[str] = None
+    """Job name; null means the recipe name."""
+    signal_lead_s: int = 300
+    """Seconds before the time limit at which SIGUSR1 asks the job to checkpoint and exit."""
+    requeue: bool = True
+    """Requeue the job after preemption or a clean time-limit exit."""
+    exclusive: bool = True
+    """Request whole nodes."""
+    extra_args: List[str] = field(default_factory=list)
+    """Extra #SBATCH lines, e.g. ["--qos=high"]."""
+
+
+@dataclass
+class JobConfig:
+    """A whole job: what to train, how to lay it out, and where to run it."""
+
+    name: str = "smoke"
+    """Run name (used for the bundle directory and the Slurm job name)."""
+    action: str = "default"
+    """render, submit, run, plan, search, validate, or default (render; and run when cluster is local)."""
+    nodes: int = 1
+    """Number of nodes (top-level shorthand)."""
+    output_dir: str = "runs"
+    """Where run bundles are created, one new directory per run."""
+    force: bool = False
+    """Render/submit even if the planner predicts out-of-memory."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+
+
+SECTIONS = {
+    "model": ModelConfig, "parallel": ParallelConfig, "schedule": ScheduleConfig,
+    "precision": PrecisionConfig, "train": TrainConfig, "data": DataConfig,
+    "checkpoint": CheckpointConfig, "logging": LoggingConfig, "cluster": ClusterConfig,
+    "slurm": SlurmConfig,
+}
+
+
+def register() -> None:
+    """Register the schema in Hydra's ConfigStore (idempotent)."""
+    ConfigStore.instance().store(name="job_schema", node=JobConfig)
