@@ -55,7 +55,15 @@ def job_to_yaml(job: JobConfig) -> str:
 
 
 def _one_line(exc: Exception) -> str:
-    """Hydra/OmegaConf messages span lines with full keys/context; keep the informative first part."""
-    text = " ".join(str(exc).split())
+    """Hydra/OmegaConf messages span lines with full keys/context; keep the informative first lines.
+
+    Hydra wraps the OmegaConf error that names the type rule ("could not be converted to Integer") as the
+    exception's cause, so that is appended.
+    """
+    cause = exc.__cause__
+    text = str(exc).strip()
+    if cause is not None:
+        text += ": " + str(cause).strip().splitlines()[0]
+    text = " ".join(text.split())
     text = text.replace("Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.", "")
     return text.strip()

@@ -1,0 +1,133 @@
+"""What each action does once a job is composed and valid. Each returns the process exit code."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from launcher.problems import Problem, errors
+from launcher.schema import JobConfig
+
+EXIT_USAGE = 2
+
+
+def train_steps(job: JobConfig) -> int:
+    """Optimizer steps of the run (train_tokens rounds up to whole steps)."""
+    if job.train.train_steps is not None:
+        return job.train.train_steps
+    per_step = job.train.global_batch_size * job.model.seq_length
+    return -(-int(job.train.train_tokens or 0) // per_step)
+
+
+def tokens_needed(job: JobConfig) -> int:
+    return train_steps(job) * job.train.global_batch_size * job.model.seq_length
+
+
+def _report(problems: list[Problem]) -> None:
+    for problem in problems:
+        print(problem.line(), file=sys.stderr)
+
+
+def do_validate(job: JobConfig, args) -> int:
+    from launcher.cli import summary
+    print(f"valid: {summary(job)}")
+    return 0
+
+
+def do_plan(job: JobConfig, args) -> int:
+    from launcher.plan import plan_job
+    plan = plan_job(job)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        _print_rich(plan.table())
+    return 0
+
+
+def do_search(job: JobConfig, args) -> int:
+    from launcher.plan.search import search, search_table, to_json
+    results = search(job, top=10)
+    if args.json:
+        print(json.dumps(to_json(results), indent=2))
+    else:
+        _print_rich(search_table(results))
+    return 0
+
+
+def _print_rich(renderable) -> None:
+    if isinstance(renderable, str):
+        print(renderable)
+        return
+    from rich.console import Console
+    Console(width=140).print(renderable)
+
+
+def preflight_data(job: JobConfig) -> list[Problem]:
+    """Login-node data pre-flight (files, headers, vocab, blend weights, tokens available vs needed)."""
+    if job.data.kind != "indexed":
+        return []
+    from data.preflight import preflight
+    return preflight(job.data, vocab_size=job.model.vocab_size, tokens_needed=tokens_needed(job))
+
+
+def prepare_bundle(job: JobConfig, args):
+    """Plan (refusing a predicted OOM unless force), pre-flight the data, render and write the bundle."""
+    from launcher.plan import oom_message, plan_job
+    from launcher.render import cross_check, render_texts, write_bundle
+
+    plan = plan_job(job)
+    if not plan.fits and not job.force:
+        print(oom_message(plan), file=sys.stderr)
+        print("error: predicted out of memory; change the layout (try action=search) or set force=true",
+              file=sys.stderr)
+        return None
+    problems = preflight_data(job)
+    _report(problems)
+    if errors(problems):
+        return None
+    issues = cross_check(job, render_texts(job, Path("/bundle")))
+    if issues:
+        print("error: rendered bundle failed its cross-check: " + "; ".join(issues), file=sys.stderr)
+        return None
+    bundle = write_bundle(job, argv=list(sys.argv[1:]), plan=plan.to_dict())
+    print(f"bundle: {bundle.path}")
+    return bundle
+
+
+def do_render(job: JobConfig, args) -> int:
+    bundle = prepare_bundle(job, args)
+    if bundle is None:
+        return EXIT_USAGE
+    if job.cluster.launcher == "slurm":
+        print(f"submit with: sbatch {bundle.sbatch}   (or re-run with action=submit)")
+    else:
+        print(f"run with: bash {bundle.launch}   (or re-run with action=run)")
+    return 0
+
+
+def do_submit(job: JobConfig, args) -> int:
+    from launcher.executor import SlurmExecutor, SubmitError
+    bundle = prepare_bundle(job, args)
+    if bundle is None:
+        return EXIT_USAGE
+    try:
+        job_id = SlurmExecutor().submit(bundle)
+    except SubmitError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"submitted: job {job_id}; logs in {bundle.path / 'logs'}")
+    return 0
+
+
+def do_run(job: JobConfig, args) -> int:
+    from launcher.executor import LocalExecutor
+    if job.nodes != 1:
+        print(f"error: nodes={job.nodes}: action=run starts torchrun on this machine only; try nodes=1 or "
+              "action=submit", file=sys.stderr)
+        return EXIT_USAGE
+    bundle = prepare_bundle(job, args)
+    if bundle is None:
+        return EXIT_USAGE
+    code = LocalExecutor().run(bundle)
+    print(f"run finished with exit code {code}; bundle: {bundle.path}")
+    return code

@@ -1,0 +1,105 @@
+"""`python -m launcher [key=value ...]`: compose → validate → plan → render → submit or run.
+
+Bad input never produces a traceback: every user error ends as one line per problem and exit code 2.
+Login-node code: nothing here imports torch or megatron.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+
+from launcher.config import ConfigError, compose_dict, to_job
+from launcher.overrides import check_override
+from launcher.problems import Problem, errors
+from launcher.schema import JobConfig
+from launcher.validate import validate, world_size, data_parallel_size, num_microbatches
+
+EXIT_USAGE = 2
+
+
+@dataclass
+class Args:
+    overrides: list[str] = field(default_factory=list)
+    help: bool = False
+    cfg_job: bool = False
+    json: bool = False
+
+
+def parse_args(argv: list[str]) -> Args:
+    args, it = Args(), iter(argv)
+    for token in it:
+        if token in ("-h", "--help"):
+            args.help = True
+        elif token in ("--cfg", "-c"):
+            what = next(it, "job")
+            if what != "job":
+                raise ConfigError(f"--cfg {what}: only '--cfg job' is supported")
+            args.cfg_job = True
+        elif token == "--json":
+            args.json = True
+        elif token.startswith("-"):
+            raise ConfigError(f"unknown flag {token}: flags are --help, --cfg job, --json; settings are key=value")
+        else:
+            args.overrides.append(token)
+    return args
+
+
+def report(problems: list[Problem]) -> None:
+    for problem in problems:
+        print(problem.line(), file=sys.stderr)
+
+
+def resolve_action(job: JobConfig) -> str:
+    if job.action != "default":
+        return job.action
+    return "run" if job.cluster.launcher == "local" else "render"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parse_args(argv)
+        if args.help:
+            from launcher.help import help_text
+            print(help_text())
+            return 0
+        bad = [p for p in map(check_override, args.overrides) if p]
+        if bad:
+            report(bad)
+            return EXIT_USAGE
+        cfg = compose_dict(args.overrides)
+        if args.cfg_job:
+            from omegaconf import OmegaConf
+            print(OmegaConf.to_yaml(cfg), end="")
+            return 0
+        job = to_job(cfg)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    problems = validate(job)
+    report(problems)
+    if errors(problems):
+        return EXIT_USAGE
+    return run_action(job, resolve_action(job), args)
+
+
+def run_action(job: JobConfig, action: str, args: Args) -> int:
+    from launcher import actions
+    handler = {"validate": actions.do_validate, "plan": actions.do_plan, "search": actions.do_search,
+               "render": actions.do_render, "submit": actions.do_submit, "run": actions.do_run}[action]
+    return handler(job, args)
+
+
+def summary(job: JobConfig) -> str:
+    p = job.parallel
+    dp = data_parallel_size(p, world_size(job))
+    return (f"{job.name}: {job.model.name} on {job.nodes}x{job.cluster.gpus_per_node} {job.cluster.gpu} "
+            f"(TP{p.tensor} PP{p.pipeline}{f' VPP{p.virtual_pipeline}' if p.virtual_pipeline else ''} CP{p.context}"
+            f"{f' EP{p.expert}' if p.expert > 1 else ''} DP{dp}), {job.schedule.kind}, "
+            f"{job.precision.dtype}{f'+fp8/{job.precision.fp8}' if job.precision.fp8 else ''}, "
+            f"{num_microbatches(job)} microbatches/step")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""`--help`: every config field with its type, default and docstring, read from launcher/schema.py itself."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+from functools import lru_cache
+
+from launcher import RECIPES_DIR
+from launcher import schema
+
+USAGE = """usage: python -m launcher [recipe=NAME] [cluster=NAME] [nodes=N] [action=ACTION] [key=value ...]
+                          [--cfg job] [--json] [--help]
+
+Compose a recipe, validate it, plan it, and render a run bundle (action=render, the default); action=submit
+also submits it with sbatch; action=run (the default for cluster=local) runs it here with torchrun;
+action=plan / search / validate only print. Any field below can be overridden with Hydra syntax
+(parallel.tensor=4, 'data.blend=[0.3,a,0.7,b]', +experiment=bf16).
+"""
+
+
+@lru_cache(maxsize=None)
+def field_docs() -> dict[str, dict[str, str]]:
+    """{ClassName: {field: docstring}} from the string literal placed under each dataclass field."""
+    tree = ast.parse(inspect.getsource(schema))
+    docs: dict[str, dict[str, str]] = {}
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        entries, body = {}, node.body
+        for stmt, nxt in zip(body, body[1:] + [None]):
+            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr)
+                    and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+                entries[stmt.target.id] = " ".join(nxt.value.value.split())
+        docs[node.name] = entries
+    return docs
+
+
+def _options(group: str) -> str:
+    return ", ".join(sorted(p.stem for p in (RECIPES_DIR / group).glob("*.yaml")))
+
+
+def help_text() -> str:
+    docs = field_docs()
+    lines = [USAGE, f"recipes:  {_options('recipe')}", f"clusters: {_options('cluster')}",
+             f"models:   {_options('model')}", f"data:     {_options('data')}",
+             f"experiments (+experiment=): {_options('experiment')}", ""]
+    root = schema.JobConfig
+    for f in dataclasses.fields(root):
+        if f.name in schema.SECTIONS:
+            continue
+        lines.append(f"  {f.name:<38} {docs[root.__name__].get(f.name, '')}")
+    for section, cls in schema.SECTIONS.items():
+        lines.append(f"\n{section}: {cls.__doc__}")
+        for f in dataclasses.fields(cls):
+            lines.append(f"  {section + '.' + f.name:<38} {docs[cls.__name__].get(f.name, '')}")
+    return "\n".join(lines) + "\n"

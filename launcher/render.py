@@ -1,0 +1,191 @@
+"""Render a validated job into a run bundle: a new directory holding everything needed to run it.
+
+    <output_dir>/<name>-<UTC stamp>/
+        config.yaml   resolved, typed config (the rank entry reads this)
+        job.sbatch    Slurm batch script: srun starts launch.sh once per node
+        launch.sh     the torchrun command for one node
+        env.sh        environment from the cluster profile (never secrets)
+        meta.json     launcher git SHA, time, command line
+        plan.json     the planner's prediction (when available)
+        logs/         Slurm / local logs
+
+The bundle is assembled in a hidden temporary directory and renamed into place, so an interrupted render
+never leaves a half-written bundle; an existing bundle is never overwritten. Every value that reaches a
+shell script goes through shlex.quote (the ``q`` filter). Login-node code: no torch.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
+
+from launcher import ROOT
+from launcher.config import job_to_yaml
+from launcher.schema import JobConfig
+
+TEMPLATES = ROOT / "slurm"
+MASTER_PORT = 29500
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """A rendered run bundle on disk."""
+
+    path: Path
+
+    @property
+    def sbatch(self) -> Path:
+        return self.path / "job.sbatch"
+
+    @property
+    def launch(self) -> Path:
+        return self.path / "launch.sh"
+
+    @property
+    def config(self) -> Path:
+        return self.path / "config.yaml"
+
+
+def _environment() -> Environment:
+    env = Environment(loader=FileSystemLoader(str(TEMPLATES)), undefined=StrictUndefined,
+                      keep_trailing_newline=True, autoescape=False)
+    env.filters["q"] = lambda value: shlex.quote(str(value))
+    return env
+
+
+def template_context(job: JobConfig, bundle_dir: Path) -> dict:
+    """Everything the templates interpolate, derived from the job (no I/O)."""
+    cluster, slurm = job.cluster, job.slurm
+    is_gpu = cluster.gpu != "cpu"
+    return {
+        "name": job.name,
+        "job_name": slurm.job_name or job.name,
+        "nodes": job.nodes,
+        "gpus_per_node": cluster.gpus_per_node,
+        "gpus_per_node_directive": is_gpu,
+        "nproc_per_node": cluster.gpus_per_node,
+        "time": slurm.time,
+        "partition": cluster.partition,
+        "account": cluster.account,
+        "exclusive": slurm.exclusive,
+        "requeue": slurm.requeue,
+        "signal_lead_s": slurm.signal_lead_s,
+        "extra_args": list(slurm.extra_args),
+        "bundle": str(bundle_dir),
+        "workdir": cluster.workdir or str(ROOT),
+        "python": cluster.python if cluster.launcher == "slurm" else (cluster.python if cluster.python != "python" else sys.executable),
+        "container_image": cluster.container_image,
+        "container_mounts": ",".join(cluster.container_mounts),
+        "master_port": MASTER_PORT,
+        "rendezvous": "c10d" if cluster.launcher == "slurm" else "standalone",
+        "env": sorted((str(k), str(v)) for k, v in cluster.env.items()),
+        "secret_names": list(cluster.secret_env),
+    }
+
+
+def render_texts(job: JobConfig, bundle_dir: Path) -> dict[str, str]:
+    """The bundle's text files, keyed by file name (pure: used by the golden-file tests)."""
+    env, ctx = _environment(), template_context(job, bundle_dir)
+    return {
+        "config.yaml": job_to_yaml(job),
+        "job.sbatch": env.get_template("job.sbatch.j2").render(**ctx),
+        "launch.sh": env.get_template("launch.sh.j2").render(**ctx),
+        "env.sh": env.get_template("env.sh.j2").render(**ctx),
+    }
+
+
+def git_revision() -> dict:
+    """The launcher checkout's commit and whether it has uncommitted changes (for reproducibility)."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    return {"git_sha": git("rev-parse", "HEAD") or "unknown", "git_dirty": bool(git("status", "--porcelain"))}
+
+
+def new_bundle_dir(job: JobConfig, now: _dt.datetime | None = None) -> Path:
+    """A fresh, not yet existing bundle path: <output_dir>/<name>-<UTC stamp>[-n]."""
+    base = Path(job.output_dir)
+    if not base.is_absolute():
+        base = Path.cwd() / base
+    stamp = (now or _dt.datetime.now(_dt.timezone.utc)).strftime("%Y%m%d-%H%M%S")
+    candidate, n = base / f"{job.name}-{stamp}", 1
+    while candidate.exists():
+        n += 1
+        candidate = base / f"{job.name}-{stamp}-{n}"
+    return candidate
+
+
+def write_bundle(job: JobConfig, *, argv: list[str], plan: dict | None = None,
+                 bundle_dir: Path | None = None) -> Bundle:
+    """Render and write the bundle atomically (temp dir + rename); never overwrites an existing one."""
+    final = (bundle_dir or new_bundle_dir(job)).resolve()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    texts = render_texts(job, final)
+    meta = {"created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "argv": argv, "name": job.name, **git_revision()}
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        for name, text in texts.items():
+            (tmp / name).write_text(text)
+        for script in ("job.sbatch", "launch.sh"):
+            os.chmod(tmp / script, 0o755)
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        if plan is not None:
+            (tmp / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
+        (tmp / "logs").mkdir()
+        os.chmod(tmp, 0o755)
+        os.rename(tmp, final)  # atomic; fails rather than overwrite if final appeared meanwhile
+    except BaseException:
+        _remove_tree(tmp)
+        raise
+    return Bundle(final)
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write a file by writing a temporary sibling and renaming it over the target."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def cross_check(job: JobConfig, texts: dict[str, str]) -> list[str]:
+    """Re-read the rendered scripts and confirm they launch exactly the ranks the parallel layout needs."""
+    import re
+
+    def find(pattern: str, text: str) -> int | None:
+        m = re.search(pattern, text, re.MULTILINE)
+        return int(m.group(1)) if m else None
+
+    p = job.parallel
+    nodes = find(r"^#SBATCH --nodes=(\d+)$", texts["job.sbatch"])
+    nproc = find(r"--nproc-per-node=(\d+)", texts["launch.sh"])
+    tnodes = find(r"--nnodes=(\d+)", texts["launch.sh"])
+    issues = []
+    if nodes != job.nodes or tnodes != job.nodes:
+        issues.append(f"rendered node counts (sbatch {nodes}, torchrun {tnodes}) differ from nodes={job.nodes}")
+    world = (nodes or 0) * (nproc or 0)
+    model_parallel = p.tensor * p.pipeline * p.context
+    if not world or world % model_parallel or (p.data is not None and world // model_parallel != p.data):
+        issues.append(f"rendered world size {world} does not fit TP x PP x CP = {model_parallel}")
+    return issues

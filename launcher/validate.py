@@ -1,0 +1,499 @@
+"""Validate a composed job, section by section, before anything is written or submitted.
+
+Each check returns Problems (field, value, rule, alternative); ``validate`` runs them all so that every
+failure is reported at once. The rules mirror Megatron-Core's own asserts (parallel_state, TransformerConfig,
+the pipeline schedules) so that a job that passes here does not die at step 0 on 512 GPUs.
+
+Login-node code: no torch, no megatron.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable, Iterable
+
+from launcher.problems import Problem
+from launcher.schema import (CheckpointConfig, ClusterConfig, DataConfig, JobConfig, LoggingConfig,
+                             ModelConfig, ParallelConfig, PrecisionConfig, ScheduleConfig, SlurmConfig,
+                             TrainConfig)
+
+ACTIONS = ("default", "render", "submit", "run", "plan", "search", "validate")
+HOPPER_OR_NEWER = ("H100", "H200", "GH200", "B200", "GB200")
+BLACKWELL = ("B200", "GB200")
+SECRET_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.IGNORECASE)
+
+
+class _Checks:
+    """Collects problems; ``need(cond, ...)`` records one when cond is false."""
+
+    def __init__(self) -> None:
+        self.problems: list[Problem] = []
+
+    def need(self, cond: bool, field: str, value, rule: str, hint: str, severity: str = "error") -> bool:
+        if not cond:
+            self.problems.append(Problem(field, value, rule, hint, severity))
+        return bool(cond)
+
+    def one_of(self, field: str, value, allowed: Iterable) -> bool:
+        allowed = tuple(allowed)
+        return self.need(value in allowed, field, value, f"must be one of {', '.join(map(str, allowed))}",
+                         f"{field}={allowed[0]}")
+
+    def positive(self, field: str, value) -> bool:
+        return self.need(value is not None and value >= 1, field, value, "must be a positive integer",
+                         f"{field}=1")
+
+
+def data_parallel_size(parallel: ParallelConfig, world_size: int) -> int:
+    """DP = world / (TP x PP x CP); 0 when it does not divide."""
+    model_parallel = parallel.tensor * parallel.pipeline * parallel.context
+    return world_size // model_parallel if model_parallel and world_size % model_parallel == 0 else 0
+
+
+def world_size(job: JobConfig) -> int:
+    """Total ranks: nodes x GPUs (or CPU processes) per node."""
+    return job.nodes * job.cluster.gpus_per_node
+
+
+def num_microbatches(job: JobConfig) -> int:
+    """Microbatches per step per pipeline: global batch / (micro batch x DP)."""
+    dp = data_parallel_size(job.parallel, world_size(job))
+    denom = job.train.micro_batch_size * dp
+    return job.train.global_batch_size // denom if denom else 0
+
+
+def uses_transformer_engine(precision: PrecisionConfig, cluster: ClusterConfig) -> bool:
+    """TE is used when requested, or on 'auto' whenever the cluster has GPUs."""
+    if precision.transformer_engine == "auto":
+        return cluster.gpu != "cpu"
+    return precision.transformer_engine == "true"
+
+
+# ------------------------------------------------------------------------------------------------ model
+def validate_model(model: ModelConfig) -> list[Problem]:
+    c = _Checks()
+    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size",
+                 "seq_length"):
+        c.positive(f"model.{name}", getattr(model, name))
+    c.one_of("model.normalization", model.normalization, ("RMSNorm", "LayerNorm"))
+    c.one_of("model.activation", model.activation, ("swiglu", "gelu", "squared_relu"))
+    c.one_of("model.position_embedding", model.position_embedding, ("rope", "learned_absolute", "none"))
+    heads = model.num_attention_heads or 1
+    if model.kv_channels is None and not model.multi_latent_attention and model.hidden_size:
+        c.need(model.hidden_size % heads == 0, "model.num_attention_heads", heads,
+               f"must divide hidden_size={model.hidden_size} (or set model.kv_channels)",
+               f"model.kv_channels={max(1, model.hidden_size // heads)}")
+    if model.num_query_groups is not None:
+        c.need(model.num_query_groups >= 1 and heads % model.num_query_groups == 0,
+               "model.num_query_groups", model.num_query_groups,
+               f"must divide num_attention_heads={heads}", f"model.num_query_groups={_divisor_near(heads, 8)}")
+    max_pos = model.max_position_embeddings
+    if max_pos is not None:
+        c.need(model.seq_length <= max_pos, "model.seq_length", model.seq_length,
+               f"must not exceed max_position_embeddings={max_pos}", f"model.seq_length={max_pos}")
+    c.need(0.0 < model.rotary_percent <= 1.0, "model.rotary_percent", model.rotary_percent,
+           "must be in (0, 1]", "model.rotary_percent=1.0")
+    c.need(0.0 <= model.attention_dropout < 1.0 and 0.0 <= model.hidden_dropout < 1.0,
+           "model.hidden_dropout", model.hidden_dropout, "dropouts must be in [0, 1)", "model.hidden_dropout=0.0")
+    c.need(model.mtp_num_layers >= 0, "model.mtp_num_layers", model.mtp_num_layers, "must be >= 0",
+           "model.mtp_num_layers=0")
+    if model.num_experts is not None:
+        _validate_moe(c, model)
+    if model.multi_latent_attention:
+        c.need(model.position_embedding == "rope", "model.position_embedding", model.position_embedding,
+               "multi-latent attention uses decoupled RoPE", "model.position_embedding=rope")
+    return c.problems
+
+
+def _validate_moe(c: _Checks, model: ModelConfig) -> None:
+    if not c.positive("model.num_experts", model.num_experts):
+        return
+    c.need(1 <= model.moe_router_topk <= model.num_experts, "model.moe_router_topk", model.moe_router_topk,
+           f"must be between 1 and num_experts={model.num_experts}", "model.moe_router_topk=2")
+    c.one_of("model.moe_router_load_balancing_type", model.moe_router_load_balancing_type,
+             ("aux_loss", "seq_aux_loss", "sinkhorn", "none"))
+    c.one_of("model.moe_router_score_function", model.moe_router_score_function, ("softmax", "sigmoid"))
+    c.one_of("model.moe_token_dispatcher_type", model.moe_token_dispatcher_type, ("alltoall", "allgather"))
+    c.need(0 <= model.moe_first_k_dense < model.num_layers, "model.moe_first_k_dense", model.moe_first_k_dense,
+           f"must leave at least one MoE layer of num_layers={model.num_layers}", "model.moe_first_k_dense=0")
+    c.positive("model.moe_layer_freq", model.moe_layer_freq)
+
+
+# --------------------------------------------------------------------------------------------- parallel
+def validate_parallel(job: JobConfig) -> list[Problem]:
+    c = _Checks()
+    p, model, cluster = job.parallel, job.model, job.cluster
+    sizes_ok = all([c.positive(f"parallel.{n}", getattr(p, n)) for n in ("tensor", "pipeline", "context", "expert")])
+    if not sizes_ok:
+        return c.problems
+    world = world_size(job)
+    mp = p.tensor * p.pipeline * p.context
+    if c.need(world % mp == 0, "parallel.tensor", p.tensor,
+              f"TP x PP x CP = {p.tensor}x{p.pipeline}x{p.context} = {mp} must divide the world size "
+              f"{job.nodes} nodes x {cluster.gpus_per_node} = {world}",
+              f"nodes={_round_up(world, mp) // cluster.gpus_per_node or 1} or parallel.pipeline={_divisor_near(world // max(1, p.tensor * p.context), p.pipeline)}"):
+        dp = world // mp
+        if p.data is not None:
+            c.need(p.data == dp, "parallel.data", p.data,
+                   f"is derived: world {world} / (TP x PP x CP = {mp}) = {dp}", f"parallel.data={dp} (or null)")
+    c.need(p.tensor <= cluster.gpus_per_node, "parallel.tensor", p.tensor,
+           f"tensor parallelism must stay inside one node ({cluster.gpus_per_node} GPUs per node)",
+           f"parallel.tensor={cluster.gpus_per_node}")
+    c.need(model.num_attention_heads % p.tensor == 0, "parallel.tensor", p.tensor,
+           f"must divide model.num_attention_heads={model.num_attention_heads}",
+           f"parallel.tensor={_divisor_near(model.num_attention_heads, p.tensor)}")
+    groups = model.num_query_groups or model.num_attention_heads
+    c.need(groups % p.tensor == 0, "parallel.tensor", p.tensor,
+           f"must divide the query groups (GQA kv heads) model.num_query_groups={groups}",
+           f"parallel.tensor={_divisor_near(groups, p.tensor)}")
+    _validate_layer_split(c, p, model)
+    if p.context > 1:
+        c.need(model.seq_length % (2 * p.context) == 0, "parallel.context", p.context,
+               f"model.seq_length={model.seq_length} must be divisible by 2 x CP (load-balanced causal split)",
+               f"parallel.context={_divisor_near(model.seq_length // 2, p.context)}")
+        c.need(uses_transformer_engine(job.precision, cluster), "parallel.context", p.context,
+               "context parallelism needs Transformer Engine attention (GPU only)", "parallel.context=1")
+    _validate_experts(c, p, model, world)
+    if p.sequence_parallel and p.tensor == 1:
+        c.need(False, "parallel.sequence_parallel", True, "has no effect with parallel.tensor=1 (Megatron turns it off)",
+               "parallel.sequence_parallel=false", severity="warning")
+    c.need(p.first_stage_layers is None and p.last_stage_layers is None or p.pipeline > 1,
+           "parallel.first_stage_layers", p.first_stage_layers, "an uneven split needs parallel.pipeline > 1",
+           "parallel.first_stage_layers=null")
+    return c.problems
+
+
+def _validate_layer_split(c: _Checks, p: ParallelConfig, model: ModelConfig) -> None:
+    vp = p.virtual_pipeline or 1
+    if not c.positive("parallel.virtual_pipeline", vp):
+        return
+    c.need(vp == 1 or p.pipeline > 1, "parallel.virtual_pipeline", vp,
+           "virtual pipeline stages need parallel.pipeline > 1", "parallel.virtual_pipeline=null")
+    layers = model.num_layers
+    first, last = p.first_stage_layers, p.last_stage_layers
+    if first is None and last is None:
+        chunks = p.pipeline * vp
+        c.need(layers % chunks == 0, "model.num_layers", layers,
+               f"must be divisible by PP x VPP = {p.pipeline}x{vp} = {chunks} "
+               "(or set parallel.first_stage_layers/last_stage_layers for an uneven split)",
+               f"parallel.pipeline={_divisor_near(layers, p.pipeline)}")
+        return
+    middle_stages = p.pipeline - (first is not None) - (last is not None)
+    rest = layers - (first or 0) - (last or 0)
+    for name, value in (("first_stage_layers", first), ("last_stage_layers", last)):
+        if value is not None:
+            c.need(value >= 1 and value % vp == 0, f"parallel.{name}", value,
+                   f"must be a positive multiple of the virtual pipeline size {vp}", f"parallel.{name}={vp}")
+    if middle_stages <= 0:
+        c.need(rest == 0, "parallel.first_stage_layers", first,
+               f"first + last stage layers must equal model.num_layers={layers}", f"parallel.last_stage_layers={layers - (first or 0)}")
+        return
+    c.need(rest > 0 and rest % (middle_stages * vp) == 0, "parallel.first_stage_layers", first,
+           f"the remaining {rest} layers must split evenly over {middle_stages} middle stages x VPP {vp}",
+           "parallel.first_stage_layers=null and parallel.last_stage_layers=null")
+
+
+def _validate_experts(c: _Checks, p: ParallelConfig, model: ModelConfig, world: int) -> None:
+    if model.num_experts is None:
+        c.need(p.expert == 1, "parallel.expert", p.expert, "expert parallelism needs an MoE model (model.num_experts)",
+               "parallel.expert=1")
+        return
+    c.need(model.num_experts % p.expert == 0, "parallel.expert", p.expert,
+           f"must divide model.num_experts={model.num_experts}", f"parallel.expert={_divisor_near(model.num_experts, p.expert)}")
+    etp = p.expert_tensor or p.tensor
+    per_stage = world // p.pipeline if p.pipeline else 0
+    c.need(per_stage and per_stage % (etp * p.expert) == 0, "parallel.expert", p.expert,
+           f"ETP x EP = {etp}x{p.expert} must divide the ranks per pipeline stage ({per_stage})",
+           "parallel.expert=1")
+    c.need(p.tensor == 1 or p.sequence_parallel, "parallel.sequence_parallel", p.sequence_parallel,
+           "MoE with tensor parallelism requires sequence parallelism", "parallel.sequence_parallel=true")
+
+
+# --------------------------------------------------------------------------------------------- schedule
+def validate_schedule(job: JobConfig) -> list[Problem]:
+    c = _Checks()
+    s, p = job.schedule, job.parallel
+    if not c.one_of("schedule.kind", s.kind, ("1f1b", "interleaved", "zb_h1")):
+        return c.problems
+    vp = p.virtual_pipeline or 1
+    if s.kind == "interleaved":
+        c.need(vp > 1 and p.pipeline > 1, "schedule.kind", s.kind,
+               "interleaved needs parallel.pipeline > 1 and parallel.virtual_pipeline > 1",
+               "parallel.virtual_pipeline=2 (or schedule.kind=1f1b)")
+        c.need(not (p.pipeline == 2 and s.batch_p2p_comm and not s.overlap_p2p_comm), "schedule.batch_p2p_comm",
+               s.batch_p2p_comm, "interleaved with PP=2 and batched p2p trains silently wrong (Megatron-LM #750, #1450)",
+               "schedule.batch_p2p_comm=false or schedule.overlap_p2p_comm=true")
+        m, group = num_microbatches(job), s.microbatch_group_size or p.pipeline
+        if m:
+            c.need(m % group == 0, "train.global_batch_size", job.train.global_batch_size,
+                   f"interleaved needs microbatches per step ({m}) divisible by the microbatch group size ({group})",
+                   f"train.global_batch_size={_round_up(m, group) * job.train.global_batch_size // m}")
+    else:
+        c.need(vp == 1, "parallel.virtual_pipeline", p.virtual_pipeline,
+               f"virtual pipeline stages need schedule.kind=interleaved (got {s.kind})", "schedule.kind=interleaved")
+        c.need(not s.overlap_p2p_comm, "schedule.overlap_p2p_comm", True,
+               "p2p overlap is implemented only for the interleaved schedule", "schedule.overlap_p2p_comm=false")
+    if s.microbatch_group_size is not None:
+        c.need(s.microbatch_group_size >= p.pipeline, "schedule.microbatch_group_size", s.microbatch_group_size,
+               f"must be at least parallel.pipeline={p.pipeline}", f"schedule.microbatch_group_size={p.pipeline}")
+    m = num_microbatches(job)
+    if p.pipeline > 1 and m:
+        c.need(m >= p.pipeline, "train.global_batch_size", job.train.global_batch_size,
+               f"only {m} microbatches for {p.pipeline} pipeline stages: the pipeline never fills (bubble > 50%)",
+               f"train.global_batch_size={p.pipeline * job.train.global_batch_size // m}", severity="warning")
+    return c.problems
+
+
+# -------------------------------------------------------------------------------------------- precision
+def validate_precision(job: JobConfig) -> list[Problem]:
+    c = _Checks()
+    pr, cluster = job.precision, job.cluster
+    c.one_of("precision.dtype", pr.dtype, ("bf16", "fp16", "fp32"))
+    c.one_of("precision.transformer_engine", pr.transformer_engine, ("auto", "true", "false"))
+    te = uses_transformer_engine(pr, cluster)
+    c.need(not (te and cluster.gpu == "cpu"), "precision.transformer_engine", pr.transformer_engine,
+           "Transformer Engine needs a GPU (this cluster profile is cpu)", "precision.transformer_engine=false")
+    if pr.fp8 is not None:
+        if c.one_of("precision.fp8", pr.fp8, ("delayed", "tensorwise", "blockwise", "mxfp8")):
+            needs = BLACKWELL if pr.fp8 == "mxfp8" else HOPPER_OR_NEWER
+            generation = "Blackwell (B200)" if pr.fp8 == "mxfp8" else "Hopper or newer (H100/H200/B200)"
+            c.need(cluster.gpu in needs, "precision.fp8", pr.fp8,
+                   f"this FP8 recipe needs {generation}; cluster.gpu is {cluster.gpu}",
+                   "precision.fp8=null" if cluster.gpu not in HOPPER_OR_NEWER else "precision.fp8=delayed")
+        c.need(te, "precision.fp8", pr.fp8, "FP8 needs Transformer Engine layers",
+               "precision.fp8=null or precision.transformer_engine=auto on a GPU cluster")
+        c.need(pr.dtype in ("bf16", "fp16"), "precision.dtype", pr.dtype, "FP8 training runs on a bf16/fp16 model",
+               "precision.dtype=bf16")
+        c.one_of("precision.fp8_format", pr.fp8_format, ("hybrid", "e4m3"))
+        c.one_of("precision.fp8_amax_compute_algo", pr.fp8_amax_compute_algo, ("max", "most_recent"))
+    c.need(not pr.fp8_param or pr.fp8 is not None, "precision.fp8_param", pr.fp8_param,
+           "FP8 parameters need an FP8 recipe", "precision.fp8=delayed or precision.fp8_param=false")
+    return c.problems
+
+
+# ------------------------------------------------------------------------------------------------ train
+def validate_train(job: JobConfig) -> list[Problem]:
+    c = _Checks()
+    t = job.train
+    c.positive("train.micro_batch_size", t.micro_batch_size)
+    c.positive("train.global_batch_size", t.global_batch_size)
+    dp = data_parallel_size(job.parallel, world_size(job))
+    if dp and t.micro_batch_size >= 1:
+        unit = t.micro_batch_size * dp
+        c.need(t.global_batch_size % unit == 0, "train.global_batch_size", t.global_batch_size,
+               f"must be divisible by micro_batch_size x DP = {t.micro_batch_size}x{dp} = {unit}",
+               f"train.global_batch_size={_round_up(max(t.global_batch_size, unit), unit)}")
+    c.need((t.train_steps is None) != (t.train_tokens is None), "train.train_steps", t.train_steps,
+           "set exactly one of train.train_steps and train.train_tokens", "train.train_tokens=null")
+    if t.train_steps is not None:
+        c.positive("train.train_steps", t.train_steps)
+        c.need(t.warmup_steps < t.train_steps or t.train_steps < 1, "train.warmup_steps", t.warmup_steps,
+               f"must be shorter than train.train_steps={t.train_steps}", f"train.warmup_steps={t.train_steps // 10}")
+    if t.train_tokens is not None:
+        c.positive("train.train_tokens", t.train_tokens)
+    c.need(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "must be >= 0", "train.warmup_steps=0")
+    c.need(t.lr > 0, "train.lr", t.lr, "must be positive", "train.lr=3e-4")
+    c.need(0 <= t.min_lr <= t.lr, "train.min_lr", t.min_lr, f"must be in [0, train.lr={t.lr}]", f"train.min_lr={t.lr / 10:g}")
+    c.one_of("train.lr_schedule", t.lr_schedule, ("cosine", "linear", "constant", "wsd"))
+    c.need(t.clip_grad >= 0, "train.clip_grad", t.clip_grad, "must be >= 0 (0 disables clipping)", "train.clip_grad=1.0")
+    c.need(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0", "train.weight_decay=0.1")
+    c.need(0 <= t.adam_beta1 < 1 and 0 <= t.adam_beta2 < 1, "train.adam_beta2", t.adam_beta2,
+           "Adam betas must be in [0, 1)", "train.adam_beta2=0.95")
+    c.one_of("train.recompute", t.recompute, ("none", "selective", "full"))
+    if t.eval_interval:
+        c.positive("train.eval_iters", t.eval_iters)
+    c.need(t.eval_interval >= 0, "train.eval_interval", t.eval_interval, "must be >= 0 (0 disables)", "train.eval_interval=0")
+    if t.wsd_decay_steps is not None and t.train_steps is not None:
+        c.need(0 < t.wsd_decay_steps <= t.train_steps, "train.wsd_decay_steps", t.wsd_decay_steps,
+               f"must be in (0, train.train_steps={t.train_steps}]", f"train.wsd_decay_steps={max(1, t.train_steps // 10)}")
+    return c.problems
+
+
+# ------------------------------------------------------------------------------------------------- data
+def validate_data(data: DataConfig) -> list[Problem]:
+    c = _Checks()
+    if not c.one_of("data.kind", data.kind, ("indexed", "mock")):
+        return c.problems
+    parts = [s.strip() for s in str(data.split).split(",")]
+    c.need(len(parts) == 3 and all(_is_number(s) and float(s) >= 0 for s in parts) and any(float(s) > 0 for s in parts if _is_number(s)),
+           "data.split", data.split, "must be three non-negative weights train,valid,test", "data.split=969,30,1")
+    if data.kind == "indexed":
+        c.need(len(data.blend) > 0, "data.blend", list(data.blend), "indexed data needs at least one dataset prefix",
+               "data.blend=[path/to/prefix] or data=mock")
+        c.need(bool(data.tokenizer), "data.tokenizer", data.tokenizer, "indexed data needs a tokenizer.json path",
+               "data.tokenizer=data/assets/tokenizer.json")
+        problem = blend_structure_problem(list(data.blend))
+        if problem:
+            c.problems.append(problem)
+    c.need(data.num_workers >= 0, "data.num_workers", data.num_workers, "must be >= 0", "data.num_workers=1")
+    return c.problems
+
+
+def parse_blend(blend: list) -> list[tuple[float, str]]:
+    """[w, p, w, p] or [p, p] -> [(weight, prefix)]; raises ValueError on a malformed list."""
+    if all(isinstance(x, str) and not _is_number(x) for x in blend):
+        return [(1.0, str(x)) for x in blend]
+    if len(blend) % 2:
+        raise ValueError("odd length")
+    pairs = []
+    for weight, prefix in zip(blend[0::2], blend[1::2]):
+        if not _is_number(weight) or _is_number(prefix):
+            raise ValueError("expected weight, prefix pairs")
+        pairs.append((float(weight), str(prefix)))
+    return pairs
+
+
+def blend_structure_problem(blend: list) -> Problem | None:
+    try:
+        pairs = parse_blend(blend)
+    except ValueError:
+        return Problem("data.blend", blend, "must be [prefix, ...] or [weight, prefix, weight, prefix, ...]",
+                       "data.blend=[0.3,path/a,0.7,path/b]")
+    bad = [w for w, _ in pairs if w <= 0]
+    if bad:
+        return Problem("data.blend", blend, f"weights must be positive (got {bad[0]:g})",
+                       "remove the dataset from the blend or give it a positive weight")
+    return None
+
+
+# ---------------------------------------------------------------------------------------- run, cluster
+def validate_checkpoint(ckpt: CheckpointConfig) -> list[Problem]:
+    c = _Checks()
+    c.need(ckpt.save_interval >= 0, "checkpoint.save_interval", ckpt.save_interval, "must be >= 0 (0: only at the end)",
+           "checkpoint.save_interval=1000")
+    c.one_of("checkpoint.format", ckpt.format, ("torch_dist",))
+    if ckpt.keep_last is not None:
+        c.positive("checkpoint.keep_last", ckpt.keep_last)
+    return c.problems
+
+
+def validate_logging(logging: LoggingConfig) -> list[Problem]:
+    c = _Checks()
+    c.positive("logging.log_interval", logging.log_interval)
+    c.one_of("logging.wandb_mode", logging.wandb_mode, ("offline", "online", "disabled"))
+    return c.problems
+
+
+def validate_cluster(job: JobConfig) -> list[Problem]:
+    c = _Checks()
+    cl = job.cluster
+    c.one_of("cluster.launcher", cl.launcher, ("slurm", "local"))
+    c.one_of("cluster.backend", cl.backend, ("nccl", "gloo"))
+    c.one_of("cluster.gpu", cl.gpu, ("H100", "H200", "GH200", "B200", "GB200", "A100", "cpu"))
+    c.positive("cluster.gpus_per_node", cl.gpus_per_node)
+    c.need(not (cl.gpu == "cpu" and cl.backend == "nccl"), "cluster.backend", cl.backend,
+           "NCCL needs GPUs; a cpu cluster uses gloo", "cluster.backend=gloo")
+    c.need(cl.launcher != "local" or job.nodes == 1, "nodes", job.nodes,
+           "a local cluster runs on this one machine", "nodes=1 (or cluster=h200 to submit with Slurm)")
+    for name, value in cl.env.items():
+        c.need(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(name)) is not None, f"cluster.env.{name}", value,
+               "environment variable names are letters, digits and _", "cluster.env.MY_VAR=value")
+        c.need(not SECRET_NAME.search(str(name)), f"cluster.env.{name}", "<redacted>",
+               "secrets are never written into a run bundle", f"export {name} in your shell and add it to cluster.secret_env")
+    for name in cl.secret_env:
+        c.need(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(name)) is not None, "cluster.secret_env", name,
+               "must list environment variable names", "cluster.secret_env=[WANDB_API_KEY]")
+    for mount in cl.container_mounts:
+        c.need(":" in str(mount) and all(str(mount).split(":")[:2]), "cluster.container_mounts", mount,
+               "each mount is src:dst", "cluster.container_mounts=[/lustre:/lustre]")
+    if cl.container_image:
+        _validate_paths_in_mounts(c, job)
+    return c.problems
+
+
+def _validate_paths_in_mounts(c: _Checks, job: JobConfig) -> None:
+    """With a container, every path the job reads or writes must be visible inside it (under a mount dst)."""
+    dsts = [str(m).split(":")[1].rstrip("/") for m in job.cluster.container_mounts if ":" in str(m)]
+    paths: list[tuple[str, str]] = [("output_dir", job.output_dir)]
+    if job.checkpoint.dir:
+        paths.append(("checkpoint.dir", job.checkpoint.dir))
+    if job.data.kind == "indexed":
+        if job.data.tokenizer:
+            paths.append(("data.tokenizer", job.data.tokenizer))
+        try:
+            paths += [("data.blend", prefix) for _, prefix in parse_blend(list(job.data.blend))]
+        except ValueError:
+            pass
+    if job.data.cache_dir:
+        paths.append(("data.cache_dir", job.data.cache_dir))
+    for field, path in paths:
+        c.need(path.startswith("/") and any(path == d or path.startswith(d + "/") for d in dsts), field, path,
+               f"must be an absolute path inside a container mount ({', '.join(dsts) or 'none'})",
+               f"cluster.container_mounts=[{path.rsplit('/', 1)[0] or '/'}:{path.rsplit('/', 1)[0] or '/'}]")
+
+
+def validate_slurm(job: JobConfig) -> list[Problem]:
+    c = _Checks()
+    s = job.slurm
+    seconds = _slurm_seconds(s.time)
+    c.need(seconds is not None, "slurm.time", s.time, "must be [D-]HH:MM:SS", "slurm.time=04:00:00")
+    if seconds is not None:
+        c.need(0 <= s.signal_lead_s < seconds, "slurm.signal_lead_s", s.signal_lead_s,
+               f"must be shorter than the time limit ({seconds} s)", "slurm.signal_lead_s=300")
+    for arg in s.extra_args:
+        c.need(str(arg).startswith("--") and "\n" not in str(arg), "slurm.extra_args", arg,
+               "each entry is one long sbatch option", "slurm.extra_args=[--qos=high]")
+    return c.problems
+
+
+def validate_job(job: JobConfig) -> list[Problem]:
+    c = _Checks()
+    c.one_of("action", job.action, ACTIONS)
+    c.positive("nodes", job.nodes)
+    c.need(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", job.name or "") is not None, "name", job.name,
+           "run names are letters, digits, '.', '_' and '-'", "name=my_run")
+    return c.problems
+
+
+SECTION_CHECKS: tuple[Callable[[JobConfig], list[Problem]], ...] = (
+    validate_job,
+    lambda j: validate_model(j.model),
+    validate_cluster,
+    validate_parallel,
+    validate_schedule,
+    validate_precision,
+    validate_train,
+    lambda j: validate_data(j.data),
+    lambda j: validate_checkpoint(j.checkpoint),
+    lambda j: validate_logging(j.logging),
+    validate_slurm,
+)
+
+
+def validate(job: JobConfig) -> list[Problem]:
+    """Every problem of every section (errors and warnings), in section order."""
+    problems: list[Problem] = []
+    for check in SECTION_CHECKS:
+        problems.extend(check(job))
+    return problems
+
+
+# -------------------------------------------------------------------------------------------- helpers
+def _divisor_near(n: int, want: int) -> int:
+    """The divisor of n closest to want (ties go lower): a valid value to suggest."""
+    n = max(1, int(n))
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    return min(divisors, key=lambda d: (abs(d - want), d))
+
+
+def _round_up(x: int, unit: int) -> int:
+    return -(-x // unit) * unit if unit else x
+
+
+def _is_number(x) -> bool:
+    if isinstance(x, bool):
+        return False
+    if isinstance(x, (int, float)):
+        return True
+    try:
+        float(str(x))
+        return True
+    except ValueError:
+        return False
+
+
+def _slurm_seconds(text: str) -> int | None:
+    m = re.fullmatch(r"(?:(\d+)-)?(\d{1,2}):(\d{2}):(\d{2})", str(text))
+    if not m:
+        return None
+    days, h, mi, s = (int(g or 0) for g in m.groups())
+    return ((days * 24 + h) * 60 + mi) * 60 + s
