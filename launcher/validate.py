@@ -19,6 +19,8 @@ from launcher.schema import (CheckpointConfig, ClusterConfig, DataConfig, JobCon
 ACTIONS = ("default", "render", "submit", "run", "plan", "search", "validate")
 HOPPER_OR_NEWER = ("H100", "H200", "GH200", "B200", "GB200")
 BLACKWELL = ("B200", "GB200")
+SBATCH_WORD = re.compile(r"[A-Za-z0-9_.,-]+")
+SBATCH_PATH = re.compile(r"[A-Za-z0-9_./+:@=-]+")
 SECRET_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.IGNORECASE)
 
 
@@ -429,6 +431,16 @@ def validate_slurm(job: JobConfig) -> list[Problem]:
     if seconds is not None:
         c.need(0 <= s.signal_lead_s < seconds, "slurm.signal_lead_s", s.signal_lead_s,
                f"must be shorter than the time limit ({seconds} s)", "slurm.signal_lead_s=300")
+    # #SBATCH lines are read by sbatch, not by a shell, so quoting cannot protect them: restrict their values.
+    for name, value in (("cluster.partition", job.cluster.partition), ("cluster.account", job.cluster.account),
+                        ("slurm.job_name", s.job_name)):
+        if value is not None:
+            c.need(SBATCH_WORD.fullmatch(str(value)) is not None, name, value,
+                   "Slurm names are letters, digits, '.', ',', '_' and '-'", f"{name}=batch")
+    if job.cluster.launcher == "slurm":
+        c.need(SBATCH_PATH.fullmatch(job.output_dir) is not None, "output_dir", job.output_dir,
+               "the bundle path appears in #SBATCH --output: no spaces, quotes, '%' or shell characters",
+               "output_dir=/lustre/$USER/runs (spelled out)")
     for arg in s.extra_args:
         c.need(str(arg).startswith("--") and "\n" not in str(arg), "slurm.extra_args", arg,
                "each entry is one long sbatch option", "slurm.extra_args=[--qos=high]")

@@ -1,0 +1,121 @@
+"""Distributed checkpoints (megatron.core.dist_checkpointing) with crash-safe publication.
+
+Layout under the checkpoint dir::
+
+    iter_0000010/        a complete checkpoint (model, optimizer, scheduler, step, RNG, data position)
+    latest               text file: the name of the newest complete checkpoint
+
+A save writes into ``iter_XXXXXXX.tmp``, renames it to ``iter_XXXXXXX`` once every rank has finished, then
+replaces ``latest`` atomically (write ``latest.tmp`` + ``os.replace``). A crash at any point leaves
+``latest`` naming a complete checkpoint (or absent), never a partial one.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+LATEST = "latest"
+
+
+def _name(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Optional[Path]:
+    """The checkpoint named by ``latest``, if it exists and is complete."""
+    marker = Path(ckpt_dir) / LATEST
+    if not marker.is_file():
+        return None
+    path = Path(ckpt_dir) / marker.read_text().strip()
+    return path if (path / "metadata.json").is_file() else None
+
+
+def _rng_state():
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    state = {"cpu": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    pp, tp, dp = (parallel_state.get_pipeline_model_parallel_rank(),
+                  parallel_state.get_tensor_model_parallel_rank(),
+                  parallel_state.get_data_parallel_rank(with_context_parallel=True))
+    shape = (parallel_state.get_pipeline_model_parallel_world_size(),
+             parallel_state.get_tensor_model_parallel_world_size(),
+             parallel_state.get_data_parallel_world_size(with_context_parallel=True))
+    return ShardedObject("rng_state", state, shape, (pp, tp, dp), replica_id=0)
+
+
+def _sharded_state(model: List[torch.nn.Module], optimizer, scheduler, step: int, consumed: int,
+                   is_loading: bool) -> dict:
+    state = {"step": step, "consumed_samples": consumed, "scheduler": scheduler.state_dict(),
+             "rng_state": _rng_state()}
+    if len(model) == 1:
+        state["model"] = model[0].sharded_state_dict()
+    else:
+        for i, chunk in enumerate(model):
+            state[f"model{i}"] = chunk.sharded_state_dict()
+    model_sd = {k: v for k, v in state.items() if k.startswith("model")}
+    state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+    return state
+
+
+def save(ckpt_dir: Path, *, model, optimizer, scheduler, step: int, consumed: int, keep_last=None) -> Path:
+    """Save collectively (every rank calls), then publish atomically from rank 0."""
+    from megatron.core import dist_checkpointing
+
+    ckpt_dir = Path(ckpt_dir)
+    final, tmp = ckpt_dir / _name(step), ckpt_dir / (_name(step) + ".tmp")
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    torch.distributed.barrier()
+    state = _sharded_state(model, optimizer, scheduler, step, consumed, is_loading=False)
+    dist_checkpointing.save(state, str(tmp))
+    torch.distributed.barrier()
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        marker_tmp = ckpt_dir / (LATEST + ".tmp")
+        marker_tmp.write_text(final.name + "\n")
+        with open(marker_tmp) as fh:
+            os.fsync(fh.fileno())
+        os.replace(marker_tmp, ckpt_dir / LATEST)
+        _prune(ckpt_dir, keep_last)
+    torch.distributed.barrier()
+    return final
+
+
+def _prune(ckpt_dir: Path, keep_last: Optional[int]) -> None:
+    if not keep_last:
+        return
+    done = sorted(p for p in ckpt_dir.glob("iter_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    for old in done[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load(path: Path, *, model, optimizer, scheduler) -> tuple:
+    """Load a checkpoint into model/optimizer/scheduler/RNG; returns (step, consumed_samples)."""
+    from megatron.core import dist_checkpointing, tensor_parallel
+
+    template = _sharded_state(model, optimizer, scheduler, 0, 0, is_loading=True)
+    state = dist_checkpointing.load(template, str(path))
+    if len(model) == 1:
+        model[0].load_state_dict(state["model"])
+    else:
+        for i, chunk in enumerate(model):
+            chunk.load_state_dict(state[f"model{i}"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    rng = state["rng_state"]
+    torch.set_rng_state(rng["cpu"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
+    if torch.cuda.is_available() and "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"])
+    return int(state["step"]), int(state["consumed_samples"])

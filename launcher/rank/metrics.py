@@ -1,0 +1,108 @@
+"""Per-step metrics: stdout line, TensorBoard, wandb (optional), and the end-of-run report (rank 0)."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+from launcher.schema import LoggingConfig
+
+
+def memory_gib() -> float:
+    """Peak memory of this process: max_memory_allocated on GPU, peak RSS on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+
+
+class MetricsLogger:
+    """Rank 0 prints and records; other ranks only keep quiet."""
+
+    def __init__(self, *, logging: LoggingConfig, bundle: Path, run_name: str, config: dict, rank: int):
+        self.cfg, self.bundle, self.rank = logging, Path(bundle), rank
+        self.history: List[Dict[str, float]] = []
+        self.evals: List[Dict[str, float]] = []
+        self.tb = self.wandb = None
+        if rank != 0:
+            return
+        if logging.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.bundle / "tensorboard"))
+        if logging.wandb_project:
+            self.wandb = _init_wandb(logging, self.bundle, run_name, config)
+
+    def step(self, metrics: Dict[str, float]) -> None:
+        if self.rank != 0:
+            return
+        self.history.append(metrics)
+        step = int(metrics["step"])
+        if step % max(1, self.cfg.log_interval) == 0:
+            print("step {step:5d} | loss {loss:.4f} | lr {lr:.3e} | grad_norm {grad_norm:.3f} | "
+                  "{ms_per_step:.1f} ms/step | tokens/s {tokens_per_s:.0f} | TFLOP/s {tflops:.4f} | "
+                  "MFU {mfu:.2%} | mem {mem_gib:.2f} GiB".format(**metrics), flush=True)
+        self._record(metrics, "train", step)
+
+    def eval(self, step: int, loss: float) -> None:
+        if self.rank != 0:
+            return
+        self.evals.append({"step": step, "loss": loss})
+        print(f"eval  {step:5d} | valid loss {loss:.4f}", flush=True)
+        self._record({"loss": loss}, "valid", step)
+
+    def _record(self, metrics: Dict[str, float], prefix: str, step: int) -> None:
+        scalars = {f"{prefix}/{k}": v for k, v in metrics.items() if k != "step"}
+        if self.tb is not None:
+            for key, value in scalars.items():
+                self.tb.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+
+    def close(self, final: Optional[Dict[str, float]] = None) -> None:
+        if self.rank != 0:
+            return
+        if final is not None:
+            write_report(self.bundle / "report", self.history, self.evals, final)
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _init_wandb(logging: LoggingConfig, bundle: Path, run_name: str, config: dict):
+    """wandb run; offline unless configured otherwise. The API key is read by wandb from WANDB_API_KEY."""
+    import wandb
+
+    os.environ.setdefault("WANDB_SILENT", "true")
+    return wandb.init(project=logging.wandb_project, entity=logging.wandb_entity, mode=logging.wandb_mode,
+                      name=run_name, dir=str(bundle), config=config)
+
+
+def write_report(report_dir: Path, history: List[dict], evals: List[dict], final: Dict[str, float]) -> None:
+    """report/metrics.json (final numbers + per-step history) and report/training.png."""
+    report_dir.mkdir(parents=True, exist_ok=True)
+    (report_dir / "metrics.json").write_text(json.dumps(
+        {"final": final, "steps": history, "eval": evals}, indent=2) + "\n")
+    if not history:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in history]
+    fig, (ax_loss, ax_tput) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_loss.plot(steps, [h["loss"] for h in history], label="train")
+    if evals:
+        ax_loss.plot([e["step"] for e in evals], [e["loss"] for e in evals], "o-", label="valid")
+    ax_loss.set(xlabel="step", ylabel="loss", title="Loss")
+    ax_loss.legend()
+    ax_tput.plot(steps, [h["tokens_per_s"] for h in history])
+    ax_tput.set(xlabel="step", ylabel="tokens/s", title="Throughput")
+    fig.tight_layout()
+    fig.savefig(report_dir / "training.png", dpi=80)
+    plt.close(fig)

@@ -1,0 +1,11 @@
+# Environment of run llama405b, from its cluster profile (cluster.env). Sourced by launch.sh on every node.
+# Secrets are never written here: WANDB_API_KEY, HF_TOKEN pass through by
+# name from the environment that submits the job (sbatch exports it; pyxis forwards it into the container).
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+export NCCL_IB_TIMEOUT=22
+export NCCL_NVLS_ENABLE=0
+export NVTE_BWD_LAYERNORM_SM_MARGIN=16
+export NVTE_FWD_LAYERNORM_SM_MARGIN=16
+export PYTHONUNBUFFERED=1
+export TORCH_NCCL_AVOID_RECORD_STREAMS=1
+export LAUNCHER_BUNDLE=/lustre/runs/llama405b-golden

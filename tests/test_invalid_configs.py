@@ -1,0 +1,105 @@
+"""A catalogue of invalid jobs: each exits 2 with one line naming the right field, and no traceback."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+L405 = ["recipe=llama405b"]
+L70 = ["recipe=llama3_70b"]
+L8 = ["recipe=llama3_8b"]
+
+# (case id, overrides, field the message must name)
+CASES = [
+    ("world-size", L8 + ["nodes=1", "parallel.context=3"], "parallel.tensor="),
+    ("tp-over-node", L405 + ["parallel.tensor=16", "nodes=128"], "parallel.tensor=16"),
+    ("heads-tp", L8 + ["parallel.tensor=3", "nodes=3", "parallel.context=1"], "parallel.tensor=3"),
+    ("gqa-groups-tp", L8 + ["model.num_query_groups=2", "parallel.tensor=4", "parallel.context=1"], "parallel.tensor=4"),
+    ("layers-pp", L8 + ["parallel.pipeline=3", "nodes=3", "parallel.context=1"], "model.num_layers="),
+    ("layers-pp-vpp", L70 + ["parallel.virtual_pipeline=3"], "model.num_layers="),
+    ("uneven-split", L405 + ["parallel.first_stage_layers=14"], "parallel.first_stage_layers="),
+    ("uneven-without-pp", L8 + ["parallel.first_stage_layers=4"], "parallel.first_stage_layers="),
+    ("seq-cp", L8 + ["model.seq_length=8190"], "parallel.context="),
+    ("cp-needs-te", L8 + ["precision.transformer_engine=false", "+experiment=bf16"], "parallel.context="),
+    ("experts-ep", ["recipe=smoke", "model.num_experts=6", "parallel.expert=4", "parallel.tensor=1",
+                    "parallel.pipeline=1"], "parallel.expert="),
+    ("ep-dense", ["recipe=smoke", "parallel.expert=2"], "parallel.expert="),
+    ("moe-tp-needs-sp", ["recipe=smoke", "model.num_experts=4"], "parallel.sequence_parallel="),
+    ("gbs-micro-dp", L8 + ["train.global_batch_size=126"], "train.global_batch_size="),
+    ("dp-assert", L8 + ["parallel.data=8"], "parallel.data="),
+    ("fp8-on-cpu", ["recipe=smoke", "precision.fp8=delayed", "precision.dtype=bf16"], "precision.fp8="),
+    ("mxfp8-on-hopper", L8 + ["precision.fp8=mxfp8"], "precision.fp8="),
+    ("fp8-unknown", L8 + ["precision.fp8=fp4"], "precision.fp8="),
+    ("fp8-with-fp32", L8 + ["precision.dtype=fp32"], "precision.dtype="),
+    ("fp8-param-without-fp8", L8 + ["+experiment=bf16", "precision.fp8_param=true"], "precision.fp8_param="),
+    ("te-on-cpu", ["recipe=smoke", "precision.transformer_engine=true"], "precision.transformer_engine="),
+    ("interleaved-pp2-batched-p2p", ["recipe=smoke", "schedule.kind=interleaved", "parallel.virtual_pipeline=2"],
+     "schedule.batch_p2p_comm="),
+    ("interleaved-without-vpp", ["recipe=smoke", "schedule.kind=interleaved"], "schedule.kind="),
+    ("vpp-without-interleaved", ["recipe=smoke", "parallel.virtual_pipeline=2"], "parallel.virtual_pipeline="),
+    ("schedule-unknown", ["recipe=smoke", "schedule.kind=gpipe"], "schedule.kind="),
+    ("overlap-p2p-1f1b", ["recipe=smoke", "schedule.overlap_p2p_comm=true"], "schedule.overlap_p2p_comm="),
+    ("steps-and-tokens", ["recipe=smoke", "train.train_tokens=1000000"], "train.train_steps="),
+    ("min-lr", ["recipe=smoke", "train.min_lr=1.0"], "train.min_lr="),
+    ("warmup", ["recipe=smoke", "train.warmup_steps=30"], "train.warmup_steps="),
+    ("lr-schedule", ["recipe=smoke", "train.lr_schedule=step"], "train.lr_schedule="),
+    ("recompute", ["recipe=smoke", "train.recompute=partial"], "train.recompute="),
+    ("blend-zero-weight", ["recipe=smoke", "data.blend=[0,a,1,b]"], "data.blend="),
+    ("blend-malformed", ["recipe=smoke", "data.blend=[0.5,a,b]"], "data.blend="),
+    ("split", ["recipe=smoke", "data.split='90,10'"], "data.split="),
+    ("indexed-needs-blend", L8 + ["data.kind=indexed"], "data.blend="),
+    ("local-multinode", ["recipe=smoke", "nodes=2"], "nodes="),
+    ("nccl-on-cpu", ["recipe=smoke", "cluster.backend=nccl"], "cluster.backend="),
+    ("secret-in-env", ["recipe=smoke", "+cluster.env.WANDB_API_KEY=abc123"], "cluster.env.WANDB_API_KEY="),
+    ("container-path-outside-mount", L8 + ["cluster.container_image=nvcr.io/nvidia/pytorch:25.01-py3",
+                                           "cluster.container_mounts=[/lustre:/lustre]", "output_dir=/home/me/runs"],
+     "output_dir="),
+    ("slurm-time", L8 + ["slurm.time=forever"], "slurm.time="),
+    ("partition-injection", L8 + ["cluster.partition='a b'"], "cluster.partition="),
+    ("action", ["action=launch"], "action="),
+    ("heads-hidden", ["recipe=smoke", "model.num_attention_heads=3", "parallel.tensor=1", "model.num_query_groups=null"],
+     "model.num_attention_heads="),
+    ("topk", ["recipe=smoke", "model.num_experts=4", "model.moe_router_topk=8", "parallel.tensor=1"],
+     "model.moe_router_topk="),
+    ("unknown-field", ["parallel.tensorr=2"], "parallel.tensorr"),
+    ("unknown-section", ["paralel.tensor=2"], "paralel.tensor"),
+    ("unknown-recipe", ["recipe=llama4"], "recipe="),
+    ("wrong-type", ["parallel.tensor=two"], "parallel.tensor"),
+    ("norm", ["recipe=smoke", "model.normalization=BatchNorm"], "model.normalization="),
+]
+
+
+def test_catalogue_is_large():
+    assert len(CASES) >= 25
+
+
+@pytest.mark.parametrize("overrides,field", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_invalid_config_is_refused(overrides, field, cli, tmp_path):
+    code, out, err = cli("action=render", f"output_dir={tmp_path}", *overrides)
+    assert code == 2
+    assert "Traceback" not in err + out
+    error_lines = [l for l in err.splitlines() if l.startswith("error:")]
+    assert error_lines, err
+    assert any(field in line for line in error_lines), err
+    assert all("try " in line or "error: Error" in line or "flags" in line for line in error_lines), err
+    assert list(tmp_path.iterdir()) == []  # nothing rendered
+
+
+def test_several_failures_are_all_reported(cli):
+    code, _, err = cli("recipe=llama3_8b", "parallel.tensor=3", "train.lr_schedule=step", "slurm.time=x")
+    assert code == 2
+    fields = [l.split("=")[0] for l in err.splitlines() if l.startswith("error:")]
+    assert {"error: parallel.tensor", "error: train.lr_schedule", "error: slurm.time"} <= set(fields)
+
+
+@pytest.mark.parametrize("args", [["parallel.tensor=3", "recipe=llama3_8b"], ["recipe=nope"], ["--bogus"],
+                                  ["parallel.tensor=x"]])
+def test_real_process_exit_code_and_no_traceback(args):
+    proc = subprocess.run([sys.executable, "-m", "launcher", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("error:")
