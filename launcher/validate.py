@@ -8,6 +8,7 @@ Login-node code: no torch, no megatron.
 """
 from __future__ import annotations
 
+import os
 import re
 from typing import Callable, Iterable
 
@@ -438,7 +439,8 @@ def validate_slurm(job: JobConfig) -> list[Problem]:
             c.need(SBATCH_WORD.fullmatch(str(value)) is not None, name, value,
                    "Slurm names are letters, digits, '.', ',', '_' and '-'", f"{name}=batch")
     if job.cluster.launcher == "slurm":
-        c.need(SBATCH_PATH.fullmatch(job.output_dir) is not None, "output_dir", job.output_dir,
+        bundle_parent = os.path.abspath(job.output_dir)  # relative output_dir resolves against the cwd
+        c.need(SBATCH_PATH.fullmatch(bundle_parent) is not None, "output_dir", bundle_parent,
                "the bundle path appears in #SBATCH --output: no spaces, quotes, '%' or shell characters",
                "output_dir=/lustre/$USER/runs (spelled out)")
     for arg in s.extra_args:

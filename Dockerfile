@@ -1,0 +1,17 @@
+# GPU image for the rank side: NGC PyTorch ships CUDA, cuDNN, NCCL, Transformer Engine and NVIDIA apex, so
+# nothing GPU-specific is built here. Use it as cluster.container_image (pyxis/enroot) after pushing it.
+#   docker build -t megatron-launcher:latest .
+FROM nvcr.io/nvidia/pytorch:25.09-py3
+
+WORKDIR /opt/launcher
+COPY . /opt/launcher
+
+# Keep the container's own torch and Transformer Engine: pin them to what is installed, then add the launcher,
+# megatron-core and the logging/tokenizer packages. (Never `pip install apex`: that PyPI name is an unrelated
+# package; NVIDIA apex comes with this image, or from a source build of github.com/NVIDIA/apex.)
+RUN pip freeze | grep -iE '^(torch|transformer[-_]engine|triton)==' > /tmp/container-pins.txt \
+ && pip install --no-cache-dir -c /tmp/container-pins.txt -e '.[train]' \
+ && python -c "import megatron.core, transformer_engine, launcher; print('ok')"
+
+ENV CUDA_DEVICE_MAX_CONNECTIONS=1 \
+    PYTHONUNBUFFERED=1
