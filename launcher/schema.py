@@ -178,6 +178,9 @@ class PrecisionConfig:
     """Delayed scaling: max or most_recent."""
     transformer_engine: str = "auto"
     """Use Transformer Engine layers: auto (on when the cluster has GPUs), true, or false."""
+    grad_reduce_in_fp32: bool = True
+    """Keep gradient buffers and their data-parallel reduction in fp32 (Megatron's default with bf16);
+    false keeps them in the parameter dtype (NVIDIA's performance recipes), saving 2 bytes per parameter."""
 
 
 @dataclass

@@ -148,6 +148,17 @@ def validate_parallel(job: JobConfig) -> list[Problem]:
     c.need(groups % p.tensor == 0, "parallel.tensor", p.tensor,
            f"must divide the query groups (GQA kv heads) model.num_query_groups={groups}",
            f"parallel.tensor={_divisor_near(groups, p.tensor)}")
+    c.need(model.ffn_hidden_size % p.tensor == 0, "parallel.tensor", p.tensor,
+           f"must divide model.ffn_hidden_size={model.ffn_hidden_size} (column-parallel MLP)",
+           f"parallel.tensor={_divisor_near(model.ffn_hidden_size, p.tensor)}")
+    if p.sequence_parallel and p.tensor > 1:
+        shards = p.tensor * (2 * p.context if p.context > 1 else 1)
+        c.need(model.seq_length % shards == 0, "parallel.sequence_parallel", True,
+               f"model.seq_length={model.seq_length} must be divisible by TP{' x 2CP' if p.context > 1 else ''} = {shards}",
+               f"model.seq_length={_round_up(model.seq_length, shards)}")
+    c.need(p.distributed_optimizer or not p.overlap_param_gather, "parallel.overlap_param_gather", True,
+           "overlapping the parameter all-gather needs the distributed optimizer",
+           "parallel.overlap_param_gather=false or parallel.distributed_optimizer=true")
     _validate_layer_split(c, p, model)
     if p.context > 1:
         c.need(model.seq_length % (2 * p.context) == 0, "parallel.context", p.context,

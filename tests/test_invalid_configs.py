@@ -68,6 +68,10 @@ CASES = [
     ("unknown-section", ["paralel.tensor=2"], "paralel.tensor"),
     ("unknown-recipe", ["recipe=llama4"], "recipe="),
     ("wrong-type", ["parallel.tensor=two"], "parallel.tensor"),
+    ("ffn-tp", ["recipe=smoke", "model.ffn_hidden_size=351"], "parallel.tensor="),
+    ("sp-seq", ["recipe=smoke", "parallel.sequence_parallel=true", "model.seq_length=255"],
+     "parallel.sequence_parallel="),
+    ("param-gather-needs-distopt", L8 + ["parallel.distributed_optimizer=false"], "parallel.overlap_param_gather="),
     ("norm", ["recipe=smoke", "model.normalization=BatchNorm"], "model.normalization="),
 ]
 

@@ -1,0 +1,433 @@
+"""Memory per pipeline stage: weights, gradients, optimizer state, FP8 copies, activations, buffers, reserve.
+
+The structure follows Megatron-LM ``megatron/training/theoretical_memory_usage.py`` (parameters split into
+TP-sharded, replicated and expert-sharded; bytes per parameter 18, or 6 + 12/d with the distributed optimizer;
+activations from Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+Table 2; in-flight microbatches of the pipeline schedule), extended to: GQA and SwiGLU shapes, MoE (experts
+sharded over EP x ETP, their optimizer over expert-DP), MLA, MTP, context parallelism, FP8 weight copies and
+FP8 GEMM inputs, every pipeline stage (not only the first), uneven first/last stages, and the last stage's
+output layer and fp32 loss logits. Constants are documented in ``launcher/plan/NOTES.md``.
+
+Everything is in bytes, for one rank of the given stage. Pure Python: no torch, no megatron.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from launcher.plan.flops import kv_channels, moe_layer_pattern, query_groups
+from launcher.schema import JobConfig, ModelConfig, ParallelConfig
+
+GB = 1e9
+"""Reports use GB = 10^9 bytes, as ClusterConfig.gpu_memory_gb does."""
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+"""Bytes per element of parameters and activations for each training dtype."""
+GRAD_BYTES_FP32 = 4
+"""Megatron DDP's main-gradient buffer is fp32 when precision.grad_reduce_in_fp32 (its default with bf16);
+otherwise it has the parameter dtype."""
+ADAM_STATE_BYTES = 8
+"""Adam exp_avg + exp_avg_sq, fp32."""
+MASTER_BYTES = 4
+"""fp32 master copy of bf16/fp16 parameters (none when training in fp32)."""
+FP8_WEIGHT_COPY_BYTES = 2
+"""Transformer Engine keeps an FP8 copy of each GEMM weight and its transpose (Hopper) between microbatches."""
+
+
+# ------------------------------------------------------------------------------------------- parameters
+def padded_vocab(model: ModelConfig, tp: int) -> int:
+    """Embedding rows: vocab_size rounded up to make_vocab_size_divisible_by x TP (Megatron's padding)."""
+    unit = max(1, model.make_vocab_size_divisible_by) * tp
+    return -(-model.vocab_size // unit) * unit
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    """Parameters of one transformer layer, by how they are held: full sizes, before any sharding."""
+
+    tp_sharded: float
+    """Sharded over TP: QKV/output projections, dense MLP, shared experts."""
+    replicated: float
+    """Identical on every TP rank: norms, router, MLA down-projections, row-parallel biases."""
+    expert: float
+    """Routed experts: sharded over EP x ETP."""
+    gemm: float
+    """Of the above, GEMM weights (they get FP8 copies); TP/expert sharding applied by the caller."""
+    gemm_expert: float
+    """GEMM weights among the expert parameters."""
+
+
+def _attention_params(model: ModelConfig) -> tuple[float, float, float]:
+    """(tp_sharded, replicated, gemm_tp) parameters of one attention block including its input norm."""
+    h, n = model.hidden_size, model.num_attention_heads
+    norm = 1 if model.normalization == "RMSNorm" else 2
+    if model.multi_latent_attention:
+        qk = model.qk_head_dim + model.qk_pos_emb_head_dim
+        sharded = replicated = 0.0
+        if model.q_lora_rank is None:
+            sharded += h * n * qk
+        else:
+            replicated += h * model.q_lora_rank + norm * model.q_lora_rank  # duplicated down-proj + q norm
+            sharded += model.q_lora_rank * n * qk
+        replicated += h * (model.kv_lora_rank + model.qk_pos_emb_head_dim) + norm * model.kv_lora_rank
+        sharded += model.kv_lora_rank * n * (model.qk_head_dim + model.v_head_dim)
+        sharded += n * model.v_head_dim * h
+        gemm_tp = sharded
+        replicated += norm * h
+        return sharded, replicated, gemm_tp
+    d = kv_channels(model)
+    q, kv = n * d, query_groups(model) * d
+    sharded = h * (q + 2 * kv) + q * h
+    gemm_tp = sharded
+    replicated = norm * h  # input layernorm
+    if model.add_bias_linear or model.add_qkv_bias:
+        sharded += q + 2 * kv
+    if model.add_bias_linear:
+        replicated += h  # row-parallel output bias is full-size on every TP rank
+    if model.qk_layernorm:
+        replicated += 2 * norm * d
+    return sharded, replicated, gemm_tp
+
+
+def _mlp_params(model: ModelConfig, ffn: int) -> tuple[float, float]:
+    """(weights, row-parallel bias) of one MLP of width ffn; weights include column-parallel biases."""
+    h = model.hidden_size
+    up = 2 * ffn if model.activation == "swiglu" else ffn
+    weights = h * up + ffn * h
+    if model.add_bias_linear:
+        return weights + up, h
+    return weights, 0.0
+
+
+def layer_params(model: ModelConfig, moe: bool) -> LayerParams:
+    """Parameters of one dense or MoE transformer layer."""
+    h = model.hidden_size
+    norm = 1 if model.normalization == "RMSNorm" else 2
+    sharded, replicated, gemm = _attention_params(model)
+    replicated += norm * h  # pre-MLP layernorm
+    expert = gemm_expert = 0.0
+    if not moe:
+        w, bias = _mlp_params(model, model.ffn_hidden_size)
+        sharded += w
+        replicated += bias
+        gemm += w
+    else:
+        e_ffn = model.moe_ffn_hidden_size or model.ffn_hidden_size
+        w, bias = _mlp_params(model, e_ffn)
+        expert = (w + bias) * model.num_experts
+        gemm_expert = w * model.num_experts
+        replicated += h * model.num_experts  # router
+        if model.moe_shared_expert_intermediate_size:
+            w, bias = _mlp_params(model, model.moe_shared_expert_intermediate_size)
+            sharded += w
+            replicated += bias
+            gemm += w
+    return LayerParams(sharded, replicated, expert, gemm, gemm_expert)
+
+
+@dataclass
+class RankParams:
+    """Parameters held by one rank (after TP/EP sharding), split by which group shards their optimizer."""
+
+    dense: float = 0.0
+    """Non-expert parameters (optimizer sharded over DP x CP)."""
+    expert: float = 0.0
+    """Routed-expert parameters (optimizer sharded over expert-DP)."""
+    gemm: float = 0.0
+    """GEMM weights among them (dense and expert), which get FP8 copies."""
+    embedding: float = 0.0
+    """Of ``dense``: input embedding, output layer and position embedding on this rank."""
+
+    @property
+    def total(self) -> float:
+        return self.dense + self.expert
+
+    def as_dict(self) -> dict[str, float]:
+        return {"dense": self.dense, "expert": self.expert, "total": self.total, "embedding": self.embedding}
+
+
+def model_params(model: ModelConfig, tp: int = 1, padded_vocab: int | None = None) -> RankParams:
+    """Parameters of the whole model (PP = EP = 1), for reporting; experts counted in full."""
+    vocab = padded_vocab or model.vocab_size
+    out = RankParams()
+    for is_moe in moe_layer_pattern(model) + [moe_layer_pattern(model)[-1]] * (model.mtp_num_layers or 0):
+        lp = layer_params(model, is_moe)
+        out.dense += lp.tp_sharded / tp + lp.replicated
+        out.expert += lp.expert
+    emb = vocab * model.hidden_size / tp
+    out.embedding = emb * (1 if model.tie_embeddings else 2)
+    out.dense += out.embedding + model.hidden_size
+    return out
+
+
+# ------------------------------------------------------------------------------------------ stage layout
+def stage_layer_counts(parallel: ParallelConfig, num_layers: int) -> list[int]:
+    """Decoder layers on each pipeline stage (even split, or first/last stage overrides)."""
+    p = parallel.pipeline
+    if p == 1:
+        return [num_layers]
+    first, last = parallel.first_stage_layers, parallel.last_stage_layers
+    middle = p - (first is not None) - (last is not None)
+    rest = num_layers - (first or 0) - (last or 0)
+    each = rest // middle if middle > 0 else 0
+    counts = [each] * p
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    # Any remainder of an invalid split goes to the middle stages so the total stays right.
+    for i in range(num_layers - sum(counts)):
+        counts[1 + i % max(1, p - 2)] += 1
+    return counts
+
+
+def stage_layer_indices(parallel: ParallelConfig, num_layers: int) -> list[list[int]]:
+    """Global layer indices held by each stage; with VPP the model is cut into PP x VPP chunks, stage r
+    holding chunks r, r + PP, r + 2 PP, ... (Megatron's interleaved assignment)."""
+    p, v = parallel.pipeline, parallel.virtual_pipeline or 1
+    counts = stage_layer_counts(parallel, num_layers)
+    per_chunk = [max(0, c // v) for c in counts]
+    indices: list[list[int]] = [[] for _ in range(p)]
+    nxt = 0
+    for k in range(v):
+        for r in range(p):
+            size = per_chunk[r] if k < v - 1 else counts[r] - per_chunk[r] * (v - 1)
+            indices[r].extend(range(nxt, nxt + size))
+            nxt += size
+    return indices
+
+
+def stage_params(job: JobConfig, stage: int) -> RankParams:
+    """Parameters held by one rank of pipeline stage ``stage``."""
+    model, par = job.model, job.parallel
+    tp, p = par.tensor, par.pipeline
+    etp, ep = par.expert_tensor or tp, par.expert
+    pattern = moe_layer_pattern(model)
+    layers = stage_layer_indices(par, model.num_layers)[stage]
+    kinds = [pattern[i] for i in layers]
+    last = stage == p - 1
+    if last and model.mtp_num_layers:
+        kinds += [pattern[-1]] * model.mtp_num_layers
+    out = RankParams()
+    cache: dict[bool, LayerParams] = {}
+    for is_moe in kinds:
+        lp = cache.setdefault(is_moe, layer_params(model, is_moe))
+        out.dense += lp.tp_sharded / tp + lp.replicated
+        out.expert += lp.expert / (ep * etp)
+        out.gemm += lp.gemm / tp + lp.gemm_expert / (ep * etp)
+    h = model.hidden_size
+    norm = 1 if model.normalization == "RMSNorm" else 2
+    emb = padded_vocab(model, tp) * h / tp
+    embedding = 0.0
+    if stage == 0:
+        embedding += emb
+        if model.position_embedding == "learned_absolute":
+            embedding += (model.max_position_embeddings or model.seq_length) * h
+    if last:
+        out.dense += norm * h  # final layernorm
+        if not (model.tie_embeddings and p == 1):
+            embedding += emb  # output layer (a copy of the embedding when tied and PP > 1)
+        if model.mtp_num_layers:
+            out.dense += model.mtp_num_layers * (2 * h * h / tp + 3 * norm * h)  # eh_proj, enorm/hnorm/final
+            out.gemm += model.mtp_num_layers * 2 * h * h / tp
+            if p > 1 and not model.tie_embeddings:
+                embedding += emb  # MTP needs the input embedding on the last stage too
+    out.embedding = embedding
+    out.dense += embedding
+    return out
+
+
+# ------------------------------------------------------------------------------------------ activations
+def layer_activation_bytes_per_token(job: JobConfig, moe: bool, *, full: bool = False) -> float:
+    """Activation bytes one layer keeps per token of a microbatch on one rank, before CP (divide by CP).
+
+    ``full`` ignores recomputation (the working set while a layer's forward is recomputed)."""
+    model, par, rec = job.model, job.parallel, job.train.recompute
+    from launcher.validate import uses_transformer_engine
+
+    te = uses_transformer_engine(job.precision, job.cluster)
+    t = par.tensor
+    sp = t if (par.sequence_parallel and t > 1) else 1
+    a = DTYPE_BYTES.get(job.precision.dtype, 2)
+    g = 1 if job.precision.fp8 else a  # bytes of a saved GEMM input (TE saves FP8 casts under FP8)
+    h, n, s = model.hidden_size, model.num_attention_heads, model.seq_length // par.context
+    if rec == "full" and not full:
+        return a * h / sp  # only the layer input is checkpointed
+    drop = (h if model.hidden_dropout > 0 else 0) * 2  # two residual dropout masks (1 byte each)
+    # Regions replicated across TP unless SP shards them: two norm inputs, two GEMM inputs, dropout masks.
+    sp_region = a * h + g * h + a * h + g * h + drop
+    if model.multi_latent_attention:
+        qk = model.qk_head_dim + model.qk_pos_emb_head_dim
+        latent = a * 2 * ((model.q_lora_rank or 0) + model.kv_lora_rank + model.qk_pos_emb_head_dim)
+        attn_tp = a * (2 * n * qk + 2 * n * model.v_head_dim) + (g if g != a else 0) * n * model.v_head_dim
+        q_size = n * model.v_head_dim
+        sp_region += latent * sp  # duplicated down-projections work on the gathered sequence
+    else:
+        d = kv_channels(model)
+        q, kv = n * d, query_groups(model) * d
+        attn_tp = a * (q + 2 * kv) + a * q + (q if g != a else 0)  # Q, K, V; attention output (+ FP8 copy)
+        q_size = q
+    core = 0.0
+    flash = te  # TE's fused/flash attention never materialises the s x s scores
+    if not flash and rec != "selective":
+        core = n * s * (a + (1 + a if model.attention_dropout > 0 else 0))  # softmax out (+ mask, dropout out)
+    m = 2 if model.activation == "swiglu" else 1
+    if moe:
+        e_ffn = model.moe_ffn_hidden_size or model.ffn_hidden_size
+        etp = par.expert_tensor or t
+        k = model.moe_router_topk
+        # permuted tokens in, unpermute input out (gathered over ETP), expert fc1 out / fc2 in (sharded).
+        mlp_sp = k * (g * h + a * h) * etp + k * (a * m * e_ffn + g * e_ffn) + 4 * k
+        shared = model.moe_shared_expert_intermediate_size or 0
+        mlp_tp = a * m * shared + g * shared
+        per = sp_region / sp + (attn_tp + core) / t + mlp_sp / sp + mlp_tp / t
+    else:
+        f = model.ffn_hidden_size
+        mlp_tp = a * m * f + g * f
+        per = sp_region / sp + (attn_tp + core + mlp_tp) / t
+    return per
+
+
+def in_flight_microbatches(job: JobConfig, stage: int, num_microbatches: int) -> float:
+    """Microbatches whose activations a stage holds at its peak, in units of the whole stage's layers.
+
+    1F1B and ZB-H1: stage r warms up with p - r - 1 forwards and runs one more before its first backward,
+    so it holds p - r (the first stage p); ZB-H1 keeps 1F1B's memory (Qi et al. 2024). Interleaved: stage r
+    holds 2(p - r - 1) + (v - 1) g + 1 model-chunk microbatches (Megatron's warm-up count + 1, g the
+    microbatch group size, default p), each 1/v of the stage: for r = 0 and g = p this is Megatron's
+    p (1 + (p - 1)/(p v)). Capped by the microbatches that exist.
+    """
+    p, v = job.parallel.pipeline, job.parallel.virtual_pipeline or 1
+    m = max(1, num_microbatches)
+    if p == 1:
+        return 1.0
+    if job.schedule.kind == "interleaved" and v > 1:
+        group = job.schedule.microbatch_group_size or p
+        chunks = 2 * (p - stage - 1) + (v - 1) * group + 1
+        return min(chunks, m * v) / v
+    return float(min(p - stage, m))
+
+
+# --------------------------------------------------------------------------------------------- per stage
+@dataclass
+class StageMemory:
+    """Predicted peak memory of one rank of a pipeline stage, in bytes."""
+
+    stage: int
+    """Pipeline stage index (0 = first)."""
+    layers: int
+    """Decoder layers on the stage (MTP layers excluded)."""
+    params: float
+    """Parameters on one rank (dense + expert)."""
+    in_flight: float
+    """Microbatches of activations held at the peak (in whole-stage units)."""
+    parts: dict = field(default_factory=dict)
+    """Bytes by contributor: weights, grads, optimizer, fp8_weights, activations, output_logits,
+    comm_buffers, workspace, reserve."""
+
+    @property
+    def total(self) -> float:
+        return float(sum(self.parts.values()))
+
+    def largest(self, k: int = 3) -> list[tuple[str, float]]:
+        """The k largest contributors, (name, bytes)."""
+        return sorted(self.parts.items(), key=lambda kv: -kv[1])[:k]
+
+    def to_dict(self) -> dict:
+        return {"stage": self.stage, "layers": self.layers, "params": self.params, "in_flight": self.in_flight,
+                "total_gb": self.total / GB, "parts_gb": {k: v / GB for k, v in self.parts.items()}}
+
+
+def dp_sizes(job: JobConfig) -> tuple[int, int]:
+    """(dense optimizer shards = DP x CP, expert optimizer shards = world / (ETP x EP x PP))."""
+    par = job.parallel
+    world = job.nodes * job.cluster.gpus_per_node
+    dp_cp = max(1, world // (par.tensor * par.pipeline))
+    edp = max(1, world // ((par.expert_tensor or par.tensor) * par.expert * par.pipeline))
+    return dp_cp, edp
+
+
+def static_bytes(job: JobConfig, rp: RankParams) -> dict[str, float]:
+    """Weights, fp32 gradients, optimizer state (master copy + Adam) and FP8 weight copies."""
+    pr, par = job.precision, job.parallel
+    a = DTYPE_BYTES.get(pr.dtype, 2)
+    dp_cp, edp = dp_sizes(job)
+    opt_per_param = ADAM_STATE_BYTES + (MASTER_BYTES if pr.dtype != "fp32" else 0)
+    dense_shards = dp_cp if par.distributed_optimizer else 1
+    expert_shards = edp if par.distributed_optimizer else 1
+    weight_bytes = a * rp.total
+    fp8 = 0.0
+    if pr.fp8:
+        gemm_no_output = rp.gemm
+        if pr.fp8_param:
+            weight_bytes -= (a - 1) * gemm_no_output  # FP8 primary weights: 1 byte instead of a
+            fp8 = 1 * gemm_no_output  # the transpose
+        else:
+            fp8 = FP8_WEIGHT_COPY_BYTES * gemm_no_output
+    return {
+        "weights": weight_bytes,
+        "grads": (GRAD_BYTES_FP32 if pr.grad_reduce_in_fp32 else a) * rp.total,
+        "optimizer": opt_per_param * (rp.dense / dense_shards + rp.expert / expert_shards),
+        "fp8_weights": fp8,
+    }
+
+
+def stage_memory(job: JobConfig, stage: int, num_microbatches: int) -> StageMemory:
+    """Peak memory of one rank of ``stage``."""
+    model, par = job.model, job.parallel
+    rp = stage_params(job, stage)
+    parts = static_bytes(job, rp)  # FP8 copies: layer GEMMs only (the output layer stays BF16 in TE recipes)
+    p, t, cp = par.pipeline, par.tensor, par.context
+    a = DTYPE_BYTES.get(job.precision.dtype, 2)
+    sp = t if (par.sequence_parallel and t > 1) else 1
+    b, s, h = job.train.micro_batch_size, model.seq_length, model.hidden_size
+    tokens = b * s / cp
+    pattern = moe_layer_pattern(model)
+    layers = stage_layer_indices(par, model.num_layers)[stage]
+    kinds = [pattern[i] for i in layers]
+    last = stage == p - 1
+    mtp = model.mtp_num_layers if last else 0
+    per_mb = sum(layer_activation_bytes_per_token(job, k) for k in kinds) * tokens
+    per_mb_mtp = mtp * (layer_activation_bytes_per_token(job, pattern[-1]) + 3 * a * h / sp) * tokens
+    if stage == 0:
+        per_mb += 8 * tokens + (h * tokens / sp if model.hidden_dropout > 0 else 0)  # token ids; emb dropout
+    in_flight = in_flight_microbatches(job, stage, num_microbatches)
+    parts["activations"] = per_mb * in_flight + per_mb_mtp
+    logits = 0.0
+    if last:
+        vp = padded_vocab(model, t)
+        logits += 2 * a * h * tokens / sp  # final norm input + output-layer input
+        logits += tokens * vp / t * (4 * (1 + mtp) + a)  # fp32 softmax per head (+ one bf16 logits transient)
+    parts["output_logits"] = logits
+    comm = 0.0
+    if p > 1:
+        comm += 2 * 2 * a * h * tokens / sp  # p2p send/recv buffers, both directions
+    if sp > 1:
+        comm += a * h * tokens  # SP all-gather buffer (Megatron GlobalMemoryBuffer)
+    if model.num_experts and par.expert > 1:
+        comm += 2 * model.moe_router_topk * a * h * tokens / sp  # all-to-all dispatch send + receive
+    if cp > 1 and not model.multi_latent_attention:
+        comm += 2 * 2 * a * query_groups(model) * kv_channels(model) * tokens / t  # ring K/V send + recv
+    parts["comm_buffers"] = comm
+    # The backward of one layer: its activation gradients (and, under full recompute, its recomputed forward).
+    work = max((layer_activation_bytes_per_token(job, k, full=True) for k in set(kinds)), default=0.0) * tokens
+    parts["workspace"] = work * (2 if job.train.recompute == "full" else 1)
+    parts["reserve"] = job.cluster.memory_reserve_gb * GB
+    return StageMemory(stage, len(layers), rp.total, in_flight, parts)
+
+
+def memory_per_stage(job: JobConfig, num_microbatches: int | None = None) -> list[StageMemory]:
+    """Peak memory of every pipeline stage."""
+    if num_microbatches is None:
+        from launcher.validate import num_microbatches as nmb
+
+        num_microbatches = nmb(job)
+    return [stage_memory(job, r, num_microbatches) for r in range(job.parallel.pipeline)]
+
+
+def activation_formula_check(job: JobConfig) -> float:
+    """Per-layer activation bytes for one microbatch divided by s*b*h (the Korthikanti coefficient)."""
+    model = job.model
+    s, b, h = model.seq_length, job.train.micro_batch_size, model.hidden_size
+    per_tok = layer_activation_bytes_per_token(job, False)
+    return per_tok * b * s / job.parallel.context / (s * b * h)
+
