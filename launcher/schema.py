@@ -140,6 +140,9 @@ class ParallelConfig:
     """Overlap the data-parallel gradient reduce-scatter with backward (GPU)."""
     overlap_param_gather: bool = True
     """Overlap the distributed optimizer's parameter all-gather with forward (GPU)."""
+    tp_comm_overlap: bool = False
+    """Overlap tensor-parallel all-gather/reduce-scatter with the GEMMs (Transformer Engine userbuffers;
+    GPU only, needs sequence_parallel and tensor > 1)."""
     first_stage_layers: Optional[int] = None
     """Layers on the first pipeline stage for an uneven split; null means an even split."""
     last_stage_layers: Optional[int] = None
@@ -309,6 +312,9 @@ class ClusterConfig:
     """Inter-node bandwidth per GPU per direction in GB/s (InfiniBand / RoCE)."""
     gemm_efficiency: float = 0.7
     """Fraction of peak that large GEMMs reach (planner constant; see launcher/plan notes)."""
+    fp8_gemm_efficiency: float = 0.45
+    """Fraction of the FP8 peak that FP8 layer GEMMs reach in training, Transformer Engine's scaling and
+    amax bookkeeping included (planner constant, fitted once on Hopper; see launcher/plan/NOTES.md)."""
     comm_efficiency: float = 0.8
     """Fraction of link bandwidth collectives reach (planner constant)."""
     memory_reserve_gb: float = 4.0

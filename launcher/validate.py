@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from functools import lru_cache
 from typing import Callable, Iterable
 
 from launcher.problems import Problem
@@ -159,6 +160,12 @@ def validate_parallel(job: JobConfig) -> list[Problem]:
     c.need(p.distributed_optimizer or not p.overlap_param_gather, "parallel.overlap_param_gather", True,
            "overlapping the parameter all-gather needs the distributed optimizer",
            "parallel.overlap_param_gather=false or parallel.distributed_optimizer=true")
+    if p.tp_comm_overlap:
+        c.need(p.tensor > 1 and p.sequence_parallel, "parallel.tp_comm_overlap", True,
+               "TP communication overlap needs parallel.tensor > 1 and parallel.sequence_parallel=true",
+               "parallel.tp_comm_overlap=false")
+        c.need(uses_transformer_engine(job.precision, cluster), "parallel.tp_comm_overlap", True,
+               "TP communication overlap uses Transformer Engine userbuffers (GPU only)", "parallel.tp_comm_overlap=false")
     _validate_layer_split(c, p, model)
     if p.context > 1:
         c.need(model.seq_length % (2 * p.context) == 0, "parallel.context", p.context,
@@ -493,6 +500,7 @@ def validate(job: JobConfig) -> list[Problem]:
 
 
 # -------------------------------------------------------------------------------------------- helpers
+@lru_cache(maxsize=4096)
 def _divisor_near(n: int, want: int) -> int:
     """The divisor of n closest to want (ties go lower): a valid value to suggest."""
     n = max(1, int(n))

@@ -72,6 +72,7 @@ CASES = [
     ("sp-seq", ["recipe=smoke", "parallel.sequence_parallel=true", "model.seq_length=255"],
      "parallel.sequence_parallel="),
     ("param-gather-needs-distopt", L8 + ["parallel.distributed_optimizer=false"], "parallel.overlap_param_gather="),
+    ("tp-overlap-needs-sp", L8 + ["parallel.tp_comm_overlap=true"], "parallel.tp_comm_overlap="),
     ("norm", ["recipe=smoke", "model.normalization=BatchNorm"], "model.normalization="),
 ]
 

@@ -1,4 +1,219 @@
-"""Login-node planner: FLOPs, memory per pipeline stage, step time, MFU, layout search. No torch import."""
-from launcher.plan.flops import flops_per_step, flops_per_token
+"""Login-node planner: FLOPs, memory per pipeline stage, step time, MFU, and a layout search.
 
-__all__ = ["flops_per_token", "flops_per_step"]
+``plan_job(job)`` answers "does this layout fit, and how fast will it be?" in well under a second, without
+torch or megatron. ``search(job)`` (in ``launcher.plan.search``) ranks alternative layouts. Constants and
+where they come from: ``launcher/plan/NOTES.md``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from launcher.plan.flops import flops_per_step, flops_per_token
+from launcher.plan.memory import GB, StageMemory, memory_per_stage, model_params, padded_vocab
+from launcher.plan.timing import StepTime, step_time, throughput
+from launcher.schema import JobConfig
+
+__all__ = ["Plan", "PlanError", "plan_job", "oom_message", "search", "flops_per_token", "flops_per_step"]
+
+LAYOUT_FIELDS = ("parallel.", "model.", "schedule.", "train.micro_batch_size", "train.global_batch_size", "nodes",
+                 "cluster.gpus_per_node")
+"""Validation problems under these fields make a plan meaningless (the layout itself is invalid)."""
+
+HINTS = {
+    "activations": "train.recompute=full (or selective), or more parallel.pipeline / parallel.context / "
+                   "parallel.tensor, or a smaller train.micro_batch_size",
+    "grads": "precision.grad_reduce_in_fp32=false (bf16 gradient buffers), or more parallel.tensor/pipeline",
+    "fp8_weights": "precision.fp8_param=true (FP8 primary weights: no separate FP8 copy)",
+    "optimizer": "parallel.distributed_optimizer=true, or more data-parallel ranks (nodes)",
+    "weights": "more parallel.tensor or parallel.pipeline (or parallel.expert for MoE)",
+    "output_logits": "more parallel.tensor (shards the vocabulary), or parallel.last_stage_layers smaller",
+    "workspace": "train.recompute=selective instead of full, or a smaller train.micro_batch_size",
+    "comm_buffers": "a smaller train.micro_batch_size",
+    "reserve": "cluster.memory_reserve_gb (only if you know the site's overhead is smaller)",
+}
+"""What to change when a contributor dominates a stage that does not fit."""
+
+
+class PlanError(ValueError):
+    """The job's layout is invalid, so it cannot be planned; the message lists the validation errors."""
+
+
+@dataclass
+class Plan:
+    """The planner's verdict on one job."""
+
+    name: str
+    """Run name."""
+    layout: dict
+    """TP/PP/VPP/CP/EP/DP, micro/global batch, microbatches, schedule, recompute, world size."""
+    stages: list[StageMemory]
+    """Predicted peak memory per pipeline stage (one rank of each)."""
+    gpu_memory_gb: float
+    """Usable memory per GPU (cluster.gpu_memory_gb)."""
+    flops_per_token: float
+    """Training FLOPs per token (Megatron's formula)."""
+    flops_per_step: float
+    """Training FLOPs per optimizer step."""
+    params: dict
+    """Model parameter counts (total, embedding, expert)."""
+    step: StepTime
+    """Predicted step time and breakdown."""
+    perf: dict
+    """tokens_per_s, tokens_per_s_per_gpu, tflops_per_gpu, mfu."""
+    warnings: list[str] = field(default_factory=list)
+    """Validation warnings worth showing next to the plan."""
+
+    @property
+    def peak_stage(self) -> StageMemory:
+        return max(self.stages, key=lambda s: s.total)
+
+    @property
+    def peak_gb(self) -> float:
+        return self.peak_stage.total / GB
+
+    @property
+    def fits(self) -> bool:
+        return all(s.total <= self.gpu_memory_gb * GB for s in self.stages)
+
+    @property
+    def largest_contributors(self) -> list[tuple[str, float]]:
+        """(name, GB) of the peak stage's three largest parts."""
+        return [(k, v / GB) for k, v in self.peak_stage.largest(3)]
+
+    def to_dict(self) -> dict:
+        """JSON-able summary (what ``--json`` prints)."""
+        return {
+            "name": self.name, "layout": self.layout, "fits": self.fits, "gpu_memory_gb": self.gpu_memory_gb,
+            "peak_gb": self.peak_gb, "peak_stage": self.peak_stage.stage,
+            "largest_contributors_gb": dict(self.largest_contributors),
+            "stages": [s.to_dict() for s in self.stages],
+            "flops_per_token": self.flops_per_token, "gflops_per_token": self.flops_per_token / 1e9,
+            "flops_per_step": self.flops_per_step, "params": self.params,
+            "step": self.step.to_dict(), **self.perf, "warnings": self.warnings,
+        }
+
+    def table(self):
+        """A rich renderable: layout, memory per stage (GB by contributor), time breakdown, throughput."""
+        from rich.console import Group
+        from rich.table import Table
+
+        lay = self.layout
+        title = (f"{self.name}: TP{lay['tp']} PP{lay['pp']}" + (f" VPP{lay['vpp']}" if lay["vpp"] > 1 else "")
+                 + f" CP{lay['cp']}" + (f" EP{lay['ep']}" if lay["ep"] > 1 else "") + f" DP{lay['dp']}"
+                 + f" on {lay['world']} GPUs, {lay['schedule']}, mbs {lay['mbs']} x {lay['microbatches']} microbatches,"
+                 + f" recompute {lay['recompute']}")
+        parts = list(self.stages[0].parts)
+        mem = Table(title=title, title_justify="left")
+        mem.add_column("stage")
+        mem.add_column("layers", justify="right")
+        for p in parts:
+            mem.add_column(p, justify="right")
+        mem.add_column("total GB", justify="right")
+        for s in _stages_to_show(self.stages):
+            ok = s.total <= self.gpu_memory_gb * GB
+            mem.add_row(str(s.stage), str(s.layers), *[f"{s.parts[p] / GB:.1f}" for p in parts],
+                        f"[{'green' if ok else 'red'}]{s.total / GB:.1f} / {self.gpu_memory_gb:g}[/]")
+        tim = Table(title="time per step (s, busiest stage)", title_justify="left")
+        shown = {k: v for k, v in self.step.breakdown_s.items() if v > 0}
+        for k in shown:
+            tim.add_column(k, justify="right")
+        tim.add_column("step", justify="right")
+        tim.add_row(*[f"{v:.3f}" for v in shown.values()], f"{self.step.step_s:.3f}")
+        verdict = "[green]fits[/]" if self.fits else "[red]does NOT fit[/]"
+        summary = (f"{verdict}  peak {self.peak_gb:.1f} GB on stage {self.peak_stage.stage}   "
+                   f"{self.flops_per_token / 1e9:.2f} GFLOP/token   {self.perf['tokens_per_s']:,.0f} tokens/s   "
+                   f"{self.perf['tflops_per_gpu']:.0f} TFLOP/s/GPU   MFU {100 * self.perf['mfu']:.1f}%   "
+                   f"bubble {100 * self.step.bubble_fraction:.1f}%")
+        return Group(mem, tim, summary, *[f"[yellow]{w}[/]" for w in self.warnings])
+
+    def text(self, width: int = 160) -> str:
+        """The table as plain text."""
+        from rich.console import Console
+
+        console = Console(width=width, record=True, file=_Null(), color_system=None)
+        console.print(self.table())
+        return console.export_text()
+
+
+class _Null:
+    def write(self, _s):
+        return 0
+
+    def flush(self):
+        pass
+
+
+def _stages_to_show(stages: list[StageMemory]) -> list[StageMemory]:
+    """First, last, the peak, and any stage unlike its neighbours (uneven splits); all when few."""
+    if len(stages) <= 4:
+        return stages
+    peak = max(stages, key=lambda s: s.total)
+    keep = {0, len(stages) - 1, peak.stage, 1, len(stages) - 2}
+    return [s for s in stages if s.stage in keep]
+
+
+def _layout(job: JobConfig, m: int) -> dict:
+    par = job.parallel
+    world = job.nodes * job.cluster.gpus_per_node
+    dp = world // max(1, par.tensor * par.pipeline * par.context)
+    return {"tp": par.tensor, "pp": par.pipeline, "vpp": par.virtual_pipeline or 1, "cp": par.context,
+            "ep": par.expert, "dp": dp, "world": world, "mbs": job.train.micro_batch_size,
+            "gbs": job.train.global_batch_size, "microbatches": m, "schedule": job.schedule.kind,
+            "recompute": job.train.recompute, "sequence_parallel": par.sequence_parallel,
+            "first_stage_layers": par.first_stage_layers, "last_stage_layers": par.last_stage_layers}
+
+
+def plan_job(job: JobConfig, check: bool = True) -> Plan:
+    """Memory per stage, FLOPs, step time, throughput and MFU for the job's layout.
+
+    Raises PlanError when the layout itself is invalid (validation errors on parallel/model/schedule/batch
+    fields); other validation problems do not stop planning. ``check=False`` skips validation (search)."""
+    from launcher.validate import num_microbatches, validate
+
+    warnings: list[str] = []
+    if check:
+        problems = validate(job)
+        blocking = [p for p in problems if p.severity == "error" and p.field.startswith(LAYOUT_FIELDS)]
+        if blocking:
+            raise PlanError("cannot plan an invalid layout:\n" + "\n".join(p.line() for p in blocking))
+        warnings = [p.line() for p in problems if p.severity != "error" and p.field.startswith(LAYOUT_FIELDS)]
+    m = max(1, num_microbatches(job))
+    stages = memory_per_stage(job, m)
+    st = step_time(job)
+    counts = model_params(job.model, 1, padded_vocab(job.model, 1)).as_dict()
+    return Plan(
+        name=job.name, layout=_layout(job, m), stages=stages, gpu_memory_gb=job.cluster.gpu_memory_gb,
+        flops_per_token=flops_per_token(job.model),
+        flops_per_step=flops_per_step(job.model, job.train.global_batch_size),
+        params=counts, step=st, perf=throughput(job, st), warnings=warnings)
+
+
+def oom_message(plan: Plan) -> str:
+    """Why the plan does not fit: every stage over the limit with its numbers, the largest contributors,
+    and what to change for each."""
+    cap = plan.gpu_memory_gb
+    over = [s for s in plan.stages if s.total > cap * GB]
+    if not over:
+        return f"{plan.name}: fits (peak {plan.peak_gb:.1f} GB of {cap:g} GB on stage {plan.peak_stage.stage})"
+    lines = [f"{plan.name}: predicted out of memory on {len(over)} of {len(plan.stages)} pipeline stage(s) "
+             f"(GPU has {cap:g} GB usable):"]
+    for s in over:
+        parts = ", ".join(f"{k} {v / GB:.1f}" for k, v in s.parts.items() if v >= 0.05 * GB)
+        lines.append(f"  stage {s.stage} ({s.layers} layers, {s.in_flight:g} microbatches in flight): "
+                     f"{s.total / GB:.1f} GB = {parts}")
+    peak = plan.peak_stage
+    top = peak.largest(3)
+    lines.append("  largest contributors (stage %d): %s" % (
+        peak.stage, ", ".join(f"{k} {v / GB:.1f} GB" for k, v in top)))
+    for k, _ in top:
+        if k in HINTS:
+            lines.append(f"  - {k}: try {HINTS[k]}")
+    lines.append("  or run with action=search to list layouts that fit; force=true renders anyway.")
+    return "\n".join(lines)
+
+
+def search(job: JobConfig, top: int = 10):
+    """Shortcut for ``launcher.plan.search.search``."""
+    from launcher.plan.search import search as _search
+
+    return _search(job, top=top)

@@ -196,24 +196,27 @@ def stage_layer_indices(parallel: ParallelConfig, num_layers: int) -> list[list[
     return indices
 
 
-def stage_params(job: JobConfig, stage: int) -> RankParams:
-    """Parameters held by one rank of pipeline stage ``stage``."""
+def stage_params(job: JobConfig, stage: int, layers: list[int] | None = None) -> RankParams:
+    """Parameters held by one rank of pipeline stage ``stage`` (``layers``: its global layer indices)."""
     model, par = job.model, job.parallel
     tp, p = par.tensor, par.pipeline
     etp, ep = par.expert_tensor or tp, par.expert
     pattern = moe_layer_pattern(model)
-    layers = stage_layer_indices(par, model.num_layers)[stage]
-    kinds = [pattern[i] for i in layers]
+    if layers is None:
+        layers = stage_layer_indices(par, model.num_layers)[stage]
+    n_moe = sum(1 for i in layers if pattern[i])
+    counts = {True: n_moe, False: len(layers) - n_moe}
     last = stage == p - 1
     if last and model.mtp_num_layers:
-        kinds += [pattern[-1]] * model.mtp_num_layers
+        counts[pattern[-1]] += model.mtp_num_layers
     out = RankParams()
-    cache: dict[bool, LayerParams] = {}
-    for is_moe in kinds:
-        lp = cache.setdefault(is_moe, layer_params(model, is_moe))
-        out.dense += lp.tp_sharded / tp + lp.replicated
-        out.expert += lp.expert / (ep * etp)
-        out.gemm += lp.gemm / tp + lp.gemm_expert / (ep * etp)
+    for is_moe, n in counts.items():
+        if not n:
+            continue
+        lp = layer_params(model, is_moe)
+        out.dense += n * (lp.tp_sharded / tp + lp.replicated)
+        out.expert += n * lp.expert / (ep * etp)
+        out.gemm += n * (lp.gemm / tp + lp.gemm_expert / (ep * etp))
     h = model.hidden_size
     norm = 1 if model.normalization == "RMSNorm" else 2
     emb = padded_vocab(model, tp) * h / tp
@@ -259,13 +262,11 @@ def layer_activation_bytes_per_token(job: JobConfig, moe: bool, *, full: bool = 
         qk = model.qk_head_dim + model.qk_pos_emb_head_dim
         latent = a * 2 * ((model.q_lora_rank or 0) + model.kv_lora_rank + model.qk_pos_emb_head_dim)
         attn_tp = a * (2 * n * qk + 2 * n * model.v_head_dim) + (g if g != a else 0) * n * model.v_head_dim
-        q_size = n * model.v_head_dim
         sp_region += latent * sp  # duplicated down-projections work on the gathered sequence
     else:
         d = kv_channels(model)
         q, kv = n * d, query_groups(model) * d
         attn_tp = a * (q + 2 * kv) + a * q + (q if g != a else 0)  # Q, K, V; attention output (+ FP8 copy)
-        q_size = q
     core = 0.0
     flash = te  # TE's fused/flash attention never materialises the s x s scores
     if not flash and rec != "selective":
@@ -285,6 +286,18 @@ def layer_activation_bytes_per_token(job: JobConfig, moe: bool, *, full: bool = 
         mlp_tp = a * m * f + g * f
         per = sp_region / sp + (attn_tp + core + mlp_tp) / t
     return per
+
+
+def recompute_fraction(job: JobConfig, stage_layers: int) -> float:
+    """Share of a stage's layers under full recompute: all, or recompute_num_layers per model chunk
+    (Megatron's block method recomputes the first n layers of each chunk)."""
+    if job.train.recompute != "full" or stage_layers == 0:
+        return 0.0
+    n = job.train.recompute_num_layers
+    if n is None:
+        return 1.0
+    v = job.parallel.virtual_pipeline or 1
+    return min(1.0, n * v / stage_layers)
 
 
 def in_flight_microbatches(job: JobConfig, stage: int, num_microbatches: int) -> float:
@@ -371,10 +384,12 @@ def static_bytes(job: JobConfig, rp: RankParams) -> dict[str, float]:
     }
 
 
-def stage_memory(job: JobConfig, stage: int, num_microbatches: int) -> StageMemory:
-    """Peak memory of one rank of ``stage``."""
+def stage_memory(job: JobConfig, stage: int, num_microbatches: int, layers: list[int] | None = None) -> StageMemory:
+    """Peak memory of one rank of ``stage`` (``layers``: its global layer indices, computed if None)."""
     model, par = job.model, job.parallel
-    rp = stage_params(job, stage)
+    if layers is None:
+        layers = stage_layer_indices(par, model.num_layers)[stage]
+    rp = stage_params(job, stage, layers)
     parts = static_bytes(job, rp)  # FP8 copies: layer GEMMs only (the output layer stays BF16 in TE recipes)
     p, t, cp = par.pipeline, par.tensor, par.context
     a = DTYPE_BYTES.get(job.precision.dtype, 2)
@@ -382,11 +397,14 @@ def stage_memory(job: JobConfig, stage: int, num_microbatches: int) -> StageMemo
     b, s, h = job.train.micro_batch_size, model.seq_length, model.hidden_size
     tokens = b * s / cp
     pattern = moe_layer_pattern(model)
-    layers = stage_layer_indices(par, model.num_layers)[stage]
-    kinds = [pattern[i] for i in layers]
+    n_moe = sum(1 for i in layers if pattern[i])
+    counts = {True: n_moe, False: len(layers) - n_moe}
+    frac = recompute_fraction(job, len(layers))
+    per_kind = {k: frac * layer_activation_bytes_per_token(job, k)
+                + (1 - frac) * layer_activation_bytes_per_token(job, k, full=True) for k, n in counts.items() if n}
     last = stage == p - 1
     mtp = model.mtp_num_layers if last else 0
-    per_mb = sum(layer_activation_bytes_per_token(job, k) for k in kinds) * tokens
+    per_mb = sum(n * per_kind[k] for k, n in counts.items() if n) * tokens
     per_mb_mtp = mtp * (layer_activation_bytes_per_token(job, pattern[-1]) + 3 * a * h / sp) * tokens
     if stage == 0:
         per_mb += 8 * tokens + (h * tokens / sp if model.hidden_dropout > 0 else 0)  # token ids; emb dropout
@@ -409,8 +427,8 @@ def stage_memory(job: JobConfig, stage: int, num_microbatches: int) -> StageMemo
         comm += 2 * 2 * a * query_groups(model) * kv_channels(model) * tokens / t  # ring K/V send + recv
     parts["comm_buffers"] = comm
     # The backward of one layer: its activation gradients (and, under full recompute, its recomputed forward).
-    work = max((layer_activation_bytes_per_token(job, k, full=True) for k in set(kinds)), default=0.0) * tokens
-    parts["workspace"] = work * (2 if job.train.recompute == "full" else 1)
+    work = max((layer_activation_bytes_per_token(job, k, full=True) for k in per_kind), default=0.0) * tokens
+    parts["workspace"] = work * (2 if frac > 0 else 1)
     parts["reserve"] = job.cluster.memory_reserve_gb * GB
     return StageMemory(stage, len(layers), rp.total, in_flight, parts)
 
@@ -421,7 +439,8 @@ def memory_per_stage(job: JobConfig, num_microbatches: int | None = None) -> lis
         from launcher.validate import num_microbatches as nmb
 
         num_microbatches = nmb(job)
-    return [stage_memory(job, r, num_microbatches) for r in range(job.parallel.pipeline)]
+    indices = stage_layer_indices(job.parallel, job.model.num_layers)
+    return [stage_memory(job, r, num_microbatches, indices[r]) for r in range(job.parallel.pipeline)]
 
 
 def activation_formula_check(job: JobConfig) -> float:

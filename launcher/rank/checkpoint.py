@@ -50,15 +50,20 @@ def _rng_state():
     return ShardedObject("rng_state", state, shape, (pp, tp, dp), replica_id=0)
 
 
+def _unwrap(chunk):
+    """The GPTModel inside Megatron's DDP wrapper (whose own state dict prefixes keys with 'module.')."""
+    return getattr(chunk, "module", chunk)
+
+
 def _sharded_state(model: List[torch.nn.Module], optimizer, scheduler, step: int, consumed: int,
                    is_loading: bool) -> dict:
     state = {"step": step, "consumed_samples": consumed, "scheduler": scheduler.state_dict(),
              "rng_state": _rng_state()}
     if len(model) == 1:
-        state["model"] = model[0].sharded_state_dict()
+        state["model"] = _unwrap(model[0]).sharded_state_dict()
     else:
         for i, chunk in enumerate(model):
-            state[f"model{i}"] = chunk.sharded_state_dict()
+            state[f"model{i}"] = _unwrap(chunk).sharded_state_dict()
     model_sd = {k: v for k, v in state.items() if k.startswith("model")}
     state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
     return state
@@ -107,10 +112,10 @@ def load(path: Path, *, model, optimizer, scheduler) -> tuple:
     template = _sharded_state(model, optimizer, scheduler, 0, 0, is_loading=True)
     state = dist_checkpointing.load(template, str(path))
     if len(model) == 1:
-        model[0].load_state_dict(state["model"])
+        _unwrap(model[0]).load_state_dict(state["model"])
     else:
         for i, chunk in enumerate(model):
-            chunk.load_state_dict(state[f"model{i}"])
+            _unwrap(chunk).load_state_dict(state[f"model{i}"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     rng = state["rng_state"]

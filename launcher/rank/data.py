@@ -1,7 +1,7 @@
 """Training/validation batches for this rank: one call, ``build_train_valid_iterators``.
 
-kind=mock uses Megatron's MockGPTDataset; kind=indexed uses ``data.datasets`` (GPTDataset over the blend)
-when that module exists, else the same Megatron builder here. Every rank of a data-parallel replica reads
+Datasets come from ``data.datasets.build_gpt_datasets`` (GPTDataset over the blend, or MockGPTDataset for
+kind=mock); a plain Megatron builder here is the fallback if that module is absent. Every rank of a data-parallel replica reads
 the same micro-batches (pipeline stages take what they need), in Megatron's sampler order: micro-batch m of
 step s on DP rank r holds global samples ``s*G + m*b*d + r*b ... + b`` (G global batch, b micro batch,
 d DP size), so any layout with the same global batch sees the same samples per step.
@@ -61,12 +61,16 @@ def _megatron_datasets(*, data: DataConfig, model: ModelConfig, seed: int, sizes
     return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
 
 
-def _their_builder():
-    """data/datasets.py (the data engineer's module) if present, else None."""
-    if importlib.util.find_spec("data") is None or importlib.util.find_spec("data.datasets") is None:
-        return None
-    module = importlib.import_module("data.datasets")
-    return getattr(module, "build_datasets", None)
+def _datasets(*, data: DataConfig, model: ModelConfig, seed: int, sizes: List[int], cache_dir: str):
+    """(train, valid, test) via data.datasets.build_gpt_datasets (node-local index caches), falling back
+    to the plain Megatron builder above when that module is absent."""
+    if importlib.util.find_spec("data") is not None and importlib.util.find_spec("data.datasets") is not None:
+        from data.datasets import build_gpt_datasets
+
+        return build_gpt_datasets(data=data, seq_length=model.seq_length, seed=seed, train_samples=sizes[0],
+                                  valid_samples=sizes[1], test_samples=sizes[2], cache_dir=cache_dir,
+                                  vocab_size=model.vocab_size)
+    return _megatron_datasets(data=data, model=model, seed=seed, sizes=sizes, cache_dir=cache_dir)
 
 
 def dataset_sizes(train: TrainConfig, steps: int) -> List[int]:
@@ -96,12 +100,7 @@ def build_train_valid_iterators(*, data: DataConfig, model: ModelConfig, train: 
 
     os.makedirs(cache_dir, exist_ok=True)
     sizes = dataset_sizes(train, steps)
-    theirs = _their_builder() if data.kind == "indexed" else None
-    if theirs is not None:
-        train_ds, valid_ds, _ = theirs(data=data, model=model, seed=train.seed, sizes=sizes, cache_dir=cache_dir)
-    else:
-        train_ds, valid_ds, _ = _megatron_datasets(data=data, model=model, seed=train.seed, sizes=sizes,
-                                                   cache_dir=cache_dir)
+    train_ds, valid_ds, _ = _datasets(data=data, model=model, seed=train.seed, sizes=sizes, cache_dir=cache_dir)
     kw = dict(train=train, dp_rank=dp_rank, dp_size=dp_size)
     train_iters = [_batches(train_ds, start=consumed_samples, **kw) for _ in range(num_chunks)]
 

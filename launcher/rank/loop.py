@@ -23,7 +23,7 @@ def forward_step(data_iterator, model):
 def _loss(loss_mask: torch.Tensor, output: torch.Tensor):
     mask = loss_mask.view(-1).float()
     loss = torch.sum(output.view(-1).float() * mask) / mask.sum().clamp(min=1)
-    return loss, {"lm loss": loss.detach()}
+    return loss, {"lm loss": loss.detach().clone()}  # clone: the schedule divides `loss` in place
 
 
 def schedule_func(kind: str) -> Callable:

@@ -1,0 +1,183 @@
+"""Login-node pre-flight checks of the training data, before any GPU is spent. Imports numpy only.
+
+Why the ``.idx`` header is read here rather than through ``megatron.core.datasets.indexed_dataset``: importing
+megatron.core pulls in torch and most of Megatron (~3.5 s and ~450 MB per call, measured), which the
+login-node commands must not pay, and megatron's reader would mmap and validate the whole index while we need
+a few header fields. The layout read below is Megatron's documented one (little-endian): magic
+``MMIDIDX\\x00\\x00``, u64 version (1), u8 dtype code, u64 sequence count N, u64 document count D (+1), then
+int32 lengths[N], int64 pointers[N], int64 document indices[D]. Writing stays with Megatron's builder.
+"""
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+import numpy as np
+
+from data.blend import parse_blend, resolve_path, resolve_prefix
+from launcher.problems import Problem
+
+MAGIC = b"MMIDIDX\x00\x00"
+DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
+"""Megatron's DType codes (megatron.core.datasets.indexed_dataset.DType)."""
+SCAN_LIMIT_BYTES = 2 << 30
+"""Token files up to this size are scanned completely for the largest id; larger ones are sampled."""
+SAMPLE_BLOCKS = 256
+SAMPLE_BLOCK_BYTES = 4 << 20
+
+
+@dataclass
+class IndexHeader:
+    version: int
+    dtype_code: int
+    sequence_count: int
+    document_count: int
+    tokens: int  # sum of sequence lengths
+
+    @property
+    def dtype(self):
+        return np.dtype(DTYPES[self.dtype_code])
+
+
+def read_index_header(idx_path: str) -> IndexHeader:
+    """Header and total token count of a Megatron .idx; raises ValueError with the reason when unreadable."""
+    size = os.path.getsize(idx_path)
+    with open(idx_path, "rb") as f:
+        head = f.read(34)
+        if len(head) < 34 or head[:9] != MAGIC:
+            raise ValueError("not a Megatron index (bad magic or shorter than the 34-byte header)")
+        (version,) = struct.unpack("<Q", head[9:17])
+        code = head[17]
+        n, d = struct.unpack("<QQ", head[18:34])
+    if version != 1:
+        raise ValueError(f"index version {version}, expected 1")
+    if code not in DTYPES:
+        raise ValueError(f"unknown dtype code {code}")
+    expected = 34 + 4 * n + 8 * n + 8 * d
+    if size != expected:
+        raise ValueError(f"index is {size} bytes, its header says {expected} (truncated or corrupt)")
+    lengths = np.memmap(idx_path, dtype="<i4", mode="r", offset=34, shape=(n,)) if n else np.zeros(0, "<i4")
+    tokens = int(lengths.sum(dtype=np.int64))
+    return IndexHeader(version, code, n, d, tokens)
+
+
+def max_token_id(bin_path: str, dtype: np.dtype, *, scan_limit: Optional[int] = None) -> tuple[int, bool]:
+    """(largest id, scanned completely?). Files above scan_limit are sampled: SAMPLE_BLOCKS evenly spaced blocks.
+
+    A full scan reads the file once in 64 MiB slices (bounded memory; ~1-2 GB/s from page cache); past the limit
+    (default SCAN_LIMIT_BYTES) a sample keeps the login-node command fast, and the report says it sampled.
+    """
+    scan_limit = SCAN_LIMIT_BYTES if scan_limit is None else scan_limit
+    data = np.memmap(bin_path, dtype=dtype, mode="r")
+    if data.size == 0:
+        return -1, True
+    step = max(1, (64 << 20) // dtype.itemsize)
+    if data.nbytes <= scan_limit:
+        return int(max(int(data[i:i + step].max()) for i in range(0, data.size, step))), True
+    block = SAMPLE_BLOCK_BYTES // dtype.itemsize
+    starts = np.linspace(0, data.size - block, SAMPLE_BLOCKS).astype(np.int64)
+    return int(max(int(data[s:s + block].max()) for s in starts)), False
+
+
+def _check_prefix(field: str, prefix: str, shown: str, vocab_size: int, problems: List[Problem]) -> Optional[int]:
+    """Problems of one dataset prefix; returns its token count when readable."""
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    missing = [p for p in (idx, bin_) if not os.path.isfile(p)]
+    if missing:
+        problems.append(Problem(field, shown, f"dataset files missing: {', '.join(os.path.basename(m) for m in missing)}"
+                                f" (expected {shown}.bin and {shown}.idx)",
+                                "python -m data.preprocess --input corpus.jsonl --tokenizer tokenizer.json "
+                                f"--output-prefix {shown} --append-eod"))
+        return None
+    try:
+        header = read_index_header(idx)
+    except (ValueError, OSError) as exc:
+        problems.append(Problem(field, shown, f"unreadable index {os.path.basename(idx)}: {exc}",
+                                "rebuild the dataset with python -m data.preprocess"))
+        return None
+    bin_size, want = os.path.getsize(bin_), header.tokens * header.dtype.itemsize
+    if bin_size != want:
+        problems.append(Problem(field, shown, f".bin is {bin_size:,} bytes but the index describes {header.tokens:,} "
+                                f"{header.dtype.name} tokens = {want:,} bytes (truncated or from another run)",
+                                "rebuild the dataset with python -m data.preprocess"))
+        return None
+    if header.dtype.kind not in "iu" or np.iinfo(header.dtype).max < vocab_size - 1:
+        problems.append(Problem(field, shown, f"token dtype {header.dtype.name} cannot hold ids up to vocab_size-1="
+                                f"{vocab_size - 1}", "re-run preprocess (it picks int32 for vocabularies >= 65500)"))
+        return header.tokens
+    top, complete = max_token_id(bin_, header.dtype)
+    if top >= vocab_size:
+        problems.append(Problem(field, shown, f"largest token id {top} >= model.vocab_size {vocab_size}"
+                                + ("" if complete else " (found in a sample of the file)"),
+                                f"model.vocab_size={top + 1} or larger, or re-tokenize with the model's tokenizer"))
+    elif not complete:
+        problems.append(Problem(field, shown, f"largest id checked on a sample only ({SAMPLE_BLOCKS} blocks of "
+                                f"{SAMPLE_BLOCK_BYTES >> 20} MiB; the file is over {SCAN_LIMIT_BYTES >> 30} GiB); "
+                                f"sampled max {top} < vocab_size {vocab_size}", "nothing to do if the tokenizer "
+                                "matches the model", severity="warning"))
+    return header.tokens
+
+
+def _check_weights(weights: List[float], problems: List[Problem]) -> None:
+    bad = [w for w in weights if not w > 0]
+    if bad:
+        problems.append(Problem("data.blend", weights, f"every blend weight must be > 0 (got {bad})",
+                                "remove the dataset from the blend, or give it a positive weight"))
+        return
+    total = sum(weights)
+    if abs(total - 1.0) > 1e-6:
+        norm = [round(w / total, 6) for w in weights]
+        problems.append(Problem("data.blend", weights, f"weights sum to {total:g}; they are normalised to {norm}",
+                                f"weights {norm} to silence this", severity="warning"))
+
+
+def preflight(data: Any, *, vocab_size: int, tokens_needed: int) -> List[Problem]:
+    """Every problem with the data section found without importing torch or megatron."""
+    if data.kind == "mock":
+        return []
+    problems: List[Problem] = []
+    try:
+        prefixes, weights = parse_blend(data.blend)
+    except ValueError as exc:
+        return [Problem("data.blend", list(data.blend), str(exc), "data.blend=[0.3,path/a,0.7,path/b]")]
+    if not prefixes:
+        return [Problem("data.blend", [], "no dataset prefixes", "data.blend=[data/assets/smoke_text_document] or data.kind=mock")]
+    if data.tokenizer and not os.path.isfile(resolve_path(data.tokenizer)):
+        problems.append(Problem("data.tokenizer", data.tokenizer, "tokenizer file not found (nothing is downloaded)",
+                                "data.tokenizer=data/assets/tokenizer.json"))
+    if weights is not None:
+        _check_weights(weights, problems)
+    counts = []
+    for i, shown in enumerate(prefixes):
+        field = f"data.blend[{2 * i + 1 if weights is not None else i}]"
+        counts.append(_check_prefix(field, resolve_prefix(shown), shown, vocab_size, problems))
+    if any(c is None for c in counts) or tokens_needed <= 0:
+        return problems
+    _check_epochs(data, prefixes, weights, counts, tokens_needed, problems)
+    return problems
+
+
+def _train_fraction(split: str) -> float:
+    parts = [float(x) for x in str(split).replace("/", ",").split(",") if x.strip()]
+    parts += [0.0] * (3 - len(parts))
+    return parts[0] / sum(parts) if sum(parts) > 0 else 1.0
+
+
+def _check_epochs(data, prefixes, weights, counts, tokens_needed, problems) -> None:
+    """Tokens available for training vs tokens the run consumes; the worst dataset's epochs under its weight."""
+    frac = _train_fraction(data.split)
+    w = weights if weights is not None else [c / sum(counts) for c in counts]
+    total_w = sum(w)
+    if total_w <= 0:
+        return
+    epochs = [tokens_needed * (wi / total_w) / max(c * frac, 1) for wi, c in zip(w, counts)]
+    worst = max(range(len(epochs)), key=epochs.__getitem__)
+    available = int(sum(counts) * frac)
+    if epochs[worst] > 1.0:
+        problems.append(Problem(
+            "data.blend", prefixes[worst],
+            f"training needs {tokens_needed:,} tokens; {available:,} training tokens are available "
+            f"(split {data.split!r}), so {prefixes[worst]} is repeated {epochs[worst]:.2f} epochs",
+            "add data, lower train.train_steps/train_tokens, or accept repetition", severity="warning"))

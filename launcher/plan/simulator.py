@@ -1,0 +1,232 @@
+"""Pipeline-schedule simulator: 1F1B, interleaved (virtual stages) and ZB-H1 (zero bubble, Qi et al. 2024).
+
+A schedule is, for every pipeline rank, an ordered list of operations ``Op(kind, microbatch, chunk)`` with kind
+F (forward), B (backward: input gradient) or W (weight gradient). ``simulate`` replays those lists event by
+event: a rank runs its next operation as soon as the rank is free and the operation's inputs exist:
+
+- F of model chunk c (virtual stage k = chunk * p + rank) needs F of virtual stage k - 1 on its rank, plus a
+  send/recv of ``t_comm``;
+- B of virtual stage k needs B of virtual stage k + 1 (+ ``t_comm``), or its own F on the last virtual stage;
+- W needs its own B.
+
+It returns the makespan, the bubble fraction (idle share of rank-time), each rank's op timeline, and the peak
+number of microbatches in flight (forwards whose backward has not finished: what holds activation memory).
+1F1B runs B and W back to back; the others order ops as their papers/implementations do. Costs may differ
+per rank (uneven stages). Pure Python; used by the planner and, later, to check the real ZB-H1 schedule.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+KINDS = ("F", "B", "W", "BW")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One scheduled operation of a pipeline rank."""
+
+    kind: str
+    """F, B, W, or BW (a backward that computes both gradients before sending: 1F1B and interleaved)."""
+    microbatch: int
+    """Microbatch index, 0-based."""
+    chunk: int = 0
+    """Model chunk (virtual pipeline stage) on this rank, 0-based."""
+
+
+@dataclass
+class Span:
+    """An executed op with its start and end time."""
+
+    op: Op
+    start: float
+    end: float
+
+
+@dataclass
+class SimResult:
+    """Outcome of replaying a schedule."""
+
+    makespan: float
+    """Time from the first op to the last op's end."""
+    bubble_fraction: float
+    """Idle rank-time / total rank-time (p x makespan)."""
+    timelines: list[list[Span]] = field(default_factory=list)
+    """Per rank, the executed ops in order."""
+    peak_in_flight: list[int] = field(default_factory=list)
+    """Per rank, the most microbatch-chunks whose F had run and whose B had not finished."""
+
+    @property
+    def bubble(self) -> float:
+        """Makespan minus the busiest rank's compute time: the closed forms' (p-1)(...) quantity."""
+        return self.makespan - max(sum(s.end - s.start for s in tl) for tl in self.timelines)
+
+    def to_dict(self) -> dict:
+        return {"makespan": self.makespan, "bubble_fraction": self.bubble_fraction,
+                "peak_in_flight": self.peak_in_flight,
+                "timelines": [[[s.op.kind, s.op.microbatch, s.op.chunk, s.start, s.end] for s in tl]
+                              for tl in self.timelines]}
+
+
+# ------------------------------------------------------------------------------------------- schedules
+def schedule_1f1b(p: int, m: int) -> list[list[Op]]:
+    """Megatron's non-interleaved 1F1B: rank r warms up with min(p - r - 1, m) forwards, then alternates
+    one forward and one backward (BW: input and weight gradients before the send), then cools down with the remaining backwards."""
+    out = []
+    for r in range(p):
+        warm = min(p - r - 1, m)
+        ops = [Op("F", i) for i in range(warm)]
+        for i in range(m - warm):
+            ops.append(Op("F", warm + i))
+            ops.append(Op("BW", i))
+        ops += [Op("BW", i) for i in range(m - warm, m)]
+        out.append(ops)
+    return out
+
+
+def schedule_zb_h1(p: int, m: int) -> list[list[Op]]:
+    """ZB-H1 (Qi et al., ICLR 2024, Fig. 3): 1F1B's order of F and B (so at most p - r microbatches in flight
+    on rank r, 1F1B's activation memory), with the weight-gradient passes split off and rank r running its
+    W's r microbatches late. The deferred W's fill the time rank r would wait for the next B from downstream,
+    which shrinks the bubble from (p-1)(T_F+T_B+T_W) to (p-1)(T_F+T_B-T_W); the remaining W's run at the end."""
+    out = []
+    for r in range(p):
+        warm = min(p - r - 1, m)
+        ops = [Op("F", i) for i in range(warm)]
+        backwards = 0
+        w_next = 0
+        for i in range(m):
+            if warm + i < m:
+                ops.append(Op("F", warm + i))
+            ops.append(Op("B", i))
+            backwards += 1
+            if backwards - w_next > r:  # keep exactly r weight-gradient passes pending
+                ops.append(Op("W", w_next))
+                w_next += 1
+        ops += [Op("W", j) for j in range(w_next, m)]
+        out.append(ops)
+    return out
+
+
+def schedule_interleaved(p: int, m: int, v: int, group: int | None = None) -> list[list[Op]]:
+    """Megatron's interleaved 1F1B: microbatches run in groups of ``group`` (default p) per model chunk;
+    rank r warms up with 2(p - r - 1) + (v - 1) * group chunk-forwards, then alternates 1F and 1BW."""
+    group = group or p
+    total = m * v
+
+    def chunk_of(k: int, forward: bool) -> tuple[int, int]:
+        """k-th chunk-op of a rank -> (microbatch, chunk), in Megatron's ordering."""
+        g, rem = divmod(k, group * v)
+        c = rem // group
+        mb = g * group + rem % group
+        return mb, (c if forward else v - 1 - c)
+
+    out = []
+    for r in range(p):
+        warm = min(2 * (p - r - 1) + (v - 1) * group, total)
+        ops = []
+        f_k = b_k = 0
+        for _ in range(warm):
+            mb, c = chunk_of(f_k, True)
+            ops.append(Op("F", mb, c))
+            f_k += 1
+        while b_k < total:
+            if f_k < total:
+                mb, c = chunk_of(f_k, True)
+                ops.append(Op("F", mb, c))
+                f_k += 1
+            mb, c = chunk_of(b_k, False)
+            ops.append(Op("BW", mb, c))
+            b_k += 1
+        out.append(ops)
+    return out
+
+
+def build_schedule(kind: str, p: int, m: int, v: int = 1, group: int | None = None) -> list[list[Op]]:
+    """The per-rank op lists for schedule ``kind`` (1f1b, interleaved, zb_h1)."""
+    if kind == "interleaved" and v > 1:
+        return schedule_interleaved(p, m, v, group)
+    if kind == "zb_h1":
+        return schedule_zb_h1(p, m)
+    return schedule_1f1b(p, m)
+
+
+# ------------------------------------------------------------------------------------------- simulation
+def _per_rank(x: float | Sequence[float], p: int) -> list[float]:
+    return list(x) if isinstance(x, (list, tuple)) else [float(x)] * p
+
+
+def simulate(schedule: list[list[Op]], t_f: float | Sequence[float], t_b: float | Sequence[float],
+             t_w: float | Sequence[float], t_comm: float = 0.0) -> SimResult:
+    """Replay per-rank op lists; costs are per model chunk, scalars or one value per rank."""
+    p = len(schedule)
+    v = 1 + max((op.chunk for ops in schedule for op in ops), default=0)
+    cost = {"F": _per_rank(t_f, p), "B": _per_rank(t_b, p), "W": _per_rank(t_w, p)}
+    cost["BW"] = [b + w for b, w in zip(cost["B"], cost["W"])]
+    n_virtual = p * v
+    done: dict[tuple[str, int, int], float] = {}  # (kind, virtual stage, microbatch) -> end time
+    clock = [0.0] * p
+    pos = [0] * p
+    timelines: list[list[Span]] = [[] for _ in range(p)]
+    in_flight = [0] * p
+    peak = [0] * p
+    remaining = sum(len(ops) for ops in schedule)
+    while remaining:
+        progressed = False
+        for r in range(p):
+            while pos[r] < len(schedule[r]):
+                op = schedule[r][pos[r]]
+                k = op.chunk * p + r
+                ready = _ready_time(op, k, r, n_virtual, done, t_comm)
+                if ready is None:
+                    break
+                start = max(clock[r], ready)
+                end = start + cost[op.kind][r]
+                for kind in (("B", "W") if op.kind == "BW" else (op.kind,)):
+                    done[(kind, k, op.microbatch)] = end
+                timelines[r].append(Span(op, start, end))
+                clock[r] = end
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+                if op.kind == "F":
+                    in_flight[r] += 1
+                    peak[r] = max(peak[r], in_flight[r])
+                elif op.kind in ("B", "BW"):
+                    in_flight[r] -= 1
+        if not progressed:
+            stuck = {r: schedule[r][pos[r]] for r in range(p) if pos[r] < len(schedule[r])}
+            raise ValueError(f"schedule deadlocks; next ops per rank: {stuck}")
+    makespan = max(clock)
+    busy = sum(s.end - s.start for tl in timelines for s in tl)
+    bubble_fraction = 1.0 - busy / (p * makespan) if makespan else 0.0
+    return SimResult(makespan, bubble_fraction, timelines, peak)
+
+
+def _ready_time(op: Op, k: int, r: int, n_virtual: int, done: dict, t_comm: float) -> float | None:
+    """When op's inputs exist (None: not yet)."""
+    mb = op.microbatch
+    if op.kind == "F":
+        if k == 0:
+            return 0.0
+        prev = done.get(("F", k - 1, mb))
+        return None if prev is None else prev + t_comm
+    if op.kind in ("B", "BW"):
+        own = done.get(("F", k, mb))
+        if own is None:
+            return None
+        if k == n_virtual - 1:
+            return own
+        nxt = done.get(("B", k + 1, mb))
+        return None if nxt is None else max(own, nxt + t_comm)
+    b = done.get(("B", k, mb))
+    return b
+
+
+def simulate_kind(kind: str, p: int, m: int, t_f, t_b, t_w, v: int = 1, t_comm: float = 0.0,
+                  group: int | None = None) -> SimResult:
+    """Build and replay schedule ``kind``; t_f/t_b/t_w are per microbatch per whole stage (divided by v
+    for each model chunk of the interleaved schedule)."""
+    vv = v if kind == "interleaved" else 1
+    scale = (lambda x: [c / vv for c in x]) if isinstance(t_f, (list, tuple)) else (lambda x: x / vv)
+    return simulate(build_schedule(kind, p, m, vv, group), scale(t_f), scale(t_b), scale(t_w), t_comm)

@@ -1,0 +1,319 @@
+"""Step time: compute from FLOPs per GPU, exposed TP/CP/EP/DP/PP communication, and the pipeline bubble.
+
+Per pipeline stage and microbatch the planner builds three costs, F (forward), B (input gradient) and
+W (weight gradient), each = GEMM FLOPs / (peak x cluster.gemm_efficiency) [FP8 peak for the layer GEMMs
+under FP8] + core-attention FLOPs / (BF16 peak x gemm_efficiency) + element-wise traffic / (HBM x
+HBM_EFFICIENCY) + exposed tensor/context/expert-parallel communication. Those costs go through the schedule
+simulator (``simulator.py``) with the pipeline send/recv time as the dependency latency: its makespan is the
+pipelined part of the step, bubble included. Data-parallel gradient reduce-scatter / parameter all-gather
+(exposed part) and the optimizer step come on top. Overlap rules and constants: ``launcher/plan/NOTES.md``.
+Pure Python: no torch, no megatron.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from launcher.plan.flops import FMA, flops_per_step, kv_channels, layer_flops, moe_layer_pattern, query_groups
+from launcher.plan.memory import DTYPE_BYTES, dp_sizes, recompute_fraction, padded_vocab, stage_layer_indices, stage_params
+from launcher.plan.simulator import simulate_kind
+from launcher.schema import JobConfig
+
+HBM_EFFICIENCY = 0.8
+"""Fraction of HBM bandwidth that element-wise kernels (norms, SwiGLU, RoPE, residual adds) reach."""
+ELEMENTWISE_PASSES_BWD = 2.0
+"""Backward element-wise traffic relative to forward (reads the saved input and the incoming gradient)."""
+COLLECTIVE_LATENCY_S = 20e-6
+"""Fixed cost per collective / send (launch + NCCL latency), added to bandwidth time."""
+ATTENTION_BWD_FACTOR = 2.5
+"""Flash-attention backward time / forward time (recomputes the scores; FlashAttention-2 paper: 2.5x)."""
+
+
+@dataclass
+class StageCosts:
+    """Per-microbatch times (s) of one pipeline stage on one rank, and what they are made of."""
+
+    f: float
+    b: float
+    w: float
+    parts: dict = field(default_factory=dict)
+    """Seconds per microbatch by contributor (gemm, attention, elementwise, tp_comm, cp_comm, ep_comm, recompute)."""
+
+
+@dataclass
+class StepTime:
+    """Predicted time of one optimizer step and its breakdown (seconds)."""
+
+    step_s: float
+    """Whole step."""
+    pipeline_s: float
+    """Makespan of the pipeline schedule (compute + exposed TP/CP/EP/PP comm + bubble)."""
+    bubble_s: float
+    """Idle time of the busiest stage inside the pipeline makespan."""
+    bubble_fraction: float
+    """Idle share of rank-time in the schedule."""
+    dp_exposed_s: float
+    """Data-parallel gradient reduce-scatter + parameter all-gather not hidden behind compute."""
+    optimizer_s: float
+    """Optimizer step (memory-bound)."""
+    breakdown_s: dict = field(default_factory=dict)
+    """Seconds per step summed over microbatches on the busiest stage, by contributor."""
+    stages: list = field(default_factory=list)
+    """Per-stage (F, B, W) seconds per microbatch."""
+
+    def to_dict(self) -> dict:
+        return {"step_s": self.step_s, "pipeline_s": self.pipeline_s, "bubble_s": self.bubble_s,
+                "bubble_fraction": self.bubble_fraction, "dp_exposed_s": self.dp_exposed_s,
+                "optimizer_s": self.optimizer_s, "breakdown_s": self.breakdown_s,
+                "stages_fbw_s": self.stages}
+
+
+# ------------------------------------------------------------------------------------------- topology
+def _bandwidth(job: JobConfig, span: int) -> float:
+    """Bytes/s per GPU for a group whose members lie within ``span`` consecutive ranks."""
+    cl = job.cluster
+    gbps = cl.nvlink_bandwidth_gbps if span <= cl.gpus_per_node else cl.network_bandwidth_gbps
+    return gbps * 1e9 * cl.comm_efficiency
+
+
+def _ring(nbytes: float, n: int, bw: float) -> float:
+    """One ring all-gather or reduce-scatter of a tensor of ``nbytes`` (full size) over n ranks."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) / n * nbytes / bw + COLLECTIVE_LATENCY_S
+
+
+# ------------------------------------------------------------------------------------------ per stage
+def stage_costs(job: JobConfig, stage: int) -> StageCosts:
+    """F/B/W seconds per microbatch for one rank of ``stage``."""
+    model, par, cl, pr = job.model, job.parallel, job.cluster, job.precision
+    t, cp = par.tensor, par.context
+    a = DTYPE_BYTES.get(pr.dtype, 2)
+    tokens = job.train.micro_batch_size * model.seq_length  # per microbatch (whole sequence)
+    share = tokens / (t * cp)  # per-rank share of per-token work (TP x CP; experts balanced over EP)
+    eff = cl.gemm_efficiency
+    bf16 = cl.peak_tflops_bf16 * 1e12 * eff
+    gemm_peak = cl.peak_tflops_fp8 * 1e12 * cl.fp8_gemm_efficiency if pr.fp8 else bf16
+    hbm = cl.hbm_bandwidth_gbps * 1e9 * HBM_EFFICIENCY
+    lf = layer_flops(model)
+    pattern = moe_layer_pattern(model)
+    kinds = [pattern[i] for i in stage_layer_indices(par, model.num_layers)[stage]]
+    last = stage == par.pipeline - 1
+    n_mtp = model.mtp_num_layers if last else 0
+    kinds += [pattern[-1]] * n_mtp
+    h = model.hidden_size
+    parts = dict.fromkeys(("gemm", "attention", "elementwise", "fp8_cast", "tp_comm", "cp_comm", "ep_comm", "recompute"), 0.0)
+    f = b = w = 0.0
+    sp = t if (par.sequence_parallel and t > 1) else 1
+    tp_bw = _bandwidth(job, t)
+    cp_bw = _bandwidth(job, t * cp)
+    etp = par.expert_tensor or t
+    ep_bw = _bandwidth(job, etp * par.expert)
+    act_full = a * h * tokens / cp  # one full-sequence-shard activation tensor (bytes)
+    d = kv_channels(model)
+    counts = {k: kinds.count(k) for k in set(kinds)}
+    for is_moe, n in counts.items():
+        gemm_layer = (lf.attn_linear + (lf.moe_mlp if is_moe else lf.dense_mlp)) * share / 3  # one pass
+        core_fwd = lf.attn_core * share / 3
+        g = gemm_layer / gemm_peak
+        att = core_fwd / bf16
+        elem = _elementwise_bytes(job, is_moe) * tokens / cp / hbm
+        cast_f, cast_b = _fp8_cast_bytes(job, is_moe)
+        cast_f, cast_b = cast_f * tokens / cp / hbm, cast_b * tokens / cp / hbm
+        tp = 4 * _ring(act_full, t, tp_bw) if t > 1 else 0.0  # AG/RS (or AR) x2 per pass
+        if tp and par.tp_comm_overlap and sp > 1:  # userbuffers pipeline the collective under its GEMM
+            tp = max(0.0, tp - g) + 4 * COLLECTIVE_LATENCY_S
+        cpc = 0.0
+        if cp > 1 and not model.multi_latent_attention:
+            kv_bytes = 2 * a * query_groups(model) * d * tokens / cp / t
+            cpc = max(0.0, (cp - 1) * (kv_bytes / cp_bw + COLLECTIVE_LATENCY_S) - att)  # overlapped with attention
+        epc = 0.0
+        if is_moe and par.expert > 1:
+            a2a = a * h * tokens / cp / sp * model.moe_router_topk * (par.expert - 1) / par.expert
+            epc = 2 * (a2a / ep_bw + COLLECTIVE_LATENCY_S)  # dispatch + combine
+        f += n * (g + att + elem + cast_f + tp + cpc + epc)
+        b += n * (g + ATTENTION_BWD_FACTOR * att + ELEMENTWISE_PASSES_BWD * elem + cast_b + tp + 2 * cpc + epc)
+        w += n * g
+        parts["gemm"] += n * 3 * g
+        parts["attention"] += n * (1 + ATTENTION_BWD_FACTOR) * att
+        parts["elementwise"] += n * (1 + ELEMENTWISE_PASSES_BWD) * elem
+        parts["fp8_cast"] += n * (cast_f + cast_b)
+        parts["tp_comm"] += n * 2 * tp
+        parts["cp_comm"] += n * 3 * cpc
+        parts["ep_comm"] += n * 2 * epc
+        rec = 0.0
+        if job.train.recompute == "full":
+            rec = recompute_fraction(job, len(kinds) - n_mtp) * (g + att + elem + cast_f + tp + cpc + epc)
+        elif job.train.recompute == "selective":
+            rec = att
+        b += n * rec
+        parts["recompute"] += n * rec
+    if last:  # output layer (+ MTP heads): GEMMs in BF16, plus the loss
+        vp = padded_vocab(model, t)
+        heads = 1 + n_mtp
+        g = FMA * tokens / cp * h * vp / t * heads / bf16
+        elem = 3 * 4 * tokens / cp * vp / t * heads / hbm  # fp32 softmax + gradient
+        f += g + elem
+        b += g + elem
+        w += g
+        parts["gemm"] += 3 * g
+        parts["elementwise"] += 2 * elem
+    return StageCosts(f, b, w, parts)
+
+
+def _all_stage_costs(job: JobConfig) -> list[StageCosts]:
+    """stage_costs for every stage, computed once per distinct stage (middle stages are usually identical)."""
+    par = job.parallel
+    indices = stage_layer_indices(par, job.model.num_layers)
+    pattern = moe_layer_pattern(job.model)
+    cache: dict = {}
+    out = []
+    for r in range(par.pipeline):
+        key = (r == 0, r == par.pipeline - 1, sum(pattern[i] for i in indices[r]), len(indices[r]))
+        if key not in cache:
+            cache[key] = stage_costs(job, r)
+        out.append(cache[key])
+    return out
+
+
+def _elementwise_bytes(job: JobConfig, moe: bool) -> float:
+    """Forward element-wise HBM traffic per token per layer on one rank (bytes): two norms (read + write),
+    two residual adds (2 reads + write), RoPE on Q and K, the gated activation (read 2f, write f)."""
+    model, par = job.model, job.parallel
+    a = DTYPE_BYTES.get(job.precision.dtype, 2)
+    t = par.tensor
+    sp = t if (par.sequence_parallel and t > 1) else 1
+    h = model.hidden_size
+    d = kv_channels(model)
+    q, kv = model.num_attention_heads * d, query_groups(model) * d
+    ffn = (model.moe_ffn_hidden_size or model.ffn_hidden_size) * model.moe_router_topk if moe else model.ffn_hidden_size
+    if moe and model.moe_shared_expert_intermediate_size:
+        ffn += model.moe_shared_expert_intermediate_size
+    m = 3 if model.activation == "swiglu" else 2
+    return a * (2 * 2 * h + 2 * 3 * h) / sp + a * (2 * (q + kv) * 2 + m * ffn) / t
+
+
+def _fp8_cast_bytes(job: JobConfig, moe: bool) -> tuple[float, float]:
+    """FP8 quantisation traffic per token per layer on one rank (forward, backward), bytes: every GEMM input
+    (forward) and every output gradient (backward) is read in BF16 and written as FP8 twice (row-wise and
+    the transposed copy the other GEMM needs on Hopper). Zero without FP8."""
+    if not job.precision.fp8:
+        return 0.0, 0.0
+    model, par = job.model, job.parallel
+    a = DTYPE_BYTES.get(job.precision.dtype, 2)
+    t = par.tensor
+    sp = t if (par.sequence_parallel and t > 1) else 1
+    h = model.hidden_size
+    d = kv_channels(model)
+    q, kv = model.num_attention_heads * d, query_groups(model) * d
+    ffn = model.ffn_hidden_size
+    if moe:
+        ffn = (model.moe_ffn_hidden_size or ffn) * model.moe_router_topk + (model.moe_shared_expert_intermediate_size or 0)
+    m = 2 if model.activation == "swiglu" else 1
+    per = a + 2
+    fwd = per * (2 * h / sp + (q + ffn) / t)  # qkv and fc1 inputs (sequence-sharded), proj and fc2 inputs
+    bwd = per * (2 * h / sp + (q + 2 * kv + m * ffn) / t)  # proj/fc2 output grads; qkv/fc1 output grads
+    return fwd, bwd
+
+
+# ------------------------------------------------------------------------------------------- the step
+def _num_microbatches(job: JobConfig) -> int:
+    from launcher.validate import num_microbatches
+
+    return max(1, num_microbatches(job))
+
+
+def _closed_form(kind: str, p: int, v: int, m: int, fs, bs, ws, t_comm: float):
+    """Makespan from the closed forms (DESIGN.md): m x slowest stage + bubble of the mean stage;
+    1F1B (p-1)(F+B+W), interleaved (p-1)(F+B+W)/v, ZB-H1 (p-1)(F+B-W), plus 2(p-1) sends."""
+    f, b, w = sum(fs) / p, sum(bs) / p, sum(ws) / p
+    bubble = (p - 1) * (f + b + w)
+    if kind == "interleaved":
+        bubble /= v
+    elif kind == "zb_h1":
+        bubble = (p - 1) * max(f + b - w, 0.0)
+    busy = m * max(x + y + z for x, y, z in zip(fs, bs, ws))
+    makespan = busy + bubble + 2 * (p - 1) * t_comm
+    total_busy = m * sum(x + y + z for x, y, z in zip(fs, bs, ws))
+    return makespan, makespan - busy, 1.0 - total_busy / (p * makespan)
+
+
+def _pipeline(job: JobConfig, costs: list[StageCosts], m: int, t_comm: float, exact: bool = True):
+    """Makespan, bubble and bubble fraction of the schedule; long runs are extrapolated from a short one
+    (after the pipeline fills, each extra microbatch adds the slowest stage's F+B+W). ``exact=False`` uses
+    the closed forms instead of the simulator (the search's first pass)."""
+    par = job.parallel
+    p, v = par.pipeline, par.virtual_pipeline or 1
+    kind = job.schedule.kind if p > 1 else "1f1b"
+    fs, bs, ws = [c.f for c in costs], [c.b for c in costs], [c.w for c in costs]
+    if not exact or p == 1:
+        return _closed_form(kind, p, v, m, fs, bs, ws, t_comm)
+    group = job.schedule.microbatch_group_size or p
+    unit = group if kind == "interleaved" else 1
+    cap = max(3 * p, 2 * unit)
+    cap = -(-cap // unit) * unit
+    if m <= cap + unit:
+        res = simulate_kind(kind, p, m, fs, bs, ws, v=v, t_comm=t_comm, group=group)
+        return res.makespan, res.bubble, res.bubble_fraction
+    r1 = simulate_kind(kind, p, cap, fs, bs, ws, v=v, t_comm=t_comm, group=group)
+    r2 = simulate_kind(kind, p, cap + unit, fs, bs, ws, v=v, t_comm=t_comm, group=group)
+    per_mb = (r2.makespan - r1.makespan) / unit
+    makespan = r2.makespan + (m - cap - unit) * per_mb
+    busy = m * max(f + b + w for f, b, w in zip(fs, bs, ws))
+    bubble = max(0.0, makespan - busy)
+    total_busy = m * sum(f + b + w for f, b, w in zip(fs, bs, ws))
+    return makespan, bubble, 1.0 - total_busy / (p * makespan)
+
+
+def step_time(job: JobConfig, exact: bool = True) -> StepTime:
+    """Predicted step time and breakdown for the job's layout (``exact=False``: closed-form bubble)."""
+    model, par, cl = job.model, job.parallel, job.cluster
+    p, t, cp = par.pipeline, par.tensor, par.context
+    a = DTYPE_BYTES.get(job.precision.dtype, 2)
+    m = _num_microbatches(job)
+    costs = _all_stage_costs(job)
+    world = job.nodes * cl.gpus_per_node
+    sp = t if (par.sequence_parallel and t > 1) else 1
+    tokens = job.train.micro_batch_size * model.seq_length
+    t_comm = 0.0
+    if p > 1:
+        pp_bw = _bandwidth(job, world)  # stages are the outermost dimension: across nodes when world > node
+        t_comm = a * model.hidden_size * tokens / cp / sp / pp_bw + COLLECTIVE_LATENCY_S
+    pipeline_s, bubble_s, bubble_frac = _pipeline(job, costs, m, t_comm, exact)
+    # Data parallel: reduce-scatter of gradients (or all-reduce) and all-gather of updated parameters.
+    dp_cp, edp = dp_sizes(job)
+    dp_bw = _bandwidth(job, t * cp * (world // (t * cp * p)))
+    indices = stage_layer_indices(par, model.num_layers)
+    per_stage = [stage_params(job, r, indices[r]) for r in range(p)]
+    worst = max(range(p), key=lambda r: per_stage[r].total)
+    rp = per_stage[worst]
+    grad_bytes = 4 if job.precision.grad_reduce_in_fp32 else a
+    rs = _ring(grad_bytes * rp.dense, dp_cp, dp_bw) + _ring(grad_bytes * rp.expert, edp, dp_bw)
+    ag = _ring(a * rp.dense, dp_cp, dp_bw) + _ring(a * rp.expert, edp, dp_bw)
+    if not par.distributed_optimizer:
+        rs, ag = 2 * rs, 0.0  # all-reduce = reduce-scatter + all-gather of gradients; no param gather
+    c = costs[worst]
+    hide_rs = (c.b + c.w) if par.overlap_grad_reduce else 0.0  # last microbatch's backward
+    hide_ag = c.f if (par.overlap_param_gather and par.distributed_optimizer) else 0.0  # first forward
+    dp_exposed = max(0.0, rs - hide_rs) + max(0.0, ag - hide_ag)
+    # Optimizer: read/write fp32 master + 2 moments, read grads, write params, on this rank's shard.
+    shard = rp.dense / (dp_cp if par.distributed_optimizer else 1) + rp.expert / (edp if par.distributed_optimizer else 1)
+    optimizer_s = shard * (3 * 4 * 2 + grad_bytes + a) / (cl.hbm_bandwidth_gbps * 1e9 * HBM_EFFICIENCY)
+    step = pipeline_s + dp_exposed + optimizer_s
+    busiest = max(costs, key=lambda c: c.f + c.b + c.w)
+    breakdown = {k: v * m for k, v in busiest.parts.items()}
+    breakdown.update(pp_bubble=bubble_s, dp_comm=dp_exposed, optimizer=optimizer_s)
+    return StepTime(step, pipeline_s, bubble_s, bubble_frac, dp_exposed, optimizer_s, breakdown,
+                    [(c.f, c.b, c.w) for c in costs])
+
+
+def throughput(job: JobConfig, st: StepTime) -> dict:
+    """tokens/s, TFLOP/s per GPU and MFU (model FLOPs / BF16 dense peak) for a predicted step time."""
+    world = job.nodes * job.cluster.gpus_per_node
+    fl = flops_per_step(job.model, job.train.global_batch_size)
+    tokens = job.train.global_batch_size * job.model.seq_length
+    tflops = fl / st.step_s / world / 1e12
+    return {"tokens_per_s": tokens / st.step_s, "tokens_per_s_per_gpu": tokens / st.step_s / world,
+            "tflops_per_gpu": tflops, "mfu": tflops / job.cluster.peak_tflops_bf16}
+
+
+

@@ -1,0 +1,124 @@
+"""The one seam between the model code and GPU-only libraries (Transformer Engine).
+
+Everything backend-specific is decided here: whether Transformer Engine is used, which layer spec to build,
+which TransformerConfig fields carry FP8, and which norm the local (CPU) spec uses. Transformer Engine is
+imported lazily, only by :func:`te_available` / :func:`use_transformer_engine`, so the rest of ``models/``
+imports on a CPU-only machine. Tests replace ``transformer_engine`` in ``sys.modules`` to exercise the GPU
+branch without a GPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from typing import Any, Dict
+
+import torch
+
+from launcher.schema import PrecisionConfig
+
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+FP8_FORMATS = ("hybrid", "e4m3")
+
+
+def te_available() -> bool:
+    """Transformer Engine importable and a GPU present (TE does not run on CPU)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        importlib.import_module("transformer_engine")
+    except ImportError:
+        return False
+    return True
+
+
+def use_transformer_engine(precision: PrecisionConfig) -> bool:
+    """Resolve precision.transformer_engine (auto | true | false) against what this process has."""
+    choice = str(precision.transformer_engine).lower()
+    if choice in ("false", "0", "no", "off"):
+        return False
+    have = te_available()
+    if choice in ("true", "1", "yes", "on") and not have:
+        raise RuntimeError("precision.transformer_engine=true but Transformer Engine (with a GPU) is not "
+                           "available here; use precision.transformer_engine=auto or false")
+    return have
+
+
+def fp8_fields(precision: PrecisionConfig, te: bool) -> Dict[str, Any]:
+    """TransformerConfig fields for the FP8 recipe (empty when FP8 is off)."""
+    if precision.fp8 is None:
+        if precision.fp8_param:
+            raise ValueError("precision.fp8_param=true needs precision.fp8 (one of delayed, tensorwise, "
+                             "blockwise, mxfp8)")
+        return {}
+    if not te:
+        raise ValueError(f"precision.fp8={precision.fp8!r} needs Transformer Engine on a GPU; "
+                         "set precision.fp8=null on CPU")
+    if precision.fp8 not in FP8_RECIPES:
+        raise ValueError(f"precision.fp8={precision.fp8!r} is not a recipe; use one of {FP8_RECIPES}")
+    if precision.fp8_format not in FP8_FORMATS:
+        raise ValueError(f"precision.fp8_format={precision.fp8_format!r}; use one of {FP8_FORMATS}")
+    fields: Dict[str, Any] = {"fp8": precision.fp8_format, "fp8_recipe": precision.fp8,
+                              "fp8_param": precision.fp8_param}
+    if precision.fp8 == "delayed":  # amax history only exists for delayed scaling
+        fields.update(fp8_amax_history_len=precision.fp8_amax_history_len,
+                      fp8_amax_compute_algo=precision.fp8_amax_compute_algo)
+    return fields
+
+
+class SequenceParallelNorm(torch.nn.Module):
+    """torch LayerNorm/RMSNorm for the local spec that also works with sequence parallelism.
+
+    Megatron's WrappedTorchNorm refuses SP because nothing marks its parameters; with SP each TP rank sees a
+    different slice of the sequence, so the norm's weight gradients must be all-reduced over TP. Megatron's
+    finalize_model_grads does exactly that for parameters carrying ``sequence_parallel=True``.
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_cls(hidden_size, eps=eps, dtype=config.params_dtype)
+        for param in norm.parameters():
+            setattr(param, "sequence_parallel", bool(config.sequence_parallel))
+        return norm
+
+
+def decoder_block_spec(config, te: bool, vp_stage=None, pp_rank=None):
+    """Megatron's GPT decoder block spec for this stage: TE layers on GPU, local layers with an SP-capable
+    norm otherwise."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization=config.normalization,
+                                      vp_stage=vp_stage, pp_rank=pp_rank)
+    return spec if te else _replace_norms(spec)
+
+
+def _replace_norms(spec):
+    """Swap the local spec's torch norm wrappers for SequenceParallelNorm (copying specs)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    mapping = {WrappedTorchNorm: SequenceParallelNorm}
+    try:  # apex's FusedLayerNorm may be the local LayerNorm when apex is installed
+        from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+        mapping[FusedLayerNorm] = SequenceParallelNorm
+    except ImportError:  # pragma: no cover
+        pass
+    return replace_in_spec(spec, mapping)
+
+
+def replace_in_spec(spec, mapping: Dict[type, type]):
+    """Copy of a (nested) ModuleSpec / submodules dataclass with classes replaced per ``mapping``."""
+
+    def walk(obj):
+        if isinstance(obj, type):
+            return mapping.get(obj, obj)
+        if isinstance(obj, list):
+            return [walk(item) for item in obj]
+        if isinstance(obj, functools.partial):  # e.g. the MoE experts builder partial(SequentialMLP, ...)
+            return functools.partial(walk(obj.func), *obj.args,
+                                     **{k: walk(v) for k, v in obj.keywords.items()})
+        if dataclasses.is_dataclass(obj):
+            changes = {f.name: walk(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+            return dataclasses.replace(obj, **changes)
+        return obj
+
+    return walk(spec)

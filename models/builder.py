@@ -1,0 +1,214 @@
+"""Build Megatron-Core GPTModel chunks from the typed config sections.
+
+``build_model`` returns one chunk per virtual pipeline stage (a list of length 1 without VPP). It must be
+called after ``parallel_state.initialize_model_parallel``.
+
+Layout-independent initialisation: with ``use_cpu_initialization`` Megatron draws each TP-sharded weight
+at full size from the CPU generator and keeps this rank's slice, so all TP layouts see the same full
+weights. To make pipeline layouts agree too, every transformer layer reseeds the generator from its
+*global* layer number before building (``SeededTransformerLayer``), and routed experts are re-drawn from
+their *global* expert index (``_reseed_experts``). The same full model therefore comes out of TP1xPP1,
+TP2xPP2, PP4, PP2xVPP2 or EP2 for a given seed, which is what the parity tests rely on.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from launcher.schema import ModelConfig, ParallelConfig, PrecisionConfig, ScheduleConfig
+from models import backend
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ACTIVATIONS = {"swiglu": (F.silu, True), "gelu": (F.gelu, False),
+               "squared_relu": (lambda x: torch.pow(F.relu(x), 2), False)}
+_LAYER_SEED_STRIDE = 1000003  # a prime, so (seed, layer) pairs do not collide for realistic sizes
+
+
+def transformer_config(*, model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig,
+                       schedule: Optional[ScheduleConfig] = None, recompute: str = "none",
+                       recompute_num_layers: Optional[int] = None, te: Optional[bool] = None):
+    """The megatron.core TransformerConfig (or MLATransformerConfig) for this job."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    te = backend.use_transformer_engine(precision) if te is None else te
+    on_gpu = torch.cuda.is_available()
+    dtype = DTYPES[precision.dtype]
+    if model.activation not in ACTIVATIONS:
+        raise ValueError(f"model.activation={model.activation!r}; use one of {sorted(ACTIVATIONS)}")
+    activation, gated = ACTIVATIONS[model.activation]
+    kwargs = dict(
+        num_layers=model.num_layers, hidden_size=model.hidden_size, ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels, normalization=model.normalization, layernorm_epsilon=model.norm_epsilon,
+        activation_func=activation, gated_linear_unit=gated, add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=model.add_qkv_bias, qk_layernorm=model.qk_layernorm,
+        attention_dropout=model.attention_dropout, hidden_dropout=model.hidden_dropout,
+        init_method_std=model.init_method_std, mtp_num_layers=model.mtp_num_layers or None,
+        # parallel layout
+        tensor_model_parallel_size=parallel.tensor, pipeline_model_parallel_size=parallel.pipeline,
+        virtual_pipeline_model_parallel_size=_vpp(parallel), context_parallel_size=parallel.context,
+        expert_model_parallel_size=parallel.expert, expert_tensor_parallel_size=parallel.expert_tensor,
+        sequence_parallel=parallel.sequence_parallel,
+        num_layers_in_first_pipeline_stage=parallel.first_stage_layers,
+        num_layers_in_last_pipeline_stage=parallel.last_stage_layers,
+        # numerics
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        # CPU: full-size init on the CPU generator (layout-independent); GPU: per-shard init on device
+        use_cpu_initialization=not on_gpu, perform_initialization=True,
+        # fused kernels exist only on GPU
+        gradient_accumulation_fusion=False, bias_activation_fusion=on_gpu and gated,
+        bias_dropout_fusion=on_gpu, masked_softmax_fusion=on_gpu, apply_rope_fusion=False,
+        persist_layer_norm=False, deallocate_pipeline_outputs=on_gpu,
+        transformer_impl="transformer_engine" if te else "local",
+        **_recompute_fields(recompute, recompute_num_layers), **_moe_fields(model, on_gpu),
+        **_schedule_fields(parallel, schedule), **backend.fp8_fields(precision, te),
+    )
+    if model.multi_latent_attention:
+        kwargs.update(multi_latent_attention=True, q_lora_rank=model.q_lora_rank,
+                      kv_lora_rank=model.kv_lora_rank, qk_head_dim=model.qk_head_dim,
+                      qk_pos_emb_head_dim=model.qk_pos_emb_head_dim, v_head_dim=model.v_head_dim,
+                      rope_type="rope", rotary_base=model.rotary_base, rotary_percent=model.rotary_percent)
+        return MLATransformerConfig(**kwargs)
+    return TransformerConfig(**kwargs)
+
+
+def _vpp(parallel: ParallelConfig) -> Optional[int]:
+    return parallel.virtual_pipeline if (parallel.virtual_pipeline or 1) > 1 else None
+
+
+def _recompute_fields(recompute: str, num_layers: Optional[int]) -> dict:
+    if recompute in (None, "none"):
+        return {}
+    if recompute == "selective":
+        return {"recompute_granularity": "selective"}
+    if recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform",
+                "recompute_num_layers": num_layers or 1}
+    raise ValueError(f"train.recompute={recompute!r}; use none, selective or full")
+
+
+def _moe_fields(model: ModelConfig, on_gpu: bool) -> dict:
+    if not model.num_experts:
+        return {}
+    # Same rule as launcher.plan.flops.moe_layer_pattern: MoE iff i >= first_k_dense and i % freq == 0.
+    freq = max(1, model.moe_layer_freq)
+    pattern = [int(i >= model.moe_first_k_dense and i % freq == 0) for i in range(model.num_layers)]
+    return dict(
+        num_moe_experts=model.num_experts, moe_router_topk=model.moe_router_topk,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden_size,
+        moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
+        moe_layer_freq=pattern, moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_router_load_balancing_type=model.moe_router_load_balancing_type,
+        moe_router_score_function=model.moe_router_score_function,
+        moe_token_dispatcher_type=model.moe_token_dispatcher_type,
+        moe_grouped_gemm=model.moe_grouped_gemm and on_gpu,  # grouped GEMM kernels are GPU-only
+    )
+
+
+def _schedule_fields(parallel: ParallelConfig, schedule: Optional[ScheduleConfig]) -> dict:
+    if schedule is None:
+        return {}
+    fields = {"batch_p2p_comm": schedule.batch_p2p_comm, "overlap_p2p_comm": schedule.overlap_p2p_comm}
+    if _vpp(parallel):
+        fields["microbatch_group_size_per_vp_stage"] = schedule.microbatch_group_size or parallel.pipeline
+        if parallel.pipeline == 2 and fields["batch_p2p_comm"] and not fields["overlap_p2p_comm"]:
+            # Upstream bug (Megatron-LM #750, #1450): interleaved PP=2 with batched p2p trains silently
+            # wrong. Unbatched send/recv is correct.
+            fields["batch_p2p_comm"] = False
+    if fields["overlap_p2p_comm"]:
+        fields["batch_p2p_comm"] = False  # Megatron requires one or the other
+    return fields
+
+
+def seeded_layer_class(seed: int):
+    """A TransformerLayer that reseeds the CPU generator from its global layer number before building."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
+
+    class SeededTransformerLayer(TransformerLayer):
+        def __init__(self, config, submodules, layer_number: int = 1, *args, **kwargs):
+            offset = get_transformer_layer_offset(
+                config, kwargs.get("vp_stage"), parallel_state.get_pipeline_model_parallel_rank())
+            torch.manual_seed(seed * _LAYER_SEED_STRIDE + layer_number + offset)
+            super().__init__(config, submodules, layer_number, *args, **kwargs)
+
+    return SeededTransformerLayer
+
+
+def _seed_layers(block_spec, seed: int):
+    """Layers (and routed experts) seeded by global position: same weights for every layout."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    mapping = {TransformerLayer: seeded_layer_class(seed), SequentialMLP: seeded_experts_class()}
+    return dataclasses.replace(block_spec, layer_specs=[backend.replace_in_spec(s, mapping)
+                                                        for s in block_spec.layer_specs])
+
+
+def seeded_experts_class():
+    """SequentialMLP whose routed experts are drawn from their *global* expert index, so any expert-parallel
+    split builds the same experts; afterwards the generator is left in a layout-independent state for the
+    modules built next (shared experts). Only for expert TP = 1 (unsharded expert weights)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    class SeededSequentialMLP(SequentialMLP):
+        def __init__(self, num_local_experts, config, *args, **kwargs):
+            before = torch.get_rng_state()
+            super().__init__(num_local_experts, config, *args, **kwargs)
+            if parallel_state.get_expert_tensor_parallel_world_size() == 1:
+                gen = torch.Generator().set_state(before)
+                base = int(torch.randint(2**31, (1,), generator=gen))
+                first = parallel_state.get_expert_model_parallel_rank() * num_local_experts
+                for i, expert in enumerate(self.local_experts):
+                    torch.manual_seed(base + first + i)
+                    with torch.no_grad():
+                        config.init_method(expert.linear_fc1.weight)
+                        config.output_layer_init_method(expert.linear_fc2.weight)
+            torch.set_rng_state(before)
+            torch.randint(2**31, (1,))  # move on from the state the experts were drawn from
+
+    return SeededSequentialMLP
+
+
+def build_model(*, model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig,
+                schedule: Optional[ScheduleConfig] = None, seed: int = 1234, recompute: str = "none",
+                recompute_num_layers: Optional[int] = None) -> List[torch.nn.Module]:
+    """GPTModel chunk(s) for this rank: one per virtual pipeline stage, on the current device."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    te = backend.use_transformer_engine(precision)
+    config = transformer_config(model=model, parallel=parallel, precision=precision, schedule=schedule,
+                                recompute=recompute, recompute_num_layers=recompute_num_layers, te=te)
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    vpp = _vpp(parallel) or 1
+    chunks = []
+    for vp_stage in range(vpp):
+        torch.manual_seed(seed)  # embeddings: the same draw on every rank that builds them
+        spec = _seed_layers(backend.decoder_block_spec(config, te, vp_stage=vp_stage if vpp > 1 else None,
+                                                       pp_rank=pp_rank), seed)
+        vp = vp_stage if vpp > 1 else None
+        chunk = GPTModel(
+            config=config, transformer_layer_spec=spec, vocab_size=padded_vocab_size(model, parallel),
+            max_sequence_length=model.max_position_embeddings or model.seq_length,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            share_embeddings_and_output_weights=model.tie_embeddings,
+            position_embedding_type=model.position_embedding, rotary_percent=model.rotary_percent,
+            rotary_base=int(model.rotary_base), rope_scaling=model.rope_scaling,
+            rope_scaling_factor=model.rope_scaling_factor, vp_stage=vp,
+        )
+        if torch.cuda.is_available():
+            chunk.cuda(torch.cuda.current_device())
+        chunks.append(chunk)
+    return chunks
+
+
+def padded_vocab_size(model: ModelConfig, parallel: ParallelConfig) -> int:
+    """Vocabulary rows of the embedding: a multiple of make_vocab_size_divisible_by x TP."""
+    multiple = model.make_vocab_size_divisible_by * parallel.tensor
+    return -(-model.vocab_size // multiple) * multiple

@@ -1,0 +1,245 @@
+"""Bridge Megatron-Core's CUDA assumptions so it trains on CPU-only torch (gloo).
+
+Megatron-Core has no CPU path: on a CPU build of torch every ``torch.cuda.current_device()``,
+``torch.cuda.synchronize()``, stream call and ``device='cuda'`` factory raises "Torch not compiled with
+CUDA enabled". Rather than patching torch globally, :func:`apply` gives the few Megatron modules that make
+such calls their own ``torch`` name: a proxy that forwards everything to real torch except
+
+* ``torch.cuda.current_device()``   -> ``"cpu"`` (used as ``device=`` for factories and ``.to()``),
+* ``torch.cuda.synchronize`` / streams / events -> no-ops (CPU ops are synchronous),
+* ``torch.cuda.get_rng_state`` / ``manual_seed`` -> the CPU generator (the RNG tracker keeps per-rank
+  named CPU states, so dropout in TP regions still differs per TP rank),
+* factories (``zeros``, ``empty``, ``tensor``, ...) with ``device='cuda'`` -> CPU,
+* ``torch.distributed.all_to_all_single`` with split sizes given as tensors/arrays -> lists (gloo needs
+  Python ints; NCCL accepts what MoE's dispatcher passes).
+
+Three method-level assumptions cannot be reached through a module's ``torch`` name and are wrapped at the
+one function that makes them: ``Tensor.type() == 'torch.cuda.FloatTensor'`` checks (clip_grads, the
+distributed / float16 optimizers) and ``Tensor.cuda()`` when first/last pipeline stages share embeddings.
+
+Applied only when ``torch.cuda.is_available()`` is False; idempotent. Nothing happens at import time.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+from typing import Any, Callable
+
+import torch
+
+_APPLIED = False
+
+# Megatron modules that call torch.cuda.* or use device='cuda' factories on the training path (0.19.2).
+PATCHED_MODULES = (
+    "megatron.core.utils",  # GlobalMemoryBuffer / l2 norm helpers: current_device, device='cuda'
+    "megatron.core.pipeline_parallel.p2p_communication",  # current_device, synchronize
+    "megatron.core.pipeline_parallel.schedules",  # total_num_tokens = zeros(device='cuda')
+    "megatron.core.distributed.param_and_grad_buffer",  # current_device, current_stream
+    "megatron.core.distributed.distributed_data_parallel",  # Stream for overlapped grad reduce
+    "megatron.core.distributed.finalize_model_grads",  # num_tokens all-reduce buffers
+    "megatron.core.optimizer.optimizer",  # found_inf / scale tensors on 'cuda'
+    "megatron.core.optimizer.distrib_optimizer",  # gather buffers on current_device
+    "megatron.core.optimizer.clip_grads",  # norm / overflow buffers on 'cuda'
+    "megatron.core.tensor_parallel.layers",  # SP all-gather buffers on current_device
+    "megatron.core.tensor_parallel.mappings",  # all_to_all buffers; split sizes for gloo
+    "megatron.core.tensor_parallel.random",  # RNG tracker uses torch.cuda RNG state
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",  # inv_freq .to(current_device)
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",  # synchronize before writing
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",  # failure flag on current_device
+    "megatron.core.dist_checkpointing.strategies.async_utils",  # synchronize
+    "megatron.core.dist_checkpointing.exchange_utils",  # shard exchange buffers on current_device
+    "megatron.core.transformer.utils",  # default causal mask built on device="cuda"
+    "megatron.core.transformer.moe.router",  # aux-loss tensors on current_device
+    "megatron.core.transformer.moe.moe_utils",  # tokens-per-expert buffers
+    "megatron.core.transformer.moe.token_dispatcher",  # over_budget flag on 'cuda', d2h stream
+    "megatron.core.transformer.moe.moe_layer",  # streams
+)
+
+_FACTORIES = frozenset({"zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like",
+                        "empty_like", "full_like", "randn", "rand", "randint"})
+
+
+def _cpu_device(device: Any) -> Any:
+    """Map a CUDA device spec ('cuda', 'cuda:0', torch.device('cuda'), an int index) to 'cpu'."""
+    if isinstance(device, int) or (isinstance(device, str) and device.startswith("cuda")):
+        return "cpu"
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return "cpu"
+    return device
+
+
+def _factory(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+class _NullStream:
+    """Stands in for torch.cuda.Stream/Event: CPU work is synchronous, so waits and records are no-ops."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):  # wait_stream, record_event, synchronize, ...: no-ops returning a null
+        return lambda *args, **kwargs: _NullStream()
+
+    def __eq__(self, other):
+        return isinstance(other, _NullStream)
+
+    __hash__ = object.__hash__
+
+
+class _CudaOnCpu:
+    """torch.cuda as seen by a patched Megatron module."""
+
+    Stream = Event = _NullStream
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device():
+        return "cpu"
+
+    @staticmethod
+    def synchronize(*args, **kwargs):
+        return None
+
+    @staticmethod
+    def current_stream(*args, **kwargs):
+        return _NullStream()
+
+    @staticmethod
+    def stream(*args, **kwargs):
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def get_rng_state(*args, **kwargs):
+        return torch.get_rng_state()
+
+    @staticmethod
+    def manual_seed(seed):
+        torch.random.default_generator.manual_seed(int(seed))
+
+
+class _DistributedOnCpu:
+    """torch.distributed with all_to_all_single split sizes converted to Python lists (gloo needs them)."""
+
+    def __getattr__(self, name):
+        return getattr(torch.distributed, name)
+
+    @staticmethod
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
+        return torch.distributed.all_to_all_single(
+            output, input, output_split_sizes=_as_list(output_split_sizes),
+            input_split_sizes=_as_list(input_split_sizes), **kwargs)
+
+
+def _as_list(sizes):
+    if sizes is None or isinstance(sizes, list):
+        return sizes
+    return [int(s) for s in (sizes.tolist() if hasattr(sizes, "tolist") else sizes)]
+
+
+class _TorchOnCpu:
+    """The ``torch`` name inside a patched module: real torch except cuda, distributed, factories."""
+
+    cuda = _CudaOnCpu()
+    distributed = _DistributedOnCpu()
+
+    def __getattr__(self, name):
+        attr = getattr(torch, name)
+        return _factory(attr) if name in _FACTORIES else attr
+
+
+TORCH_ON_CPU = _TorchOnCpu()
+
+
+@contextlib.contextmanager
+def _cuda_type_names():
+    """Make ``Tensor.type()`` answer 'torch.cuda.FloatTensor' (etc.) for CPU tensors, for checks that
+    only mean "a float32/bf16/fp16 device tensor"."""
+    original = torch.Tensor.type
+
+    def type_(self, *args, **kwargs):
+        if args or kwargs:
+            return original(self, *args, **kwargs)
+        name = original(self)
+        return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+@contextlib.contextmanager
+def _tensor_cuda_is_identity():
+    """``Tensor.cuda()`` returns the tensor itself (it already lives on the only device)."""
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
+def _wrap(owner: Any, name: str, context: Callable) -> None:
+    """Run ``owner.name`` inside ``context()``, keeping staticmethod/classmethod kinds."""
+    raw = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+    kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
+    fn = raw.__func__ if kind else raw
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with context():
+            return fn(*args, **kwargs)
+
+    setattr(owner, name, kind(wrapper) if kind else wrapper)
+
+
+def _cpu_rng_state(*args, **kwargs) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state: torch.Tensor, *args, **kwargs) -> None:
+    torch.set_rng_state(new_state)
+
+
+def apply() -> bool:
+    """Install the bridges (only without CUDA; once). Returns True when this call applied them."""
+    global _APPLIED
+    if _APPLIED or torch.cuda.is_available():
+        return False
+    for name in PATCHED_MODULES:
+        importlib.import_module(name).torch = TORCH_ON_CPU
+
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    # The RNG tracker's fork() saves/restores "the device generator": on CPU that is the CPU generator.
+    random._get_cuda_rng_state = _cpu_rng_state
+    random._set_cuda_rng_state = _set_cpu_rng_state
+
+    clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
+    _wrap(clip_grads, "clip_grad_by_total_norm_fp32", _cuda_type_names)
+    optimizer = importlib.import_module("megatron.core.optimizer")
+    # The optimizer module imported the function by name before we wrapped it.
+    if getattr(optimizer.optimizer, "clip_grad_by_total_norm_fp32", None) is not None:
+        optimizer.optimizer.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32
+    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    _wrap(distrib.DistributedOptimizer, "_build_model_and_main_param_groups", _cuda_type_names)
+    _wrap(optimizer.optimizer.Float16OptimizerWithFloat16Params, "__init__", _cuda_type_names)
+
+    language_module = importlib.import_module("megatron.core.models.common.language_module.language_module")
+    _wrap(language_module.LanguageModule, "setup_embeddings_and_output_layer", _tensor_cuda_is_identity)
+    _APPLIED = True
+    return True
+
+
+def is_applied() -> bool:
+    """Whether the bridges are installed in this process."""
+    return _APPLIED

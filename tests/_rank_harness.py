@@ -1,0 +1,58 @@
+"""Run ``launcher.train`` under torchrun on CPU for tests: write a bundle, run, parse the step lines."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP = re.compile(r"^step\s+(\d+) \| loss ([0-9.]+) \| lr (\S+) \| grad_norm ([0-9.]+) .*TFLOP/s ([0-9.]+)")
+
+# Small and fast: 2 layers, hidden 64, seq 64; 8 sequences per step as 4 micro-batches of 2.
+TINY = ["data=mock", "model.num_layers=4", "model.hidden_size=64", "model.ffn_hidden_size=128",
+        "model.num_attention_heads=4", "model.num_query_groups=2", "model.seq_length=64",
+        "model.vocab_size=1024", "model.make_vocab_size_divisible_by=64", "train.micro_batch_size=2",
+        "train.global_batch_size=8", "train.eval_interval=0", "logging.tensorboard=false",
+        "checkpoint.save_at_end=false", "train.warmup_steps=1", "train.lr=3e-3"]
+
+
+def layout(tp: int = 1, pp: int = 1, vpp: int = 0, ep: int = 1) -> List[str]:
+    out = [f"parallel.tensor={tp}", f"parallel.pipeline={pp}", f"parallel.expert={ep}"]
+    if vpp:
+        out += [f"parallel.virtual_pipeline={vpp}", "schedule.kind=interleaved"]
+    return out
+
+
+def write_bundle(bundle: Path, overrides: Sequence[str]) -> Path:
+    from launcher.config import compose_job, job_to_yaml
+
+    bundle.mkdir(parents=True, exist_ok=True)
+    (bundle / "config.yaml").write_text(job_to_yaml(compose_job(list(overrides))))
+    return bundle
+
+
+def run_train(bundle: Path, nproc: int, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+           "-m", "launcher.train", "--bundle", str(bundle)]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def steps(stdout: str) -> Dict[int, dict]:
+    out = {}
+    for line in stdout.splitlines():
+        m = STEP.match(line)
+        if m:
+            out[int(m[1])] = {"loss": float(m[2]), "lr": float(m[3]), "grad_norm": float(m[4]),
+                              "tflops": float(m[5])}
+    return out
+
+
+def train(tmp: Path, name: str, nproc: int, overrides: Sequence[str]) -> Dict[int, dict]:
+    bundle = write_bundle(tmp / name, overrides)
+    proc = run_train(bundle, nproc)
+    assert proc.returncode == 0, f"{name} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return steps(proc.stdout)

@@ -1,0 +1,105 @@
+"""plan_job / search / oom_message for every recipe and cluster: fast, JSON-able, honest, torch-free."""
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher.config import compose_job
+from launcher.plan import Plan, PlanError, oom_message, plan_job
+from launcher.plan.search import search
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPES = sorted(p.stem for p in (ROOT / "recipes" / "recipe").glob("*.yaml"))
+CLUSTERS = [None, "h100", "h200"]
+
+
+def _compose(recipe, cluster, *extra):
+    return compose_job([f"recipe={recipe}", *([f"cluster={cluster}"] if cluster else []), *extra])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm():
+    plan_job(compose_job(["recipe=smoke"]))  # first-call imports are not the planner's cost
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS, ids=str)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_plan_and_search_every_recipe(recipe, cluster):
+    job = _compose(recipe, cluster)
+    t0 = time.process_time()
+    plan = plan_job(job)
+    t_plan = time.process_time() - t0
+    assert isinstance(plan, Plan)
+    assert t_plan < 0.2  # CPU seconds of this process (wall time on a shared 2-core runner is noisy)
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert data["gflops_per_token"] > 0 and len(data["stages"]) == job.parallel.pipeline
+    assert 0 < plan.perf["mfu"] < 1 and plan.step.step_s > 0
+    assert "GFLOP/token" in plan.text()
+    t0 = time.process_time()
+    found = search(job, top=5)
+    assert time.process_time() - t0 < 2.0
+    assert found, "search found no layout that fits"
+    assert all(c.peak_gb <= c.gpu_memory_gb for c in found)
+    assert [c.tokens_per_s for c in found] == sorted((c.tokens_per_s for c in found), reverse=True)
+    assert all(c.why and c.overrides for c in found)
+    json.dumps([c.to_dict() for c in found])
+
+
+def test_search_results_compose_back_into_jobs_that_fit():
+    job = compose_job(["recipe=llama3_70b", "cluster=h100"])
+    best = search(job, top=3)
+    for cand in best:
+        again = plan_job(compose_job(["recipe=llama3_70b", "cluster=h100", *cand.overrides]))
+        assert again.fits
+        assert again.perf["tokens_per_s"] == pytest.approx(cand.tokens_per_s, rel=1e-6)
+
+
+def test_llama405b_on_few_nodes_is_refused():
+    job = compose_job(["recipe=llama405b", "cluster=h100", "nodes=8", "parallel.context=1"])
+    plan = plan_job(job)
+    assert not plan.fits
+    msg = oom_message(plan)
+    assert "out of memory" in msg and "stage 0" in msg and "largest contributors" in msg
+    assert plan.peak_gb > job.cluster.gpu_memory_gb
+    assert not search(job)  # nothing fits 405B on 64 H100s
+
+
+def test_oom_message_when_it_fits():
+    assert "fits" in oom_message(plan_job(compose_job(["recipe=smoke"])))
+
+
+def test_invalid_layout_is_not_planned():
+    with pytest.raises(PlanError, match="parallel.tensor"):
+        plan_job(compose_job(["recipe=llama3_70b", "parallel.tensor=3"]))
+
+
+def test_moe_models_plan_and_search():
+    for model in ("deepseek_v3", "qwen3_30b_a3b", "qwen3_235b_a22b"):
+        job = compose_job(["recipe=llama405b", f"model={model}", "cluster=h200", "nodes=8", "parallel.first_stage_layers=null",
+                           "parallel.last_stage_layers=null", "parallel.pipeline=1", "parallel.context=1",
+                           "parallel.expert=8", "parallel.tensor=1", "parallel.sequence_parallel=false"])
+        plan = plan_job(job)
+        assert plan.params["expert"] > plan.params["dense"]
+        t0 = time.process_time()
+        search(job, top=3)
+        assert time.process_time() - t0 < 2.0
+
+
+def test_login_node_code_never_imports_torch():
+    code = (
+        "import sys\n"
+        "from launcher.config import compose_job\n"
+        "from launcher.plan import plan_job, oom_message\n"
+        "from launcher.plan.search import search\n"
+        "from launcher.plan.simulator import simulate_kind\n"
+        "for r in ('smoke', 'llama3_8b', 'llama3_70b', 'llama405b'):\n"
+        "    j = compose_job(['recipe=' + r, 'cluster=h100'])\n"
+        "    p = plan_job(j); oom_message(p); p.text(); search(j, top=2)\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'transformer_engine')]\n"
+        "assert not bad, bad\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
