@@ -139,7 +139,7 @@ class _GigatokenBatchEncoder:
 
     name = "gigatoken"
 
-    def __init__(self, json_text: str, cache_budget_bytes: int = 512 << 20):
+    def __init__(self, json_text: str, cache_budget_bytes: int = 256 << 20):
         import gigatoken
 
         self._gt = gigatoken
@@ -149,6 +149,11 @@ class _GigatokenBatchEncoder:
         self._base_rss = _rss_bytes()
         self.rebuilds = 0
 
+    def rebase(self, armed: bool = True) -> None:
+        """Count the cache budget from now (call once the process's other one-off growth, e.g. imports, is
+        done); ``armed=False`` suspends the check until the next rebase()."""
+        self._base_rss = _rss_bytes() if armed else None
+
     def encode(self, texts: List[str]):
         import numpy as np
 
@@ -157,7 +162,7 @@ class _GigatokenBatchEncoder:
         offsets = np.asarray(layout.offsets.data)
         flat = np.asarray(layout.content.data)[offsets[0]:offsets[-1]]
         lengths = np.diff(offsets)
-        if _rss_bytes() - self._base_rss > self._budget:
+        if self._base_rss is not None and _rss_bytes() - self._base_rss > self._budget:
             self._tok = None  # drop the old cache before building the new one
             self._tok = self._gt.Tokenizer.from_json(self._json)
             self.rebuilds += 1
@@ -176,7 +181,7 @@ def _rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def batch_encoder(json_text: str, backend: str = "auto", cache_budget_bytes: int = 512 << 20):
+def batch_encoder(json_text: str, backend: str = "auto", cache_budget_bytes: int = 256 << 20):
     """The fastest available exact encoder: backend auto | gigatoken | tokenizers."""
     if backend in ("auto", "gigatoken"):
         try:

@@ -449,7 +449,13 @@ def validate_slurm(job: JobConfig) -> list[Problem]:
     c.need(seconds is not None, "slurm.time", s.time, "must be [D-]HH:MM:SS", "slurm.time=04:00:00")
     if seconds is not None:
         c.need(0 <= s.signal_lead_s < seconds, "slurm.signal_lead_s", s.signal_lead_s,
-               f"must be shorter than the time limit ({seconds} s)", "slurm.signal_lead_s=300")
+               f"must be shorter than the time limit ({seconds} s)", f"slurm.signal_lead_s={seconds // 10}")
+        # slurmctld checks time limits every ~30 s, so USR1 can come that much earlier than asked; a lead that
+        # close to the limit makes every requeued run stop as soon as it starts.
+        if 0 <= s.signal_lead_s < seconds:
+            c.need(s.signal_lead_s + 60 <= seconds, "slurm.signal_lead_s", s.signal_lead_s,
+                   f"leaves under 60 s of the {seconds} s limit before the stop signal (Slurm may signal ~30 s early)",
+                   f"slurm.signal_lead_s={max(0, seconds // 10)}", severity="warning")
     # #SBATCH lines are read by sbatch, not by a shell, so quoting cannot protect them: restrict their values.
     for name, value in (("cluster.partition", job.cluster.partition), ("cluster.account", job.cluster.account),
                         ("slurm.job_name", s.job_name)):

@@ -218,7 +218,7 @@ def test_smoke_training_checkpoints_on_usr1_and_resumes_after_requeue(slurm, tmp
     # --signal=B:USR1) once training is under way, so the test does not depend on slurmctld's 30 s timer. The
     # time limit is long enough that Slurm's own USR1 never comes. Expected: training checkpoints and exits 0,
     # the batch shell requeues, the second run resumes after the last step of the first and finishes.
-    steps_total = 12
+    steps_total = 10
     bundle = render(tmp_path, f"train.train_steps={steps_total}", "train.warmup_steps=0",
                     "train.eval_interval=0", "data=mock", "slurm.time=00:10:00", "slurm.signal_lead_s=60")
     log_path = bundle.path / "logs"
@@ -232,7 +232,14 @@ def test_smoke_training_checkpoints_on_usr1_and_resumes_after_requeue(slurm, tmp
         else:
             raise AssertionError(f"training did not reach step 2 in 120 s\n{log_of(bundle, job.id)[-6000:]}")
         subprocess.run(["scancel", "--batch", "--signal=USR1", job.id], check=True, timeout=30)
-        info = job.wait(180)
+        signalled_at = len(re.findall(r"^step\s+\d+ \|", log_of(bundle, job.id), re.MULTILINE))
+        deadline = time.monotonic() + 180
+        while job_info(job.id).get("JobState") not in FINAL and time.monotonic() < deadline:
+            first_run = log_of(bundle, job.id).partition(f"launcher: job {job.id} restart 1 on ")[0]
+            steps = len(re.findall(r"^step\s+\d+ \|", first_run, re.MULTILINE))
+            assert steps <= signalled_at + 3, f"training ran {steps - signalled_at} steps past USR1 (STOP file)"
+            time.sleep(0.5)
+        info = job.wait(30)
     log = log_of(bundle, job.id)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{log[-6000:]}"
     assert info["Restarts"] == "1", f"{info}\n{log[-6000:]}"

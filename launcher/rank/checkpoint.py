@@ -19,6 +19,10 @@ from typing import List, Optional
 import torch
 
 LATEST = "latest"
+# Distributed-optimizer state layout. 0.19.2's default (fully_sharded_model_space) builds ShardedTensors
+# with flattened_range, which its own validation now rejects; dp_reshardable saves each DP rank's
+# contiguous shard (resume needs the same DP size; model weights still reshard freely).
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 def _name(step: int) -> str:
@@ -65,7 +69,7 @@ def _sharded_state(model: List[torch.nn.Module], optimizer, scheduler, step: int
         for i, chunk in enumerate(model):
             state[f"model{i}"] = _unwrap(chunk).sharded_state_dict()
     model_sd = {k: v for k, v in state.items() if k.startswith("model")}
-    state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+    state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
     return state
 
 
@@ -105,10 +109,32 @@ def _prune(ckpt_dir: Path, keep_last: Optional[int]) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _materialize_optimizer_state(optimizer) -> None:
+    """A fresh torch Adam has no state yet, and DistributedOptimizer.state_dict() (needed to build the load
+    template) asserts one common 'step' across its states. Take one step with zero grads and lr=0 (params
+    unchanged; weight decay is scaled by lr too) so the state exists; loading then overwrites it."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(opt, DistributedOptimizer) or inner is None or len(inner.state) > 0:
+            continue
+        saved_lr = [group["lr"] for group in inner.param_groups]
+        for group in inner.param_groups:
+            group["lr"] = 0.0
+            for param in group["params"]:
+                param.grad = torch.zeros_like(param)
+        inner.step()
+        inner.zero_grad(set_to_none=True)
+        for group, lr in zip(inner.param_groups, saved_lr):
+            group["lr"] = lr
+
+
 def load(path: Path, *, model, optimizer, scheduler) -> tuple:
     """Load a checkpoint into model/optimizer/scheduler/RNG; returns (step, consumed_samples)."""
     from megatron.core import dist_checkpointing, tensor_parallel
 
+    _materialize_optimizer_state(optimizer)
     template = _sharded_state(model, optimizer, scheduler, 0, 0, is_loading=True)
     state = dist_checkpointing.load(template, str(path))
     if len(model) == 1:
@@ -116,7 +142,8 @@ def load(path: Path, *, model, optimizer, scheduler) -> tuple:
     else:
         for i, chunk in enumerate(model):
             _unwrap(chunk).load_state_dict(state[f"model{i}"])
-    optimizer.load_state_dict(state["optimizer"])
+    with torch.no_grad():  # fp32 distributed optimizer: main params are views of the (leaf) model params
+        optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     rng = state["rng_state"]
     torch.set_rng_state(rng["cpu"])
