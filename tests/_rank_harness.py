@@ -51,8 +51,47 @@ def steps(stdout: str) -> Dict[int, dict]:
     return out
 
 
-def train(tmp: Path, name: str, nproc: int, overrides: Sequence[str]) -> Dict[int, dict]:
+class Run:
+    """A finished run: stdout, per-step metrics from report/metrics.json (full precision), final numbers."""
+
+    def __init__(self, bundle: Path, proc: subprocess.CompletedProcess):
+        import json
+
+        self.bundle, self.stdout = bundle, proc.stdout
+        report = json.loads((bundle / "report" / "metrics.json").read_text())
+        self.final = report["final"]
+        self.steps = {int(h["step"]): h for h in report["steps"]}
+        self.evals = report["eval"]
+
+    def losses(self) -> Dict[int, float]:
+        return {s: h["loss"] for s, h in self.steps.items()}
+
+
+def train(tmp: Path, name: str, nproc: int, overrides: Sequence[str]) -> Run:
     bundle = write_bundle(tmp / name, overrides)
     proc = run_train(bundle, nproc)
     assert proc.returncode == 0, f"{name} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return steps(proc.stdout)
+    return Run(bundle, proc)
+
+
+def run_until(bundle: Path, nproc: int, marker: str, timeout: int = 240) -> str:
+    """Start a run and SIGKILL its whole process group (torchrun + ranks, started here) as soon as a stdout
+    line contains ``marker``: a crash, not a clean exit. Returns the stdout seen."""
+    import signal
+    import time
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "launcher.train", "--bundle", str(bundle)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, start_new_session=True)
+    seen, deadline = [], time.time() + timeout
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if marker in line or time.time() > deadline:
+                break
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the group we created with start_new_session
+        proc.wait()
+    return "".join(seen)

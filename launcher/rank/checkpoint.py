@@ -130,6 +130,17 @@ def _materialize_optimizer_state(optimizer) -> None:
             group["lr"] = lr
 
 
+def _unshare_adam_steps(optimizer) -> None:
+    """Upstream bug (0.19.2, torch optimizers without Apex/TE): DistributedOptimizer.load_state_dict gives
+    every parameter's Adam state the *same* 'step' tensor; torch Adam then increments it once per
+    parameter per step, so bias correction goes wrong after a resume. Give each state its own copy."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for st in (inner.state.values() if inner is not None else ()):
+            if torch.is_tensor(st.get("step")):
+                st["step"] = st["step"].clone()
+
+
 def load(path: Path, *, model, optimizer, scheduler) -> tuple:
     """Load a checkpoint into model/optimizer/scheduler/RNG; returns (step, consumed_samples)."""
     from megatron.core import dist_checkpointing, tensor_parallel
@@ -144,6 +155,7 @@ def load(path: Path, *, model, optimizer, scheduler) -> tuple:
             _unwrap(chunk).load_state_dict(state[f"model{i}"])
     with torch.no_grad():  # fp32 distributed optimizer: main params are views of the (leaf) model params
         optimizer.load_state_dict(state["optimizer"])
+    _unshare_adam_steps(optimizer)
     scheduler.load_state_dict(state["scheduler"])
     rng = state["rng_state"]
     torch.set_rng_state(rng["cpu"])
