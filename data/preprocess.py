@@ -363,4 +363,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything is written, fsynced and renamed; skip interpreter teardown (torch's module finalisation
+    # takes ~0.5 s, a sixth of a 100 MB run).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

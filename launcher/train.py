@@ -29,10 +29,7 @@ def main(argv=None) -> int:
     setup.init_distributed(cluster=job.cluster, parallel=job.parallel, seed=job.train.seed)
     rank, world, dp = torch.distributed.get_rank(), torch.distributed.get_world_size(), ps.get_data_parallel_world_size()
     tr = job.train
-    steps = tr.train_steps or -(-tr.train_tokens // (tr.global_batch_size * job.model.seq_length))
-    if tr.global_batch_size % (tr.micro_batch_size * dp):
-        raise ValueError(f"train.global_batch_size={tr.global_batch_size} is not a multiple of "
-                         f"micro_batch_size x data-parallel size = {tr.micro_batch_size * dp}")
+    steps, num_microbatches = loop.run_length(tr, seq_length=job.model.seq_length, dp_size=dp)
     chunks = build_model(model=job.model, parallel=job.parallel, precision=job.precision, schedule=job.schedule,
                          seed=tr.seed, recompute=tr.recompute, recompute_num_layers=tr.recompute_num_layers)
     model = optim.wrap_ddp(chunks, parallel=job.parallel)
@@ -40,14 +37,13 @@ def main(argv=None) -> int:
     scheduler = optim.build_scheduler(optimizer, train=tr, steps=steps)
     optim.hook_model_config(model, optimizer, parallel=job.parallel)
     lp = loop.Loop(model=model, optimizer=optimizer, scheduler=scheduler, train=tr, seq_length=job.model.seq_length,
-                   num_microbatches=tr.global_batch_size // (tr.micro_batch_size * dp), kind=job.schedule.kind,
-                   dp_size=dp)
+                   num_microbatches=num_microbatches, kind=job.schedule.kind, dp_size=dp)
     ckpt_dir = Path(job.checkpoint.dir) if job.checkpoint.dir else bundle / "checkpoints"
     latest = ckpt.latest_checkpoint(ckpt_dir) if job.checkpoint.resume else None
-    resumed_at = 0
+    saved_at = 0
     if latest is not None:
         lp.step, lp.consumed = ckpt.load(latest, model=model, optimizer=optimizer, scheduler=scheduler)
-        resumed_at = lp.step
+        saved_at = lp.step
         if rank == 0:
             print(f"resumed from {latest} at step {lp.step} ({lp.consumed} samples consumed)", flush=True)
     train_iters, valid_iters = data.build_train_valid_iterators(
@@ -57,6 +53,8 @@ def main(argv=None) -> int:
     log = metrics.MetricsLogger(logging=job.logging, bundle=bundle, run_name=job.name, config=asdict(job), rank=rank)
 
     def save():
+        nonlocal saved_at
+        saved_at = lp.step
         path = ckpt.save(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler, step=lp.step,
                          consumed=lp.consumed, keep_last=job.checkpoint.keep_last)
         if rank == 0:
@@ -68,17 +66,9 @@ def main(argv=None) -> int:
                  on_checkpoint=save, save_interval=job.checkpoint.save_interval, flops_per_token=fpt,
                  peak_tflops=job.cluster.peak_tflops_bf16, world=world,
                  deadline=time.time() + minutes * 60 if minutes else None)
-    if (job.checkpoint.save_at_end or why == "stopped") and lp.step > resumed_at:
+    if (job.checkpoint.save_at_end or why == "stopped") and lp.step > saved_at:
         save()
-    hist = log.history
-    final = {"status": why, "steps": lp.step, "world_size": world, "flops_per_token": fpt}
-    if hist:
-        tail = hist[len(hist) // 2:] if len(hist) > 2 else hist  # steady state: skip warm-up steps
-        final.update(first_loss=hist[0]["loss"], final_loss=hist[-1]["loss"],
-                     **{k: sum(h[k] for h in tail) / len(tail) for k in ("ms_per_step", "tokens_per_s", "tflops", "mfu")},
-                     peak_mem_gib=max(h["mem_gib"] for h in hist))
-    if log.evals:
-        final["final_valid_loss"] = log.evals[-1]["loss"]
+    final = metrics.summary(log.history, log.evals, status=why, steps=lp.step, world=world, flops_per_token=fpt)
     log.close(final)
     setup.close()
     return 0

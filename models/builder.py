@@ -58,15 +58,19 @@ def transformer_config(*, model: ModelConfig, parallel: ParallelConfig, precisio
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         # CPU: full-size init on the CPU generator (layout-independent); GPU: per-shard init on device
         use_cpu_initialization=not on_gpu, perform_initialization=True,
-        # fused kernels exist only on GPU
-        gradient_accumulation_fusion=False, bias_activation_fusion=on_gpu and gated,
-        bias_dropout_fusion=on_gpu, masked_softmax_fusion=on_gpu, apply_rope_fusion=False,
+        # fused kernels: only with Transformer Engine (the local spec's fused softmax needs apex/TE kernels)
+        gradient_accumulation_fusion=False, bias_activation_fusion=te and gated,
+        bias_dropout_fusion=on_gpu, masked_softmax_fusion=te, apply_rope_fusion=False,
         persist_layer_norm=False, deallocate_pipeline_outputs=on_gpu,
         transformer_impl="transformer_engine" if te else "local",
         **_recompute_fields(recompute, recompute_num_layers), **_moe_fields(model, on_gpu),
         **_schedule_fields(parallel, schedule), **backend.fp8_fields(precision, te),
     )
     if model.multi_latent_attention:
+        if not te:
+            raise ValueError("model.multi_latent_attention=true needs Transformer Engine attention (GPU): "
+                             "Megatron-Core's local DotProductAttention cannot take MLA's separate key/value "
+                             "head sizes; use precision.transformer_engine=auto on a GPU cluster")
         kwargs.update(multi_latent_attention=True, q_lora_rank=model.q_lora_rank,
                       kv_lora_rank=model.kv_lora_rank, qk_head_dim=model.qk_head_dim,
                       qk_pos_emb_head_dim=model.qk_pos_emb_head_dim, v_head_dim=model.v_head_dim,

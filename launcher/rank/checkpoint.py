@@ -130,15 +130,26 @@ def _materialize_optimizer_state(optimizer) -> None:
             group["lr"] = lr
 
 
-def _unshare_adam_steps(optimizer) -> None:
-    """Upstream bug (0.19.2, torch optimizers without Apex/TE): DistributedOptimizer.load_state_dict gives
-    every parameter's Adam state the *same* 'step' tensor; torch Adam then increments it once per
-    parameter per step, so bias correction goes wrong after a resume. Give each state its own copy."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        for st in (inner.state.values() if inner is not None else ()):
+def _restore_adam_steps(optimizer, loaded: dict) -> None:
+    """Upstream bugs (0.19.2 DistributedOptimizer with torch Adam, no Apex/TE), found by our resume test:
+    load_state_dict gives every parameter's Adam state the *same* 'step' tensor (torch then increments it
+    once per parameter per step), and the dp_reshardable parameter-state copy then overwrites that tensor
+    with the load template's placeholder step. Either way bias correction is wrong after a resume. The
+    saved param_groups carry the right step: give each parameter state its own tensor with that value."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    for i, opt in enumerate(chained):
+        if not isinstance(opt, DistributedOptimizer):
+            continue
+        sub = loaded if len(chained) == 1 else loaded[i]
+        steps = {float(g["step"]) for g in sub["optimizer"]["param_groups"] if "step" in g}
+        if len(steps) != 1:
+            continue
+        step = steps.pop()
+        for st in opt.optimizer.state.values():
             if torch.is_tensor(st.get("step")):
-                st["step"] = st["step"].clone()
+                st["step"] = torch.tensor(step, dtype=st["step"].dtype, device=st["step"].device)
 
 
 def load(path: Path, *, model, optimizer, scheduler) -> tuple:
@@ -155,7 +166,7 @@ def load(path: Path, *, model, optimizer, scheduler) -> tuple:
             _unwrap(chunk).load_state_dict(state[f"model{i}"])
     with torch.no_grad():  # fp32 distributed optimizer: main params are views of the (leaf) model params
         optimizer.load_state_dict(state["optimizer"])
-    _unshare_adam_steps(optimizer)
+    _restore_adam_steps(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     rng = state["rng_state"]
     torch.set_rng_state(rng["cpu"])

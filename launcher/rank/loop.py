@@ -26,6 +26,16 @@ def _loss(loss_mask: torch.Tensor, output: torch.Tensor):
     return loss, {"lm loss": loss.detach().clone()}  # clone: the schedule divides `loss` in place
 
 
+def run_length(train, *, seq_length: int, dp_size: int) -> tuple:
+    """(optimizer steps, micro-batches per step per DP rank) for this job."""
+    steps = train.train_steps or -(-train.train_tokens // (train.global_batch_size * seq_length))
+    per_step = train.micro_batch_size * dp_size
+    if train.global_batch_size % per_step:
+        raise ValueError(f"train.global_batch_size={train.global_batch_size} is not a multiple of "
+                         f"micro_batch_size x data-parallel size = {per_step}")
+    return steps, train.global_batch_size // per_step
+
+
 def schedule_func(kind: str) -> Callable:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -127,6 +137,6 @@ class Loop:
                     on_eval(self.step, self.evaluate(vi))
             if stop:
                 return "stopped"
-            if save_interval and self.step % save_interval == 0 and self.step < steps:
+            if save_interval and self.step % save_interval == 0:
                 on_checkpoint()
         return "done"

@@ -73,6 +73,22 @@ class MetricsLogger:
             self.wandb.finish()
 
 
+def summary(history: List[dict], evals: List[dict], *, status: str, steps: int, world: int,
+            flops_per_token: float) -> Dict[str, float]:
+    """Final numbers for report/metrics.json; throughput averaged over the second half (past warm-up)."""
+    final: Dict[str, float] = {"status": status, "steps": steps, "world_size": world,
+                               "flops_per_token": flops_per_token}
+    if history:
+        tail = history[len(history) // 2:] if len(history) > 2 else history
+        final.update(first_loss=history[0]["loss"], final_loss=history[-1]["loss"],
+                     peak_mem_gib=max(h["mem_gib"] for h in history),
+                     **{k: sum(h[k] for h in tail) / len(tail)
+                        for k in ("ms_per_step", "tokens_per_s", "tflops", "mfu")})
+    if evals:
+        final["final_valid_loss"] = evals[-1]["loss"]
+    return final
+
+
 def _init_wandb(logging: LoggingConfig, bundle: Path, run_name: str, config: dict):
     """wandb run; offline unless configured otherwise. The API key is read by wandb from WANDB_API_KEY."""
     import wandb
