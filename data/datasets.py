@@ -86,6 +86,9 @@ def gpt_dataset_config(*, data: Any, seq_length: int, seed: int, cache_dir: Opti
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
+        # Causal masking is the attention kernel's job (attn_mask_type=causal); a [1, s, s] mask per sample
+        # would cost s^2 bytes and time in every __getitem__ for nothing.
+        create_attention_mask=False,
         mmap_bin_files=True,
     )
 

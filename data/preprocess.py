@@ -12,9 +12,9 @@ How it is fast and bounded (see benchmarks/preprocess_bench.py for numbers):
 
 * three stages joined by small bounded queues, so memory is O(chunk size), whatever the input size:
   read+parse thread (raw blocks of ``--chunk-mb`` split at newlines, orjson when installed) → encode (gigatoken's
-  Rust BPE over the whole block, its own threads, GIL released) → write thread (EOD insertion vectorised in
-  numpy, one write per block). The index arrays Megatron's builder keeps grow with the number of documents
-  (about 40 bytes each), the only part that is not constant.
+  Rust BPE over the whole block on its own threads) → write thread (EOD insertion vectorised in numpy, one
+  write per block). Not constant: the index lists Megatron's builder keeps (about 40 bytes per document), and
+  gigatoken's encode cache, which is rebuilt whenever it grows past ``--cache-budget-mb`` (default 256).
 * ``megatron.core`` (a few seconds to import) is imported in the writer thread while the first block is
   parsed and encoded.
 * Output goes to ``PREFIX.bin.partial-PID``/``PREFIX.idx.partial-PID`` and is renamed into place only after the

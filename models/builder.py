@@ -39,6 +39,9 @@ def transformer_config(*, model: ModelConfig, parallel: ParallelConfig, precisio
     if model.activation not in ACTIVATIONS:
         raise ValueError(f"model.activation={model.activation!r}; use one of {sorted(ACTIVATIONS)}")
     activation, gated = ACTIVATIONS[model.activation]
+    if parallel.context > 1 and not te:
+        raise ValueError(f"parallel.context={parallel.context} needs Transformer Engine attention (GPU); "
+                         "use parallel.context=1 on CPU")
     kwargs = dict(
         num_layers=model.num_layers, hidden_size=model.hidden_size, ffn_hidden_size=model.ffn_hidden_size,
         num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,

@@ -18,6 +18,8 @@ one function that makes them: ``Tensor.type() == 'torch.cuda.FloatTensor'`` chec
 distributed / float16 optimizers) and ``Tensor.cuda()`` when first/last pipeline stages share embeddings.
 
 Applied only when ``torch.cuda.is_available()`` is False; idempotent. Nothing happens at import time.
+(Not CUDA-related and therefore elsewhere: the distributed optimizer's Adam-step restore bug is handled in
+launcher/rank/checkpoint.py; the interleaved PP=2 batch_p2p guard in models/builder.py.)
 """
 from __future__ import annotations
 
@@ -37,7 +39,6 @@ PATCHED_MODULES = (
     "megatron.core.pipeline_parallel.schedules",  # total_num_tokens = zeros(device='cuda')
     "megatron.core.distributed.param_and_grad_buffer",  # current_device, current_stream
     "megatron.core.distributed.distributed_data_parallel",  # Stream for overlapped grad reduce
-    "megatron.core.distributed.finalize_model_grads",  # num_tokens all-reduce buffers
     "megatron.core.optimizer.optimizer",  # found_inf / scale tensors on 'cuda'
     "megatron.core.optimizer.distrib_optimizer",  # gather buffers on current_device
     "megatron.core.optimizer.clip_grads",  # norm / overflow buffers on 'cuda'

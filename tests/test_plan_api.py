@@ -80,7 +80,8 @@ def test_moe_models_plan_and_search():
     for model in ("deepseek_v3", "qwen3_30b_a3b", "qwen3_235b_a22b"):
         job = compose_job(["recipe=llama405b", f"model={model}", "cluster=h200", "nodes=8", "parallel.first_stage_layers=null",
                            "parallel.last_stage_layers=null", "parallel.pipeline=1", "parallel.context=1",
-                           "parallel.expert=8", "parallel.tensor=1", "parallel.sequence_parallel=false"])
+                           "parallel.expert=8", "parallel.tensor=1", "parallel.sequence_parallel=false",
+                           "parallel.tp_comm_overlap=false"])
         plan = plan_job(job)
         assert plan.params["expert"] > plan.params["dense"]
         t0 = time.process_time()

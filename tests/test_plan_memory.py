@@ -60,12 +60,13 @@ def test_in_flight_1f1b_zb_and_interleaved():
 
 def test_distributed_optimizer_bytes_per_param():
     """bf16 weights (2) + fp32 grads (4) + (fp32 master + Adam) 12/d; 18 without the distributed optimizer."""
-    job = compose_job(["recipe=llama3_8b", "precision.fp8=null"])  # 8 GPUs, TP1 CP2 -> DP x CP = 8
+    job = compose_job(["recipe=llama3_8b", "+experiment=bf16", "precision.grad_reduce_in_fp32=true"])  # 8 GPUs, TP1 CP2 -> DP x CP = 8
     rp = stage_params(job, 0)
     sb = static_bytes(job, rp)
     per = (sb["weights"] + sb["grads"] + sb["optimizer"]) / rp.total
     assert per == pytest.approx(6 + 12 / 8)
-    plain = compose_job(["recipe=llama3_8b", "precision.fp8=null", "parallel.distributed_optimizer=false"])
+    plain = compose_job(["recipe=llama3_8b", "+experiment=bf16", "precision.grad_reduce_in_fp32=true",
+                         "parallel.distributed_optimizer=false"])
     sb = static_bytes(plain, rp)
     assert (sb["weights"] + sb["grads"] + sb["optimizer"]) / rp.total == pytest.approx(18)
 

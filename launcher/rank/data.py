@@ -1,76 +1,26 @@
 """Training/validation batches for this rank: one call, ``build_train_valid_iterators``.
 
 Datasets come from ``data.datasets.build_gpt_datasets`` (GPTDataset over the blend, or MockGPTDataset for
-kind=mock); a plain Megatron builder here is the fallback if that module is absent. Every rank of a data-parallel replica reads
-the same micro-batches (pipeline stages take what they need), in Megatron's sampler order: micro-batch m of
-step s on DP rank r holds global samples ``s*G + m*b*d + r*b ... + b`` (G global batch, b micro batch,
+kind=mock). Every rank of a data-parallel replica reads the same micro-batches (pipeline stages take what
+they need), in Megatron's sampler order: micro-batch m of step s on DP rank r holds global samples ``s*G + m*b*d + r*b ... + b`` (G global batch, b micro batch,
 d DP size), so any layout with the same global batch sees the same samples per step.
 """
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, Tuple
 
 import torch
 
 from launcher.schema import DataConfig, ModelConfig, TrainConfig
 
 
-class _Tokenizer:
-    """What megatron.core.datasets needs from a tokenizer: vocab size, EOD id, identity for caches."""
-
-    def __init__(self, vocab_size: int, eod: int):
-        self.vocab_size, self.eod, self.pad = vocab_size, eod, -1
-
-    @property
-    def unique_identifiers(self):
-        return {"class": "launcher.rank.data._Tokenizer", "vocab_size": self.vocab_size, "eod": self.eod}
-
-
-def _eod_id(tokenizer_path: Optional[str]) -> int:
-    if not tokenizer_path or not Path(tokenizer_path).exists():
-        return 0
-    import json
-
-    added = json.loads(Path(tokenizer_path).read_text()).get("added_tokens", [])
-    for token in added:
-        if token["content"] in ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>"):
-            return int(token["id"])
-    return 0
-
-
-def _megatron_datasets(*, data: DataConfig, model: ModelConfig, seed: int, sizes: List[int],
-                       cache_dir: str):
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-
-    blend = None
-    if data.kind == "indexed":
-        items = list(data.blend)
-        if items and not isinstance(items[0], str):  # [w1, path1, w2, path2]
-            blend = ([str(p) for p in items[1::2]], [float(w) for w in items[0::2]])
-        else:
-            blend = ([str(p) for p in items], None)
-    config = GPTDatasetConfig(
-        random_seed=seed, sequence_length=model.seq_length, blend=blend, split=data.split,
-        tokenizer=_Tokenizer(model.vocab_size, _eod_id(data.tokenizer)), path_to_cache=cache_dir,
-        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
-        create_attention_mask=False)
-    cls = MockGPTDataset if data.kind == "mock" else GPTDataset
-    return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
-
-
 def _datasets(*, data: DataConfig, model: ModelConfig, seed: int, sizes: List[int], cache_dir: str):
-    """(train, valid, test) via data.datasets.build_gpt_datasets (node-local index caches), falling back
-    to the plain Megatron builder above when that module is absent."""
-    if importlib.util.find_spec("data") is not None and importlib.util.find_spec("data.datasets") is not None:
-        from data.datasets import build_gpt_datasets
+    """(train, valid, test) from data.datasets (node-local index caches, mock or indexed blend)."""
+    from data.datasets import build_gpt_datasets
 
-        return build_gpt_datasets(data=data, seq_length=model.seq_length, seed=seed, train_samples=sizes[0],
-                                  valid_samples=sizes[1], test_samples=sizes[2], cache_dir=cache_dir,
-                                  vocab_size=model.vocab_size)
-    return _megatron_datasets(data=data, model=model, seed=seed, sizes=sizes, cache_dir=cache_dir)
+    return build_gpt_datasets(data=data, seq_length=model.seq_length, seed=seed, train_samples=sizes[0],
+                              valid_samples=sizes[1], test_samples=sizes[2], cache_dir=cache_dir,
+                              vocab_size=model.vocab_size)
 
 
 def dataset_sizes(train: TrainConfig, steps: int) -> List[int]:
@@ -83,8 +33,8 @@ def _batches(dataset, *, start: int, train: TrainConfig, dp_rank: int, dp_size: 
     index = start
     while True:
         first = index + dp_rank * b
-        if first + b > len(dataset):
-            index = first = dp_rank * b  # wrap around (validation reuse)
+        if first + b > len(dataset):  # past the end (only if sizes were short): start over
+            index, first = 0, dp_rank * b
         samples = [dataset[i] for i in range(first, first + b)]
         yield {key: torch.stack([torch.as_tensor(s[key]) for s in samples])
                for key in ("tokens", "labels", "loss_mask", "position_ids")}
@@ -95,10 +45,8 @@ def build_train_valid_iterators(*, data: DataConfig, model: ModelConfig, train: 
                                 consumed_samples: int, dp_rank: int, dp_size: int, cache_dir: str,
                                 num_chunks: int = 1) -> Tuple[list, callable]:
     """Train iterators (one per virtual pipeline chunk, each yielding this rank's micro-batches from
-    ``consumed_samples`` on) and a factory of fresh validation iterators (same shape)."""
-    import os
-
-    os.makedirs(cache_dir, exist_ok=True)
+    ``consumed_samples`` on) and a factory of fresh validation iterators (same shape; every evaluation
+    reads the same validation samples, so eval losses are comparable across steps)."""
     sizes = dataset_sizes(train, steps)
     train_ds, valid_ds, _ = _datasets(data=data, model=model, seed=train.seed, sizes=sizes, cache_dir=cache_dir)
     kw = dict(train=train, dp_rank=dp_rank, dp_size=dp_size)

@@ -8,7 +8,9 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+# SIGUSR1 (Slurm --signal=B:USR1@N, forwarded by the job script): checkpoint at the next step and exit 0.
+# SIGTERM is left to its default: torchrun uses it to tear down ranks when one fails.
+STOP_SIGNALS = (signal.SIGUSR1,)
 
 
 def forward_step(data_iterator, model):
