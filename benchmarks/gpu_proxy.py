@@ -63,7 +63,9 @@ def _ensure_imports(wheel) -> None:
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
                         "--target", target, paths[0]], check=True)
         sys.path.insert(0, target)
-    if importlib.util.find_spec("hydra") is None:
+    try:
+        import hydra.core.config_store  # noqa: F401
+    except ImportError:
         store = types.ModuleType("hydra.core.config_store")
         store.ConfigStore = type("ConfigStore", (), {"instance": staticmethod(lambda: None)})
         for name in ("hydra", "hydra.core"):

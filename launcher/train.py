@@ -1,6 +1,8 @@
 """Rank entry: ``torchrun --nproc_per_node=N -m launcher.train --bundle DIR`` (DIR/config.yaml resolved).
 
 parse -> build (dist, model, optimizer, data) -> resume -> run (log, eval, checkpoint) -> report -> close.
+Contract with the job script: a ``DIR/STOP`` file makes every rank checkpoint and exit 0 at the next step;
+``DIR/DONE`` is written once all steps have run.
 Nothing runs at import time (dist_checkpointing spawns a helper process that re-imports this module).
 """
 from __future__ import annotations
@@ -38,6 +40,7 @@ def main(argv=None) -> int:
     optim.hook_model_config(model, optimizer, parallel=job.parallel)
     lp = loop.Loop(model=model, optimizer=optimizer, scheduler=scheduler, train=tr, seq_length=job.model.seq_length,
                    num_microbatches=num_microbatches, kind=job.schedule.kind, dp_size=dp)
+    ckpt.check_options(job.checkpoint, rank)
     ckpt_dir = Path(job.checkpoint.dir) if job.checkpoint.dir else bundle / "checkpoints"
     latest = ckpt.latest_checkpoint(ckpt_dir) if job.checkpoint.resume else None
     saved_at = 0
@@ -65,11 +68,13 @@ def main(argv=None) -> int:
     why = lp.run(iterators=train_iters, valid_iters=valid_iters, steps=steps, on_step=log.step, on_eval=log.eval,
                  on_checkpoint=save, save_interval=job.checkpoint.save_interval, flops_per_token=fpt,
                  peak_tflops=job.cluster.peak_tflops_bf16, world=world,
-                 deadline=time.time() + minutes * 60 if minutes else None)
+                 deadline=time.time() + minutes * 60 if minutes else None, stop_file=bundle / "STOP")
     if (job.checkpoint.save_at_end or why == "stopped") and lp.step > saved_at:
         save()
     final = metrics.summary(log.history, log.evals, status=why, steps=lp.step, world=world, flops_per_token=fpt)
     log.close(final)
+    if why == "done" and rank == 0:
+        (bundle / "DONE").write_text(f"{lp.step}\n")  # the job script requeues only runs without DONE
     setup.close()
     return 0
 

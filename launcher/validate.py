@@ -236,6 +236,9 @@ def validate_schedule(job: JobConfig) -> list[Problem]:
     if not c.one_of("schedule.kind", s.kind, ("1f1b", "interleaved", "zb_h1")):
         return c.problems
     vp = p.virtual_pipeline or 1
+    if s.kind == "zb_h1" and job.action not in ("plan", "search", "validate"):
+        c.need(False, "schedule.kind", s.kind, "zero-bubble is planned and simulated (action=plan) but cannot "
+               "train yet: its schedule lands with the zero-bubble issue", "schedule.kind=1f1b")
     if s.kind == "interleaved":
         c.need(vp > 1 and p.pipeline > 1, "schedule.kind", s.kind,
                "interleaved needs parallel.pipeline > 1 and parallel.virtual_pipeline > 1",

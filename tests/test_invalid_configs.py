@@ -73,6 +73,7 @@ CASES = [
      "parallel.sequence_parallel="),
     ("param-gather-needs-distopt", L8 + ["parallel.distributed_optimizer=false"], "parallel.overlap_param_gather="),
     ("tp-overlap-needs-sp", L8 + ["parallel.tp_comm_overlap=true"], "parallel.tp_comm_overlap="),
+    ("zb-h1-cannot-train-yet", ["recipe=smoke", "schedule.kind=zb_h1"], "schedule.kind="),
     ("norm", ["recipe=smoke", "model.normalization=BatchNorm"], "model.normalization="),
 ]
 

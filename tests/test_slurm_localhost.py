@@ -211,8 +211,6 @@ def test_smoke_training_through_slurm(slurm, tmp_path):
     assert all(float(loss) > 0 for _, loss in steps)
 
 
-@pytest.mark.xfail(strict=True, reason="launcher/rank/loop.py stops on SIGUSR1/SIGTERM but does not poll "
-                   "$LAUNCHER_BUNDLE/STOP, which is all job.sbatch does on USR1; remove this marker once it does")
 def test_smoke_training_checkpoints_on_usr1_and_resumes_after_requeue(slurm, tmp_path):
     # USR1 is sent to the batch shell by hand (`scancel --batch --signal=USR1`, the same delivery as
     # --signal=B:USR1) once training is under way, so the test does not depend on slurmctld's 30 s timer. The

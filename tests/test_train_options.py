@@ -55,3 +55,24 @@ def test_wandb_offline(tmp_path, monkeypatch):
                                                       "logging.wandb_mode=offline"])
     runs = list((run.bundle / "wandb").glob("offline-run-*"))
     assert runs and list(runs[0].glob("*.wandb")), "offline run files"
+
+
+def test_stop_file_checkpoints_and_exits_then_resume_writes_done(tmp_path):
+    """The Slurm job script's contract: a STOP file in the bundle stops training cleanly with a checkpoint
+    (no DONE, so the job is requeued); the requeued run resumes and writes DONE when finished."""
+    from _rank_harness import Run, run_train, write_bundle
+
+    bundle = write_bundle(tmp_path / "b", TINY + layout() + ["train.train_steps=3"])
+    (bundle / "STOP").touch()
+    proc = run_train(bundle, 1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first = Run(bundle, proc)
+    assert first.final["status"] == "stopped" and sorted(first.steps) == [1]
+    assert (bundle / "checkpoints" / "latest").read_text().strip() == "iter_0000001"
+    assert not (bundle / "DONE").exists()
+
+    (bundle / "STOP").unlink()  # what the job script does before the requeued run
+    proc = run_train(bundle, 1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout and sorted(Run(bundle, proc).steps) == [2, 3]
+    assert (bundle / "DONE").read_text().strip() == "3"

@@ -25,6 +25,14 @@ LATEST = "latest"
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
+def check_options(checkpoint, rank: int) -> None:
+    """What this writer supports: torch_dist, synchronous (async_save falls back with a note)."""
+    if checkpoint.format != "torch_dist":
+        raise ValueError(f"checkpoint.format={checkpoint.format!r} is not supported; use torch_dist")
+    if checkpoint.async_save and rank == 0:
+        print("note: checkpoint.async_save is not implemented yet; saving synchronously", flush=True)
+
+
 def _name(step: int) -> str:
     return f"iter_{step:07d}"
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 import signal
 import time
 from functools import partial
+from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 import torch
 
-# SIGUSR1 (Slurm --signal=B:USR1@N, forwarded by the job script): checkpoint at the next step and exit 0.
-# SIGTERM is left to its default: torchrun uses it to tear down ranks when one fails.
+# Stop requests: the Slurm job script turns --signal=B:USR1 into a STOP file in the bundle (torchrun would
+# die on USR1); SIGUSR1 sent straight to a rank works too. SIGTERM keeps its default: torchrun uses it to
+# tear down ranks when one fails.
 STOP_SIGNALS = (signal.SIGUSR1,)
 
 
@@ -117,15 +119,18 @@ class Loop:
 
     def run(self, *, iterators, valid_iters: Callable, steps: int, on_step: Callable,
             on_eval: Callable, on_checkpoint: Callable, save_interval: int,
-            flops_per_token: float, peak_tflops: float, world: int, deadline: Optional[float]) -> str:
-        """Train to ``steps``; returns why it stopped: 'done' or 'stopped' (signal / time limit)."""
+            flops_per_token: float, peak_tflops: float, world: int, deadline: Optional[float],
+            stop_file: Optional[Path] = None) -> str:
+        """Train to ``steps``; returns why it stopped: 'done' or 'stopped' (STOP file, SIGUSR1 or time
+        limit; the caller then checkpoints). Any rank's reason stops all ranks at the same step."""
         from launcher.rank.metrics import memory_gib
 
         tokens_per_step = self.train.global_batch_size * self.seq_length
         while self.step < steps:
             start = time.perf_counter()
             out = self.train_step(iterators)
-            wanted_stop = self.stop_requested or (deadline is not None and time.time() > deadline)
+            wanted_stop = (self.stop_requested or (deadline is not None and time.time() > deadline)
+                           or (stop_file is not None and stop_file.exists()))
             loss, stop = reduce_report(out["local_loss"], wanted_stop)
             elapsed = time.perf_counter() - start
             tflops = flops_per_token * tokens_per_step / elapsed / world / 1e12
