@@ -11,6 +11,7 @@ replaces ``latest`` atomically (write ``latest.tmp`` + ``os.replace``). A crash 
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -19,6 +20,17 @@ from typing import List, Optional
 import torch
 
 LATEST = "latest"
+
+
+class _QuietSyncSave(logging.Filter):
+    """0.19.2's *synchronous* save goes through its deprecated async path and warns once per rank that
+    "MCore's async save is deprecated"; we never ask for async, so the warning only misleads users."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "async save is deprecated" not in record.getMessage()
+
+
+logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").addFilter(_QuietSyncSave())
 # Distributed-optimizer state layout. 0.19.2's default (fully_sharded_model_space) builds ShardedTensors
 # with flattened_range, which its own validation now rejects; dp_reshardable saves each DP rank's
 # contiguous shard (resume needs the same DP size; model weights still reshard freely).
