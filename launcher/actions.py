@@ -45,13 +45,44 @@ def do_plan(job: JobConfig, args) -> int:
 
 
 def do_search(job: JobConfig, args) -> int:
-    from launcher.plan.search import search, search_table, to_json
+    from launcher.plan.search import search
     results = search(job, top=10)
     if args.json:
-        print(json.dumps(to_json(results), indent=2))
-    else:
-        _print_rich(search_table(results))
+        print(json.dumps([c.to_dict() for c in results], indent=2))
+        return 0
+    if not results:
+        print(f"no layout of {job.model.name} fits {job.nodes} x {job.cluster.gpus_per_node} {job.cluster.gpu}; "
+              "try more nodes", file=sys.stderr)
+        return 1
+    _print_rich(search_table(job, results))
     return 0
+
+
+def _changed(job: JobConfig, overrides: list[str]) -> list[str]:
+    """Only the overrides that differ from the job as composed: what the user would actually type."""
+    out = []
+    for text in overrides:
+        key, value = text.split("=", 1)
+        current = job
+        for part in key.split("."):
+            current = getattr(current, part, None)
+        shown = "null" if current is None else str(current).lower() if isinstance(current, bool) else str(current)
+        if shown != value:
+            out.append(text)
+    return out
+
+
+def search_table(job: JobConfig, results):
+    """The ranked layouts: what to type, what the planner predicts, and why each ranks where it does."""
+    from rich.table import Table
+    table = Table(title=f"{job.model.name} on {job.nodes} x {job.cluster.gpus_per_node} {job.cluster.gpu}: "
+                        f"top {len(results)} layouts by predicted throughput")
+    for column in ("#", "overrides", "tokens/s", "TFLOP/s/GPU", "MFU", "peak GB", "why"):
+        table.add_column(column, overflow="fold")
+    for i, c in enumerate(results, 1):
+        table.add_row(str(i), " ".join(_changed(job, c.overrides)) or "(this job's layout)", f"{c.tokens_per_s:,.0f}", f"{c.tflops_per_gpu:.0f}",
+                      f"{100 * c.mfu:.1f}%", f"{c.peak_gb:.1f}", c.why)
+    return table
 
 
 def _print_rich(renderable) -> None:

@@ -1,0 +1,81 @@
+"""Each action of `python -m launcher` end to end (in-process): validate, plan, search, render, submit."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from launcher.executor import SubmitError, parse_job_id
+
+import pytest
+
+
+def test_validate_prints_the_layout(cli):
+    code, out, _ = cli("recipe=llama405b", "cluster=h200", "action=validate")
+    assert code == 0
+    assert "TP8 PP8 CP2 DP4" in out and "64x8 H200" in out
+
+
+def test_plan_json_is_machine_readable(cli):
+    code, out, _ = cli("recipe=llama405b", "cluster=h200", "action=plan", "--json")
+    assert code == 0
+    plan = json.loads(out)
+    assert plan["fits"] is True and plan["peak_gb"] < plan["gpu_memory_gb"]
+    assert abs(plan["gflops_per_token"] - 2523.96) / 2523.96 < 5e-4
+    assert 0 < plan["mfu"] < 1
+
+
+def test_search_ranks_fitting_layouts(cli):
+    code, out, _ = cli("recipe=llama3_70b", "cluster=h100", "nodes=16", "action=search", "--json")
+    assert code == 0
+    results = json.loads(out)
+    assert 1 <= len(results) <= 10
+    speeds = [r["tokens_per_s"] for r in results]
+    assert speeds == sorted(speeds, reverse=True)
+    assert all(r["peak_gb"] <= r["gpu_memory_gb"] for r in results)
+    code, out, _ = cli("recipe=llama3_70b", "cluster=h100", "nodes=16", "action=search")
+    assert code == 0 and "top" in out and "why" in out
+
+
+def test_oom_is_refused_before_rendering_unless_forced(cli, tmp_path):
+    args = ("recipe=llama405b", "nodes=8", "parallel.pipeline=4", "parallel.context=1",
+            "parallel.first_stage_layers=null", "parallel.last_stage_layers=null", "model.num_layers=128",
+            f"output_dir={tmp_path}", "action=render")
+    code, _, err = cli(*args)
+    assert code == 2
+    assert "out of memory" in err and "stage" in err
+    assert list(tmp_path.iterdir()) == []
+    code, _, _ = cli(*args, "force=true")
+    assert code == 0 and len(list(tmp_path.iterdir())) == 1
+
+
+def test_submit_calls_sbatch_and_records_the_job_id(cli, tmp_path, monkeypatch):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "sbatch").write_text('#!/bin/bash\necho "$@" > "$(dirname "$0")/args"\necho "4242;cluster"\n')
+    (fake / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    out_dir = tmp_path / "runs"
+    code, out, err = cli("recipe=llama3_8b", "action=submit", f"output_dir={out_dir}")
+    assert code == 0, err
+    bundle = next(out_dir.iterdir())
+    assert json.loads((bundle / "submission.json").read_text()) == {"job_id": "4242"}
+    assert (fake / "args").read_text().split() == ["--parsable", str(bundle / "job.sbatch")]
+    assert "submitted: job 4242" in out
+
+
+def test_submit_without_slurm_says_so(cli, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch anywhere
+    code, _, err = cli("recipe=llama3_8b", "action=submit", f"output_dir={tmp_path / 'runs'}")
+    assert code == 1 and "sbatch not found" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("text,expected", [("123\n", "123"), ("123;cluster\n", "123"),
+                                           ("Submitted batch job 77\n", "77")])
+def test_parse_job_id(text, expected):
+    assert parse_job_id(text) == expected
+
+
+def test_parse_job_id_refuses_garbage():
+    with pytest.raises(SubmitError):
+        parse_job_id("sbatch: error: invalid partition\n")
