@@ -3,8 +3,6 @@ whether any of them imported torch. Prints one line per recipe. Run: .venv/bin/p
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import statistics
 import subprocess
 import sys

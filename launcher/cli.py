@@ -5,7 +5,6 @@ Login-node code: nothing here imports torch or megatron.
 """
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass, field
 

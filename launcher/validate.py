@@ -15,8 +15,7 @@ from typing import Callable, Iterable
 
 from launcher.problems import Problem
 from launcher.schema import (CheckpointConfig, ClusterConfig, DataConfig, JobConfig, LoggingConfig,
-                             ModelConfig, ParallelConfig, PrecisionConfig, ScheduleConfig, SlurmConfig,
-                             TrainConfig)
+                             ModelConfig, ParallelConfig, PrecisionConfig)
 
 ACTIONS = ("default", "render", "submit", "run", "plan", "search", "validate")
 HOPPER_OR_NEWER = ("H100", "H200", "GH200", "B200", "GB200")

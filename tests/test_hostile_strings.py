@@ -29,7 +29,7 @@ def _hostile_job(tmp_path: Path, value: str):
     job = compose_job(["recipe=llama3_8b"])
     job.cluster.env = {"HOSTILE": value, "NCCL_DEBUG": "INFO"}
     job.cluster.container_image = value
-    job.cluster.container_mounts = [f"/lustre:/lustre", f"/x:{value}"]
+    job.cluster.container_mounts = ["/lustre:/lustre", f"/x:{value}"]
     job.cluster.workdir = str(tmp_path / f"work dir {value.splitlines()[0][:20]}")
     job.cluster.python = value
     return job
