@@ -247,7 +247,7 @@ class DataConfig:
     cache_dir: Optional[str] = None
     """Where dataset index caches go; null means inside the run bundle (node-local safe)."""
     num_workers: int = 1
-    """DataLoader worker processes per rank."""
+    """DataLoader worker processes per rank for training batches (0: assemble them in the rank itself)."""
 
 
 @dataclass

@@ -28,17 +28,37 @@ def dataset_sizes(train: TrainConfig, steps: int) -> List[int]:
     return [steps * train.global_batch_size, evals * max(1, train.eval_iters) * train.global_batch_size, 0]
 
 
-def _batches(dataset, *, start: int, train: TrainConfig, dp_rank: int, dp_size: int) -> Iterator[dict]:
-    b, step_span = train.micro_batch_size, train.micro_batch_size * dp_size
-    index = start
-    while True:
-        first = index + dp_rank * b
-        if first + b > len(dataset):  # past the end (only if sizes were short): start over
-            index, first = 0, dp_rank * b
-        samples = [dataset[i] for i in range(first, first + b)]
-        yield {key: torch.stack([torch.as_tensor(s[key]) for s in samples])
-               for key in ("tokens", "labels", "loss_mask", "position_ids")}
-        index += step_span
+class MicroBatchSampler:
+    """Indices of this rank's micro-batches, in Megatron's sampler order, from ``start`` on (endless).
+
+    Wraps to the start of the dataset if it runs out (only when the sizes asked for were short)."""
+
+    def __init__(self, length: int, *, start: int, micro_batch_size: int, dp_rank: int, dp_size: int):
+        self.length, self.start, self.b, self.dp_rank, self.dp_size = length, start, micro_batch_size, dp_rank, dp_size
+
+    def __iter__(self) -> Iterator[List[int]]:
+        index, span = self.start, self.b * self.dp_size
+        while True:
+            first = index + self.dp_rank * self.b
+            if first + self.b > self.length:
+                index, first = 0, self.dp_rank * self.b
+            yield list(range(first, first + self.b))
+            index += span
+
+
+def _collate(samples: list) -> dict:
+    return {key: torch.stack([torch.as_tensor(s[key]) for s in samples])
+            for key in ("tokens", "labels", "loss_mask", "position_ids")}
+
+
+def _batches(dataset, *, start: int, train: TrainConfig, dp_rank: int, dp_size: int, num_workers: int) -> Iterator[dict]:
+    """Micro-batches through a torch DataLoader: with workers, sample assembly overlaps the training step."""
+    sampler = MicroBatchSampler(len(dataset), start=start, micro_batch_size=train.micro_batch_size,
+                                dp_rank=dp_rank, dp_size=dp_size)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=_collate,
+                                         num_workers=num_workers, pin_memory=torch.cuda.is_available(),
+                                         persistent_workers=False)
+    return iter(loader)
 
 
 def build_train_valid_iterators(*, data: DataConfig, model: ModelConfig, train: TrainConfig, steps: int,
@@ -49,12 +69,13 @@ def build_train_valid_iterators(*, data: DataConfig, model: ModelConfig, train: 
     reads the same validation samples, so eval losses are comparable across steps)."""
     sizes = dataset_sizes(train, steps)
     train_ds, valid_ds, _ = _datasets(data=data, model=model, seed=train.seed, sizes=sizes, cache_dir=cache_dir)
-    kw = dict(train=train, dp_rank=dp_rank, dp_size=dp_size)
+    kw = dict(train=train, dp_rank=dp_rank, dp_size=dp_size, num_workers=data.num_workers)
     train_iters = [_batches(train_ds, start=consumed_samples, **kw) for _ in range(num_chunks)]
 
     def valid_iters():
         if valid_ds is None:
             return None
-        return [_batches(valid_ds, start=0, **kw) for _ in range(num_chunks)]
+        # Evaluation reads a few batches; starting workers for each evaluation would cost more than it saves.
+        return [_batches(valid_ds, start=0, **{**kw, "num_workers": 0}) for _ in range(num_chunks)]
 
     return train_iters, valid_iters
