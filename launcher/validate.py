@@ -288,6 +288,9 @@ def validate_precision(job: JobConfig) -> list[Problem]:
                "precision.dtype=bf16")
         c.one_of("precision.fp8_format", pr.fp8_format, ("hybrid", "e4m3"))
         c.one_of("precision.fp8_amax_compute_algo", pr.fp8_amax_compute_algo, ("max", "most_recent"))
+    c.need(te or not job.model.multi_latent_attention, "model.multi_latent_attention", True,
+           "multi-latent attention needs Transformer Engine attention (Megatron-Core's local attention cannot "
+           "take MLA's head sizes)", "a GPU cluster profile (cluster=h100) or model.multi_latent_attention=false")
     c.need(not pr.fp8_param or pr.fp8 is not None, "precision.fp8_param", pr.fp8_param,
            "FP8 parameters need an FP8 recipe", "precision.fp8=delayed or precision.fp8_param=false")
     return c.problems
@@ -384,6 +387,9 @@ def validate_checkpoint(ckpt: CheckpointConfig) -> list[Problem]:
     c.need(ckpt.save_interval >= 0, "checkpoint.save_interval", ckpt.save_interval, "must be >= 0 (0: only at the end)",
            "checkpoint.save_interval=1000")
     c.one_of("checkpoint.format", ckpt.format, ("torch_dist",))
+    c.need(not ckpt.async_save, "checkpoint.async_save", True,
+           "asynchronous saving is not implemented yet: checkpoints are written synchronously",
+           "checkpoint.async_save=false", severity="warning")
     if ckpt.keep_last is not None:
         c.positive("checkpoint.keep_last", ckpt.keep_last)
     return c.problems

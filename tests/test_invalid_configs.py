@@ -74,6 +74,7 @@ CASES = [
     ("param-gather-needs-distopt", L8 + ["parallel.distributed_optimizer=false"], "parallel.overlap_param_gather="),
     ("tp-overlap-needs-sp", L8 + ["parallel.tp_comm_overlap=true"], "parallel.tp_comm_overlap="),
     ("zb-h1-cannot-train-yet", ["recipe=smoke", "schedule.kind=zb_h1"], "schedule.kind="),
+    ("mla-needs-te", ["recipe=smoke", "model.multi_latent_attention=true"], "model.multi_latent_attention="),
     ("norm", ["recipe=smoke", "model.normalization=BatchNorm"], "model.normalization="),
 ]
 
