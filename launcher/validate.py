@@ -342,6 +342,8 @@ def validate_data(data: DataConfig) -> list[Problem]:
     parts = [s.strip() for s in str(data.split).split(",")]
     c.need(len(parts) == 3 and all(_is_number(s) and float(s) >= 0 for s in parts) and any(float(s) > 0 for s in parts if _is_number(s)),
            "data.split", data.split, "must be three non-negative weights train,valid,test", "data.split=969,30,1")
+    c.need(data.kind != "mock" or not data.blend, "data.kind", data.kind,
+           "mock data ignores data.blend: a blend was given but would never be read", "data.kind=indexed")
     if data.kind == "indexed":
         c.need(len(data.blend) > 0, "data.blend", list(data.blend), "indexed data needs at least one dataset prefix",
                "data.blend=[path/to/prefix] or data=mock")

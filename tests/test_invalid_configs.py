@@ -75,6 +75,9 @@ CASES = [
     ("tp-overlap-needs-sp", L8 + ["parallel.tp_comm_overlap=true"], "parallel.tp_comm_overlap="),
     ("zb-h1-cannot-train-yet", ["recipe=smoke", "schedule.kind=zb_h1"], "schedule.kind="),
     ("mla-needs-te", ["recipe=smoke", "model.multi_latent_attention=true"], "model.multi_latent_attention="),
+    ("blend-with-mock", L8 + ["data.blend=[/lustre/a]"], "data.kind="),
+    ("blend-missing-files", L8 + ["data.kind=indexed", "data.blend=[/nonexistent/a_text_document]",
+                                  "data.tokenizer=data/assets/tokenizer.json"], "data.blend"),
     ("norm", ["recipe=smoke", "model.normalization=BatchNorm"], "model.normalization="),
 ]
 
