@@ -175,20 +175,24 @@ def _all_stage_costs(job: JobConfig) -> list[StageCosts]:
     return out
 
 
+def _layer_dims(job: JobConfig, moe: bool) -> tuple:
+    """(activation bytes, TP, SP shards, hidden, q width, kv width, MLP width incl. routed top-k + shared)."""
+    model, par = job.model, job.parallel
+    t = par.tensor
+    sp = t if (par.sequence_parallel and t > 1) else 1
+    d = kv_channels(model)
+    ffn = model.ffn_hidden_size
+    if moe:
+        ffn = (model.moe_ffn_hidden_size or ffn) * model.moe_router_topk + (model.moe_shared_expert_intermediate_size or 0)
+    return (DTYPE_BYTES.get(job.precision.dtype, 2), t, sp, model.hidden_size,
+            model.num_attention_heads * d, query_groups(model) * d, ffn)
+
+
 def _elementwise_bytes(job: JobConfig, moe: bool) -> float:
     """Forward element-wise HBM traffic per token per layer on one rank (bytes): two norms (read + write),
     two residual adds (2 reads + write), RoPE on Q and K, the gated activation (read 2f, write f)."""
-    model, par = job.model, job.parallel
-    a = DTYPE_BYTES.get(job.precision.dtype, 2)
-    t = par.tensor
-    sp = t if (par.sequence_parallel and t > 1) else 1
-    h = model.hidden_size
-    d = kv_channels(model)
-    q, kv = model.num_attention_heads * d, query_groups(model) * d
-    ffn = (model.moe_ffn_hidden_size or model.ffn_hidden_size) * model.moe_router_topk if moe else model.ffn_hidden_size
-    if moe and model.moe_shared_expert_intermediate_size:
-        ffn += model.moe_shared_expert_intermediate_size
-    m = 3 if model.activation == "swiglu" else 2
+    a, t, sp, h, q, kv, ffn = _layer_dims(job, moe)
+    m = 3 if job.model.activation == "swiglu" else 2
     return a * (2 * 2 * h + 2 * 3 * h) / sp + a * (2 * (q + kv) * 2 + m * ffn) / t
 
 
@@ -198,17 +202,8 @@ def _fp8_cast_bytes(job: JobConfig, moe: bool) -> tuple[float, float]:
     the transposed copy the other GEMM needs on Hopper). Zero without FP8."""
     if not job.precision.fp8:
         return 0.0, 0.0
-    model, par = job.model, job.parallel
-    a = DTYPE_BYTES.get(job.precision.dtype, 2)
-    t = par.tensor
-    sp = t if (par.sequence_parallel and t > 1) else 1
-    h = model.hidden_size
-    d = kv_channels(model)
-    q, kv = model.num_attention_heads * d, query_groups(model) * d
-    ffn = model.ffn_hidden_size
-    if moe:
-        ffn = (model.moe_ffn_hidden_size or ffn) * model.moe_router_topk + (model.moe_shared_expert_intermediate_size or 0)
-    m = 2 if model.activation == "swiglu" else 1
+    a, t, sp, h, q, kv, ffn = _layer_dims(job, moe)
+    m = 2 if job.model.activation == "swiglu" else 1
     per = a + 2
     fwd = per * (2 * h / sp + (q + ffn) / t)  # qkv and fc1 inputs (sequence-sharded), proj and fc2 inputs
     bwd = per * (2 * h / sp + (q + 2 * kv + m * ffn) / t)  # proj/fc2 output grads; qkv/fc1 output grads
