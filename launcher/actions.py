@@ -3,12 +3,10 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
-from launcher.problems import Problem, errors
+from launcher.problems import EXIT_USAGE, Problem, errors, report
 from launcher.schema import JobConfig
-
-EXIT_USAGE = 2
+from launcher.validate import data_parallel_size, num_microbatches, world_size
 
 
 def train_steps(job: JobConfig) -> int:
@@ -23,13 +21,17 @@ def tokens_needed(job: JobConfig) -> int:
     return train_steps(job) * job.train.global_batch_size * job.model.seq_length
 
 
-def _report(problems: list[Problem]) -> None:
-    for problem in problems:
-        print(problem.line(), file=sys.stderr)
+def summary(job: JobConfig) -> str:
+    p = job.parallel
+    dp = data_parallel_size(p, world_size(job))
+    return (f"{job.name}: {job.model.name} on {job.nodes}x{job.cluster.gpus_per_node} {job.cluster.gpu} "
+            f"(TP{p.tensor} PP{p.pipeline}{f' VPP{p.virtual_pipeline}' if p.virtual_pipeline else ''} CP{p.context}"
+            f"{f' EP{p.expert}' if p.expert > 1 else ''} DP{dp}), {job.schedule.kind}, "
+            f"{job.precision.dtype}{f'+fp8/{job.precision.fp8}' if job.precision.fp8 else ''}, "
+            f"{num_microbatches(job)} microbatches/step")
 
 
 def do_validate(job: JobConfig, args) -> int:
-    from launcher.cli import summary
     print(f"valid: {summary(job)}")
     return 0
 
@@ -104,7 +106,7 @@ def preflight_data(job: JobConfig) -> list[Problem]:
 def prepare_bundle(job: JobConfig, args):
     """Plan (refusing a predicted OOM unless force), pre-flight the data, render and write the bundle."""
     from launcher.plan import oom_message, plan_job
-    from launcher.render import cross_check, render_texts, write_bundle
+    from launcher.render import RenderError, write_bundle
 
     plan = plan_job(job)
     if not plan.fits and not job.force:
@@ -113,14 +115,14 @@ def prepare_bundle(job: JobConfig, args):
               file=sys.stderr)
         return None
     problems = preflight_data(job)
-    _report(problems)
+    report(problems)
     if errors(problems):
         return None
-    issues = cross_check(job, render_texts(job, Path("/bundle")))
-    if issues:
-        print("error: rendered bundle failed its cross-check: " + "; ".join(issues), file=sys.stderr)
+    try:
+        bundle = write_bundle(job, argv=args.overrides, plan=plan.to_dict())
+    except RenderError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return None
-    bundle = write_bundle(job, argv=list(sys.argv[1:]), plan=plan.to_dict())
     print(f"bundle: {bundle.path}")
     return bundle
 
@@ -152,10 +154,6 @@ def do_submit(job: JobConfig, args) -> int:
 
 def do_run(job: JobConfig, args) -> int:
     from launcher.executor import LocalExecutor
-    if job.nodes != 1:
-        print(f"error: nodes={job.nodes}: action=run starts torchrun on this machine only; try nodes=1 or "
-              "action=submit", file=sys.stderr)
-        return EXIT_USAGE
     bundle = prepare_bundle(job, args)
     if bundle is None:
         return EXIT_USAGE

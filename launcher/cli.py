@@ -10,11 +10,9 @@ from dataclasses import dataclass, field
 
 from launcher.config import ConfigError, compose_dict, to_job
 from launcher.overrides import check_override
-from launcher.problems import Problem, errors
+from launcher.problems import EXIT_USAGE, errors, report
 from launcher.schema import JobConfig
-from launcher.validate import validate, world_size, data_parallel_size, num_microbatches
-
-EXIT_USAGE = 2
+from launcher.validate import validate
 
 
 @dataclass
@@ -42,11 +40,6 @@ def parse_args(argv: list[str]) -> Args:
         else:
             args.overrides.append(token)
     return args
-
-
-def report(problems: list[Problem]) -> None:
-    for problem in problems:
-        print(problem.line(), file=sys.stderr)
 
 
 def resolve_action(job: JobConfig) -> str:
@@ -88,16 +81,6 @@ def run_action(job: JobConfig, action: str, args: Args) -> int:
     handler = {"validate": actions.do_validate, "plan": actions.do_plan, "search": actions.do_search,
                "render": actions.do_render, "submit": actions.do_submit, "run": actions.do_run}[action]
     return handler(job, args)
-
-
-def summary(job: JobConfig) -> str:
-    p = job.parallel
-    dp = data_parallel_size(p, world_size(job))
-    return (f"{job.name}: {job.model.name} on {job.nodes}x{job.cluster.gpus_per_node} {job.cluster.gpu} "
-            f"(TP{p.tensor} PP{p.pipeline}{f' VPP{p.virtual_pipeline}' if p.virtual_pipeline else ''} CP{p.context}"
-            f"{f' EP{p.expert}' if p.expert > 1 else ''} DP{dp}), {job.schedule.kind}, "
-            f"{job.precision.dtype}{f'+fp8/{job.precision.fp8}' if job.precision.fp8 else ''}, "
-            f"{num_microbatches(job)} microbatches/step")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -18,7 +18,9 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,6 +35,10 @@ from launcher.schema import JobConfig
 
 TEMPLATES = ROOT / "slurm"
 MASTER_PORT = 29500
+
+
+class RenderError(Exception):
+    """The rendered scripts would not launch the job's layout (a template/config mismatch)."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +87,8 @@ def template_context(job: JobConfig, bundle_dir: Path) -> dict:
         "extra_args": list(slurm.extra_args),
         "bundle": str(bundle_dir),
         "workdir": cluster.workdir or str(ROOT),
-        "python": cluster.python if cluster.launcher == "slurm" else (cluster.python if cluster.python != "python" else sys.executable),
+        # A local run uses the launcher's own interpreter unless the profile names one.
+        "python": sys.executable if cluster.launcher == "local" and cluster.python == "python" else cluster.python,
         "container_image": cluster.container_image,
         "container_mounts": ",".join(cluster.container_mounts),
         "master_port": MASTER_PORT,
@@ -128,10 +135,13 @@ def new_bundle_dir(job: JobConfig, now: _dt.datetime | None = None) -> Path:
 
 def write_bundle(job: JobConfig, *, argv: list[str], plan: dict | None = None,
                  bundle_dir: Path | None = None) -> Bundle:
-    """Render and write the bundle atomically (temp dir + rename); never overwrites an existing one."""
+    """Render, cross-check and write the bundle atomically (temp dir + rename); never overwrites one."""
     final = (bundle_dir or new_bundle_dir(job)).resolve()
-    final.parent.mkdir(parents=True, exist_ok=True)
     texts = render_texts(job, final)
+    issues = cross_check(job, texts)
+    if issues:
+        raise RenderError("rendered bundle failed its cross-check: " + "; ".join(issues))
+    final.parent.mkdir(parents=True, exist_ok=True)
     meta = {"created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "argv": argv, "name": job.name, **git_revision()}
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
@@ -147,7 +157,7 @@ def write_bundle(job: JobConfig, *, argv: list[str], plan: dict | None = None,
         os.chmod(tmp, 0o755)
         os.rename(tmp, final)  # atomic; fails rather than overwrite if final appeared meanwhile
     except BaseException:
-        _remove_tree(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
     return Bundle(final)
 
@@ -164,15 +174,8 @@ def atomic_write(path: Path, text: str) -> None:
         raise
 
 
-def _remove_tree(path: Path) -> None:
-    import shutil
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def cross_check(job: JobConfig, texts: dict[str, str]) -> list[str]:
     """Re-read the rendered scripts and confirm they launch exactly the ranks the parallel layout needs."""
-    import re
-
     def find(pattern: str, text: str) -> int | None:
         m = re.search(pattern, text, re.MULTILINE)
         return int(m.group(1)) if m else None

@@ -234,7 +234,7 @@ def validate_schedule(job: JobConfig) -> list[Problem]:
     s, p = job.schedule, job.parallel
     if not c.one_of("schedule.kind", s.kind, ("1f1b", "interleaved", "zb_h1")):
         return c.problems
-    vp = p.virtual_pipeline or 1
+    vp, m = p.virtual_pipeline or 1, num_microbatches(job)
     if s.kind == "zb_h1" and job.action not in ("plan", "search", "validate"):
         c.need(False, "schedule.kind", s.kind, "zero-bubble is planned and simulated (action=plan) but cannot "
                "train yet: its schedule lands with the zero-bubble issue", "schedule.kind=1f1b")
@@ -245,7 +245,7 @@ def validate_schedule(job: JobConfig) -> list[Problem]:
         c.need(not (p.pipeline == 2 and s.batch_p2p_comm and not s.overlap_p2p_comm), "schedule.batch_p2p_comm",
                s.batch_p2p_comm, "interleaved with PP=2 and batched p2p trains silently wrong (Megatron-LM #750, #1450)",
                "schedule.batch_p2p_comm=false or schedule.overlap_p2p_comm=true")
-        m, group = num_microbatches(job), s.microbatch_group_size or p.pipeline
+        group = s.microbatch_group_size or p.pipeline
         if m:
             c.need(m % group == 0, "train.global_batch_size", job.train.global_batch_size,
                    f"interleaved needs microbatches per step ({m}) divisible by the microbatch group size ({group})",
@@ -258,7 +258,6 @@ def validate_schedule(job: JobConfig) -> list[Problem]:
     if s.microbatch_group_size is not None:
         c.need(s.microbatch_group_size >= p.pipeline, "schedule.microbatch_group_size", s.microbatch_group_size,
                f"must be at least parallel.pipeline={p.pipeline}", f"schedule.microbatch_group_size={p.pipeline}")
-    m = num_microbatches(job)
     if p.pipeline > 1 and m:
         c.need(m >= p.pipeline, "train.global_batch_size", job.train.global_batch_size,
                f"only {m} microbatches for {p.pipeline} pipeline stages: the pipeline never fills (bubble > 50%)",
