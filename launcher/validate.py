@@ -414,6 +414,12 @@ def validate_cluster(job: JobConfig) -> list[Problem]:
            "NCCL needs GPUs; a cpu cluster uses gloo", "cluster.backend=gloo")
     c.need(cl.launcher != "local" or job.nodes == 1, "nodes", job.nodes,
            "a local cluster runs on this one machine", "nodes=1 (or cluster=h200 to submit with Slurm)")
+    c.need(job.action != "run" or cl.launcher == "local", "action", job.action,
+           f"action=run starts torchrun on this machine; cluster {cl.name} launches through Slurm",
+           "action=submit (or cluster=local)")
+    c.need(job.action != "submit" or cl.launcher == "slurm", "action", job.action,
+           f"action=submit needs a Slurm cluster profile; cluster {cl.name} runs locally",
+           "action=run (or a Slurm profile such as cluster=h200)")
     for name, value in cl.env.items():
         c.need(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(name)) is not None, f"cluster.env.{name}", value,
                "environment variable names are letters, digits and _", "cluster.env.MY_VAR=value")

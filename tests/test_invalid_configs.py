@@ -78,6 +78,8 @@ CASES = [
     ("blend-with-mock", L8 + ["data.blend=[/lustre/a]"], "data.kind="),
     ("blend-missing-files", L8 + ["data.kind=indexed", "data.blend=[/nonexistent/a_text_document]",
                                   "data.tokenizer=data/assets/tokenizer.json"], "data.blend"),
+    ("run-on-slurm-profile", L8 + ["action=run"], "action="),
+    ("submit-on-local-profile", ["recipe=smoke", "action=submit"], "action="),
     ("norm", ["recipe=smoke", "model.normalization=BatchNorm"], "model.normalization="),
 ]
 
