@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # data.preflight reads the .idx headers
 SOURCES = [
     # (glob root, pattern, licence) — all installed by Debian packages
     ("/usr/share/doc/python3.11/html/_sources", "**/*.rst.txt", "PSF-2.0 (python3.11-doc)"),
@@ -143,15 +144,14 @@ def _sha(path: str) -> str:
     return h.hexdigest()
 
 
-def _tokens(idx_prefix: str) -> int:
-    # token count from the .bin size and the dtype code in the .idx header (uint16=8 → 2 bytes, int32=4 → 4)
-    with open(idx_prefix + ".idx", "rb") as f:
-        header = f.read(18)
-    itemsize = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 4, 7: 8, 8: 2}[header[17]]
-    return os.path.getsize(idx_prefix + ".bin") // itemsize
+def _tokens(prefix: str) -> int:
+    """Token count from the .bin size and the token dtype named in the .idx header."""
+    from data.preflight import read_index_header
+
+    return os.path.getsize(prefix + ".bin") // read_index_header(prefix + ".idx").dtype.itemsize
 
 
-def _command(name, args, corpus, tokdir, env, ref_env, ref_tok):
+def _command(name, args, corpus, env, ref_env, ref_tok):
     out = str(args.out / name)
     if name == "ours":
         return [sys.executable, "-m", "data.preprocess", "--input", str(corpus), "--tokenizer", str(args.tokenizer),
@@ -194,7 +194,7 @@ def main(argv=None) -> int:
     results, prefixes, runs = [], {}, {name: [] for name in args.only}
     for rep in range(args.repeat):
         for name in args.only:  # interleaved, so a noisy neighbour hurts every tool alike
-            cmd, run_env = _command(name, args, corpus, tokdir, env, ref_env, ref_tok)
+            cmd, run_env = _command(name, args, corpus, env, ref_env, ref_tok)
             res = run_tool(name, cmd, run_env, args.out / f"{name}.log")
             prefixes[name] = str(args.out / name) + "_text_document"
             res["tokens"] = _tokens(prefixes[name])

@@ -28,7 +28,7 @@ import socket
 import tempfile
 from typing import Any, List, Optional, Tuple
 
-from data.blend import parse_blend, resolve_path, resolve_prefix
+from data.blend import parse_blend, resolve_path
 
 
 def default_cache_dir() -> str:
@@ -75,7 +75,7 @@ def gpt_dataset_config(*, data: Any, seq_length: int, seed: int, cache_dir: Opti
         prefixes, weights = parse_blend(data.blend)
         if not prefixes:
             raise ValueError("data.blend is empty; set data.blend=[path/prefix] or data.kind=mock")
-        blend = ([resolve_prefix(p) for p in prefixes], weights)
+        blend = ([resolve_path(p) for p in prefixes], weights)
     return GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,

@@ -1,4 +1,4 @@
-"""Login-node pre-flight checks of the training data, before any GPU is spent. Imports numpy only.
+"""Login-node pre-flight checks of the training data, before any GPU is spent. Imports numpy and launcher code only.
 
 Why the ``.idx`` header is read here rather than through ``megatron.core.datasets.indexed_dataset``: importing
 megatron.core pulls in torch and most of Megatron (~3.5 s and ~450 MB per call, measured), which the
@@ -16,7 +16,7 @@ from typing import Any, List, Optional
 
 import numpy as np
 
-from data.blend import parse_blend, resolve_path, resolve_prefix
+from data.blend import parse_blend, resolve_path
 from launcher.problems import Problem
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -152,7 +152,7 @@ def preflight(data: Any, *, vocab_size: int, tokens_needed: int) -> List[Problem
     counts = []
     for i, shown in enumerate(prefixes):
         field = f"data.blend[{2 * i + 1 if weights is not None else i}]"
-        counts.append(_check_prefix(field, resolve_prefix(shown), shown, vocab_size, problems))
+        counts.append(_check_prefix(field, resolve_path(shown), shown, vocab_size, problems))
     if any(c is None for c in counts) or tokens_needed <= 0:
         return problems
     _check_epochs(data, prefixes, weights, counts, tokens_needed, problems)

@@ -351,11 +351,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
-    stats = preprocess(args.input, args.tokenizer, args.output_prefix, workers=args.workers,
-                       append_eod=args.append_eod, json_key=args.json_key, chunk_mb=args.chunk_mb,
-                       backend=args.backend, eod_token=args.eod_token, cache_budget_mb=args.cache_budget_mb,
-                       quiet=args.quiet, light_import=True)
-    s = stats
+    s = preprocess(args.input, args.tokenizer, args.output_prefix, workers=args.workers,
+                   append_eod=args.append_eod, json_key=args.json_key, chunk_mb=args.chunk_mb,
+                   backend=args.backend, eod_token=args.eod_token, cache_budget_mb=args.cache_budget_mb,
+                   quiet=args.quiet, light_import=True)
     print(f"wrote {s['bin']} and {s['idx']}: {s['documents']:,} documents, {s['tokens']:,} tokens in "
           f"{s['seconds']:.1f} s ({s['tokens'] / max(s['seconds'], 1e-9) / 1e6:.2f} M tokens/s, {s['backend']}"
           + (f", encode cache rebuilt {s['cache_rebuilds']}x" if s["cache_rebuilds"] else "") + ")")

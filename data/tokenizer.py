@@ -186,8 +186,7 @@ def batch_encoder(json_text: str, backend: str = "auto", cache_budget_bytes: int
     if backend in ("auto", "gigatoken"):
         try:
             return _GigatokenBatchEncoder(json_text, cache_budget_bytes)
-        except Exception as exc:  # not installed, or a tokenizer type gigatoken does not support
+        except Exception:  # not installed, or a tokenizer type gigatoken does not support
             if backend == "gigatoken":
                 raise
-            _ = exc
     return _HFBatchEncoder(json_text)
