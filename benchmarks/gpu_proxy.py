@@ -74,8 +74,6 @@ def _ensure_imports(wheel) -> None:
 
 
 def _init(backend: str) -> None:
-    import torch
-
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     os.environ.setdefault("RANK", "0")
@@ -85,7 +83,6 @@ def _init(backend: str) -> None:
     from launcher.rank import setup
 
     setup.init_distributed(cluster=ClusterConfig(backend=backend), parallel=ParallelConfig(), seed=1234)
-    del torch
 
 
 def main(argv=None) -> dict:
@@ -95,6 +92,7 @@ def main(argv=None) -> dict:
 
     from launcher.plan.flops import flops_per_token
     from launcher.rank import loop, optim, setup
+    from launcher.rank.metrics import memory_gib
     from launcher.schema import ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig
     from models import build_model
 
@@ -132,8 +130,6 @@ def main(argv=None) -> dict:
     tokens = train.global_batch_size * args.seq
     fpt = flops_per_token(model_cfg)
     tflops = fpt * tokens / elapsed / 1e12
-    from launcher.rank.metrics import memory_gib
-
     result = {
         "device": torch.cuda.get_device_name() if on_gpu else "cpu", "torch": torch.__version__,
         "params_billion": sum(p.numel() for p in chunks[0].parameters()) / 1e9, "layers": args.layers,

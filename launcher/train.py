@@ -19,8 +19,8 @@ def main(argv=None) -> int:
     args = _parse(argv)
     from launcher.config import load_job
 
-    job = load_job(Path(args.bundle) / "config.yaml")
     bundle = Path(args.bundle)
+    job = load_job(bundle / "config.yaml")
     from launcher.plan.flops import flops_per_token
     from launcher.rank import checkpoint as ckpt, data, loop, metrics, optim, setup
     from megatron.core import parallel_state as ps
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     setup.init_distributed(cluster=job.cluster, parallel=job.parallel, seed=job.train.seed)
     rank, world, dp = torch.distributed.get_rank(), torch.distributed.get_world_size(), ps.get_data_parallel_world_size()
     tr = job.train
-    steps, num_microbatches = loop.run_length(tr, seq_length=job.model.seq_length, dp_size=dp)
+    steps, num_microbatches = loop.run_length(job, dp_size=dp)
     chunks = build_model(model=job.model, parallel=job.parallel, precision=job.precision, schedule=job.schedule,
                          seed=tr.seed, recompute=tr.recompute, recompute_num_layers=tr.recompute_num_layers)
     model = optim.wrap_ddp(chunks, parallel=job.parallel)

@@ -18,6 +18,8 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
+from launcher.plan.flops import moe_layer_pattern
+from launcher.plan.memory import padded_vocab
 from launcher.schema import ModelConfig, ParallelConfig, PrecisionConfig, ScheduleConfig
 from models import backend
 
@@ -100,9 +102,7 @@ def _recompute_fields(recompute: str, num_layers: Optional[int]) -> dict:
 def _moe_fields(model: ModelConfig, on_gpu: bool) -> dict:
     if not model.num_experts:
         return {}
-    # Same rule as launcher.plan.flops.moe_layer_pattern: MoE iff i >= first_k_dense and i % freq == 0.
-    freq = max(1, model.moe_layer_freq)
-    pattern = [int(i >= model.moe_first_k_dense and i % freq == 0) for i in range(model.num_layers)]
+    pattern = [int(is_moe) for is_moe in moe_layer_pattern(model)]
     return dict(
         num_moe_experts=model.num_experts, moe_router_topk=model.moe_router_topk,
         moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden_size,
@@ -196,11 +196,10 @@ def build_model(*, model: ModelConfig, parallel: ParallelConfig, precision: Prec
     chunks = []
     for vp_stage in range(vpp):
         torch.manual_seed(seed)  # embeddings: the same draw on every rank that builds them
-        spec = _seed_layers(backend.decoder_block_spec(config, te, vp_stage=vp_stage if vpp > 1 else None,
-                                                       pp_rank=pp_rank), seed)
         vp = vp_stage if vpp > 1 else None
+        spec = _seed_layers(backend.decoder_block_spec(config, te, vp_stage=vp, pp_rank=pp_rank), seed)
         chunk = GPTModel(
-            config=config, transformer_layer_spec=spec, vocab_size=padded_vocab_size(model, parallel),
+            config=config, transformer_layer_spec=spec, vocab_size=padded_vocab(model, parallel.tensor),
             max_sequence_length=model.max_position_embeddings or model.seq_length,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
@@ -213,9 +212,3 @@ def build_model(*, model: ModelConfig, parallel: ParallelConfig, precision: Prec
             chunk.cuda(torch.cuda.current_device())
         chunks.append(chunk)
     return chunks
-
-
-def padded_vocab_size(model: ModelConfig, parallel: ParallelConfig) -> int:
-    """Vocabulary rows of the embedding: a multiple of make_vocab_size_divisible_by x TP."""
-    multiple = model.make_vocab_size_divisible_by * parallel.tensor
-    return -(-model.vocab_size // multiple) * multiple

@@ -79,16 +79,17 @@ def _unwrap(chunk):
     return getattr(chunk, "module", chunk)
 
 
+def _model_keys(model: List[torch.nn.Module]) -> List[str]:
+    """State-dict key of each chunk: 'model' without virtual pipeline stages, else 'model0', 'model1', ..."""
+    return ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
+
+
 def _sharded_state(model: List[torch.nn.Module], optimizer, scheduler, step: int, consumed: int,
                    is_loading: bool) -> dict:
     state = {"step": step, "consumed_samples": consumed, "scheduler": scheduler.state_dict(),
              "rng_state": _rng_state()}
-    if len(model) == 1:
-        state["model"] = _unwrap(model[0]).sharded_state_dict()
-    else:
-        for i, chunk in enumerate(model):
-            state[f"model{i}"] = _unwrap(chunk).sharded_state_dict()
-    model_sd = {k: v for k, v in state.items() if k.startswith("model")}
+    model_sd = {key: _unwrap(chunk).sharded_state_dict() for key, chunk in zip(_model_keys(model), model)}
+    state.update(model_sd)
     state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
     return state
 
@@ -179,11 +180,8 @@ def load(path: Path, *, model, optimizer, scheduler) -> tuple:
     _materialize_optimizer_state(optimizer)
     template = _sharded_state(model, optimizer, scheduler, 0, 0, is_loading=True)
     state = dist_checkpointing.load(template, str(path))
-    if len(model) == 1:
-        _unwrap(model[0]).load_state_dict(state["model"])
-    else:
-        for i, chunk in enumerate(model):
-            _unwrap(chunk).load_state_dict(state[f"model{i}"])
+    for key, chunk in zip(_model_keys(model), model):
+        _unwrap(chunk).load_state_dict(state[key])
     with torch.no_grad():  # fp32 distributed optimizer: main params are views of the (leaf) model params
         optimizer.load_state_dict(state["optimizer"])
     _restore_adam_steps(optimizer, state["optimizer"])

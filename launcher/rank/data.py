@@ -14,15 +14,6 @@ import torch
 from launcher.schema import DataConfig, ModelConfig, TrainConfig
 
 
-def _datasets(*, data: DataConfig, model: ModelConfig, seed: int, sizes: List[int], cache_dir: str):
-    """(train, valid, test) from data.datasets (node-local index caches, mock or indexed blend)."""
-    from data.datasets import build_gpt_datasets
-
-    return build_gpt_datasets(data=data, seq_length=model.seq_length, seed=seed, train_samples=sizes[0],
-                              valid_samples=sizes[1], test_samples=sizes[2], cache_dir=cache_dir,
-                              vocab_size=model.vocab_size)
-
-
 def dataset_sizes(train: TrainConfig, steps: int) -> List[int]:
     evals = (steps // train.eval_interval + 1) if train.eval_interval else 1
     return [steps * train.global_batch_size, evals * max(1, train.eval_iters) * train.global_batch_size, 0]
@@ -67,8 +58,12 @@ def build_train_valid_iterators(*, data: DataConfig, model: ModelConfig, train: 
     """Train iterators (one per virtual pipeline chunk, each yielding this rank's micro-batches from
     ``consumed_samples`` on) and a factory of fresh validation iterators (same shape; every evaluation
     reads the same validation samples, so eval losses are comparable across steps)."""
-    sizes = dataset_sizes(train, steps)
-    train_ds, valid_ds, _ = _datasets(data=data, model=model, seed=train.seed, sizes=sizes, cache_dir=cache_dir)
+    from data.datasets import build_gpt_datasets
+
+    train_samples, valid_samples, test_samples = dataset_sizes(train, steps)
+    train_ds, valid_ds, _ = build_gpt_datasets(
+        data=data, seq_length=model.seq_length, seed=train.seed, train_samples=train_samples,
+        valid_samples=valid_samples, test_samples=test_samples, cache_dir=cache_dir, vocab_size=model.vocab_size)
     kw = dict(train=train, dp_rank=dp_rank, dp_size=dp_size, num_workers=data.num_workers)
     train_iters = [_batches(train_ds, start=consumed_samples, **kw) for _ in range(num_chunks)]
 

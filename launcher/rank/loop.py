@@ -30,14 +30,16 @@ def _loss(loss_mask: torch.Tensor, output: torch.Tensor):
     return loss, {"lm loss": loss.detach().clone()}  # clone: the schedule divides `loss` in place
 
 
-def run_length(train, *, seq_length: int, dp_size: int) -> tuple:
+def run_length(job, *, dp_size: int) -> tuple:
     """(optimizer steps, micro-batches per step per DP rank) for this job."""
-    steps = train.train_steps or -(-train.train_tokens // (train.global_batch_size * seq_length))
+    from launcher.actions import train_steps
+
+    train = job.train
     per_step = train.micro_batch_size * dp_size
     if train.global_batch_size % per_step:
         raise ValueError(f"train.global_batch_size={train.global_batch_size} is not a multiple of "
                          f"micro_batch_size x data-parallel size = {per_step}")
-    return steps, train.global_batch_size // per_step
+    return train_steps(job), train.global_batch_size // per_step
 
 
 def schedule_func(kind: str) -> Callable:

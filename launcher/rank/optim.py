@@ -32,8 +32,9 @@ def build_optimizer(model: List[torch.nn.Module], *, train: TrainConfig, paralle
                     precision: PrecisionConfig):
     """Adam(W) via megatron.core.optimizer; grad clipping is part of its step()."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from models.builder import DTYPES
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision.dtype]
+    dtype = DTYPES[precision.dtype]
     config = OptimizerConfig(
         optimizer="adam", lr=train.lr, min_lr=train.min_lr, weight_decay=train.weight_decay,
         adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, adam_eps=train.adam_eps,
