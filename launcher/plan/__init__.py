@@ -11,13 +11,21 @@ from dataclasses import dataclass, field
 from launcher.plan.flops import flops_per_step, flops_per_token
 from launcher.plan.memory import GB, StageMemory, memory_per_stage, model_params, padded_vocab
 from launcher.plan.timing import StepTime, step_time, throughput
+from launcher.problems import Problem
 from launcher.schema import JobConfig
+from launcher.validate import data_parallel_size, num_microbatches, validate, world_size
 
-__all__ = ["Plan", "PlanError", "plan_job", "oom_message", "search", "flops_per_token", "flops_per_step"]
+__all__ = ["Plan", "PlanError", "plan_job", "oom_message", "flops_per_token", "flops_per_step"]
 
 LAYOUT_FIELDS = ("parallel.", "model.", "schedule.", "train.micro_batch_size", "train.global_batch_size", "nodes",
                  "cluster.gpus_per_node")
 """Validation problems under these fields make a plan meaningless (the layout itself is invalid)."""
+
+
+def layout_errors(problems: list[Problem]) -> list[Problem]:
+    """The errors among ``problems`` that make the layout itself invalid (so it cannot be planned)."""
+    return [p for p in problems if p.severity == "error" and p.field.startswith(LAYOUT_FIELDS)]
+
 
 HINTS = {
     "activations": "train.recompute=full (or selective), or more parallel.pipeline / parallel.context / "
@@ -154,29 +162,24 @@ def _stages_to_show(stages: list[StageMemory]) -> list[StageMemory]:
 
 def _layout(job: JobConfig, m: int) -> dict:
     par = job.parallel
-    world = job.nodes * job.cluster.gpus_per_node
-    dp = world // max(1, par.tensor * par.pipeline * par.context)
+    world = world_size(job)
     return {"tp": par.tensor, "pp": par.pipeline, "vpp": par.virtual_pipeline or 1, "cp": par.context,
-            "ep": par.expert, "dp": dp, "world": world, "mbs": job.train.micro_batch_size,
-            "gbs": job.train.global_batch_size, "microbatches": m, "schedule": job.schedule.kind,
-            "recompute": job.train.recompute, "sequence_parallel": par.sequence_parallel,
+            "ep": par.expert, "dp": data_parallel_size(par, world), "world": world,
+            "mbs": job.train.micro_batch_size, "gbs": job.train.global_batch_size, "microbatches": m,
+            "schedule": job.schedule.kind, "recompute": job.train.recompute, "sequence_parallel": par.sequence_parallel,
             "first_stage_layers": par.first_stage_layers, "last_stage_layers": par.last_stage_layers}
 
 
-def plan_job(job: JobConfig, check: bool = True) -> Plan:
+def plan_job(job: JobConfig) -> Plan:
     """Memory per stage, FLOPs, step time, throughput and MFU for the job's layout.
 
     Raises PlanError when the layout itself is invalid (validation errors on parallel/model/schedule/batch
-    fields); other validation problems do not stop planning. ``check=False`` skips validation (search)."""
-    from launcher.validate import num_microbatches, validate
-
-    warnings: list[str] = []
-    if check:
-        problems = validate(job)
-        blocking = [p for p in problems if p.severity == "error" and p.field.startswith(LAYOUT_FIELDS)]
-        if blocking:
-            raise PlanError("cannot plan an invalid layout:\n" + "\n".join(p.line() for p in blocking))
-        warnings = [p.line() for p in problems if p.severity != "error" and p.field.startswith(LAYOUT_FIELDS)]
+    fields); other validation problems do not stop planning."""
+    problems = validate(job)
+    blocking = layout_errors(problems)
+    if blocking:
+        raise PlanError("cannot plan an invalid layout:\n" + "\n".join(p.line() for p in blocking))
+    warnings = [p.line() for p in problems if p.severity != "error" and p.field.startswith(LAYOUT_FIELDS)]
     m = max(1, num_microbatches(job))
     stages = memory_per_stage(job, m)
     st = step_time(job)
@@ -210,10 +213,3 @@ def oom_message(plan: Plan) -> str:
             lines.append(f"  - {k}: try {HINTS[k]}")
     lines.append("  or run with action=search to list layouts that fit; force=true renders anyway.")
     return "\n".join(lines)
-
-
-def search(job: JobConfig, top: int = 10):
-    """Shortcut for ``launcher.plan.search.search``."""
-    from launcher.plan.search import search as _search
-
-    return _search(job, top=top)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from launcher.plan.flops import kv_channels, moe_layer_pattern, query_groups
 from launcher.schema import JobConfig, ModelConfig, ParallelConfig
+from launcher.validate import num_microbatches as count_microbatches, uses_transformer_engine, world_size
 
 GB = 1e9
 """Reports use GB = 10^9 bytes, as ClusterConfig.gpu_memory_gb does."""
@@ -33,7 +34,17 @@ FP8_WEIGHT_COPY_BYTES = 2
 """Transformer Engine keeps an FP8 copy of each GEMM weight and its transpose (Hopper) between microbatches."""
 
 
+def sp_shards(parallel: ParallelConfig) -> int:
+    """Sequence-parallel shards of the norm/dropout regions: TP when sequence parallelism is on, else 1."""
+    return parallel.tensor if (parallel.sequence_parallel and parallel.tensor > 1) else 1
+
+
 # ------------------------------------------------------------------------------------------- parameters
+def _norm_params(model: ModelConfig) -> int:
+    """Parameters per hidden unit of one norm: RMSNorm a weight, LayerNorm a weight and a bias."""
+    return 1 if model.normalization == "RMSNorm" else 2
+
+
 def padded_vocab(model: ModelConfig, tp: int) -> int:
     """Embedding rows: vocab_size rounded up to make_vocab_size_divisible_by x TP (Megatron's padding)."""
     unit = max(1, model.make_vocab_size_divisible_by) * tp
@@ -59,7 +70,7 @@ class LayerParams:
 def _attention_params(model: ModelConfig) -> tuple[float, float, float]:
     """(tp_sharded, replicated, gemm_tp) parameters of one attention block including its input norm."""
     h, n = model.hidden_size, model.num_attention_heads
-    norm = 1 if model.normalization == "RMSNorm" else 2
+    norm = _norm_params(model)
     if model.multi_latent_attention:
         qk = model.qk_head_dim + model.qk_pos_emb_head_dim
         sharded = replicated = 0.0
@@ -101,7 +112,7 @@ def _mlp_params(model: ModelConfig, ffn: int) -> tuple[float, float]:
 def layer_params(model: ModelConfig, moe: bool) -> LayerParams:
     """Parameters of one dense or MoE transformer layer."""
     h = model.hidden_size
-    norm = 1 if model.normalization == "RMSNorm" else 2
+    norm = _norm_params(model)
     sharded, replicated, gemm = _attention_params(model)
     replicated += norm * h  # pre-MLP layernorm
     expert = gemm_expert = 0.0
@@ -149,7 +160,8 @@ def model_params(model: ModelConfig, tp: int = 1, padded_vocab: int | None = Non
     """Parameters of the whole model (PP = EP = 1), for reporting; experts counted in full."""
     vocab = padded_vocab or model.vocab_size
     out = RankParams()
-    for is_moe in moe_layer_pattern(model) + [moe_layer_pattern(model)[-1]] * (model.mtp_num_layers or 0):
+    pattern = moe_layer_pattern(model)
+    for is_moe in pattern + [pattern[-1]] * (model.mtp_num_layers or 0):
         lp = layer_params(model, is_moe)
         out.dense += lp.tp_sharded / tp + lp.replicated
         out.expert += lp.expert
@@ -218,7 +230,7 @@ def stage_params(job: JobConfig, stage: int, layers: list[int] | None = None) ->
         out.expert += n * lp.expert / (ep * etp)
         out.gemm += n * (lp.gemm / tp + lp.gemm_expert / (ep * etp))
     h = model.hidden_size
-    norm = 1 if model.normalization == "RMSNorm" else 2
+    norm = _norm_params(model)
     emb = padded_vocab(model, tp) * h / tp
     embedding = 0.0
     if stage == 0:
@@ -245,11 +257,9 @@ def layer_activation_bytes_per_token(job: JobConfig, moe: bool, *, full: bool = 
 
     ``full`` ignores recomputation (the working set while a layer's forward is recomputed)."""
     model, par, rec = job.model, job.parallel, job.train.recompute
-    from launcher.validate import uses_transformer_engine
-
     te = uses_transformer_engine(job.precision, job.cluster)
     t = par.tensor
-    sp = t if (par.sequence_parallel and t > 1) else 1
+    sp = sp_shards(par)
     a = DTYPE_BYTES.get(job.precision.dtype, 2)
     g = 1 if job.precision.fp8 else a  # bytes of a saved GEMM input (TE saves FP8 casts under FP8)
     h, n, s = model.hidden_size, model.num_attention_heads, model.seq_length // par.context
@@ -353,7 +363,7 @@ class StageMemory:
 def dp_sizes(job: JobConfig) -> tuple[int, int]:
     """(dense optimizer shards = DP x CP, expert optimizer shards = world / (ETP x EP x PP))."""
     par = job.parallel
-    world = job.nodes * job.cluster.gpus_per_node
+    world = world_size(job)
     dp_cp = max(1, world // (par.tensor * par.pipeline))
     edp = max(1, world // ((par.expert_tensor or par.tensor) * par.expert * par.pipeline))
     return dp_cp, edp
@@ -369,13 +379,12 @@ def static_bytes(job: JobConfig, rp: RankParams) -> dict[str, float]:
     expert_shards = edp if par.distributed_optimizer else 1
     weight_bytes = a * rp.total
     fp8 = 0.0
-    if pr.fp8:
-        gemm_no_output = rp.gemm
+    if pr.fp8:  # layer GEMM weights only: rp.gemm excludes the output layer
         if pr.fp8_param:
-            weight_bytes -= (a - 1) * gemm_no_output  # FP8 primary weights: 1 byte instead of a
-            fp8 = 1 * gemm_no_output  # the transpose
+            weight_bytes -= (a - 1) * rp.gemm  # FP8 primary weights: 1 byte instead of a
+            fp8 = rp.gemm  # the transpose, 1 byte
         else:
-            fp8 = FP8_WEIGHT_COPY_BYTES * gemm_no_output
+            fp8 = FP8_WEIGHT_COPY_BYTES * rp.gemm
     return {
         "weights": weight_bytes,
         "grads": (GRAD_BYTES_FP32 if pr.grad_reduce_in_fp32 else a) * rp.total,
@@ -393,7 +402,7 @@ def stage_memory(job: JobConfig, stage: int, num_microbatches: int, layers: list
     parts = static_bytes(job, rp)  # FP8 copies: layer GEMMs only (the output layer stays BF16 in TE recipes)
     p, t, cp = par.pipeline, par.tensor, par.context
     a = DTYPE_BYTES.get(job.precision.dtype, 2)
-    sp = t if (par.sequence_parallel and t > 1) else 1
+    sp = sp_shards(par)
     b, s, h = job.train.micro_batch_size, model.seq_length, model.hidden_size
     tokens = b * s / cp
     pattern = moe_layer_pattern(model)
@@ -436,9 +445,7 @@ def stage_memory(job: JobConfig, stage: int, num_microbatches: int, layers: list
 def memory_per_stage(job: JobConfig, num_microbatches: int | None = None) -> list[StageMemory]:
     """Peak memory of every pipeline stage."""
     if num_microbatches is None:
-        from launcher.validate import num_microbatches as nmb
-
-        num_microbatches = nmb(job)
+        num_microbatches = count_microbatches(job)
     indices = stage_layer_indices(job.parallel, job.model.num_layers)
     return [stage_memory(job, r, num_microbatches, indices[r]) for r in range(job.parallel.pipeline)]
 

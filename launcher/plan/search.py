@@ -10,9 +10,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from launcher.plan import layout_errors
+from launcher.plan.flops import query_groups
 from launcher.plan.memory import GB, memory_per_stage
 from launcher.plan.timing import step_time, throughput
 from launcher.schema import JobConfig
+from launcher.validate import uses_transformer_engine, validate, world_size
 
 MICRO_BATCH_SIZES = (1, 2, 4)
 """Micro-batch sizes tried."""
@@ -56,12 +59,10 @@ def _with(job: JobConfig, **sections) -> JobConfig:
 
 def candidates(job: JobConfig):
     """Yield (overrides, candidate job) for every layout worth checking."""
-    from launcher.validate import uses_transformer_engine
-
     model, cl = job.model, job.cluster
-    world = job.nodes * cl.gpus_per_node
+    world = world_size(job)
     heads = model.num_attention_heads
-    groups = model.num_query_groups or heads
+    groups = query_groups(model)
     te = uses_transformer_engine(job.precision, cl)
     tps = [t for t in _divisors(cl.gpus_per_node) if heads % t == 0 and groups % t == 0]
     cps = [c for c in CONTEXT_SIZES if c == 1 or (te and model.seq_length % (2 * c) == 0)]
@@ -82,9 +83,10 @@ def candidates(job: JobConfig):
                 for first, last in splits:
                     for vp in _virtual_sizes(model.num_layers, pp, first, last):
                         for ep in eps:
-                            if (world // pp) % (tp * ep) or (ep > 1 and (world // pp) % ep):
+                            if (world // pp) % (tp * ep):
                                 continue
-                            yield from _batch_and_recompute(job, tp, cp, pp, vp, ep, first, last)
+                            yield from _batch_and_recompute(job, world // (tp * cp * pp), tp, cp, pp, vp, ep,
+                                                            first, last)
 
 
 def _virtual_sizes(layers: int, pp: int, first, last) -> list[int]:
@@ -103,41 +105,29 @@ def _virtual_sizes(layers: int, pp: int, first, last) -> list[int]:
     return out
 
 
-def _batch_and_recompute(job, tp, cp, pp, vp, ep, first, last):
-    world = job.nodes * job.cluster.gpus_per_node
-    dp = world // (tp * cp * pp)
-    gbs = job.train.global_batch_size
+def _batch_and_recompute(job, dp, tp, cp, pp, vp, ep, first, last):
     kind = "interleaved" if vp > 1 else ("zb_h1" if job.schedule.kind == "zb_h1" and pp > 1 else "1f1b")
+    par = dict(tensor=tp, pipeline=pp, virtual_pipeline=vp if vp > 1 else None, context=cp, expert=ep,
+               sequence_parallel=tp > 1, distributed_optimizer=True, data=None,
+               first_stage_layers=first, last_stage_layers=last)
+    sched = dict(kind=kind, overlap_p2p_comm=kind == "interleaved",
+                 batch_p2p_comm=job.schedule.batch_p2p_comm and not (kind == "interleaved" and pp == 2),
+                 microbatch_group_size=None)
+    layout = [f"parallel.tensor={tp}", f"parallel.pipeline={pp}",
+              f"parallel.virtual_pipeline={vp if vp > 1 else 'null'}", f"parallel.context={cp}"]
+    if job.model.num_experts:
+        layout.append(f"parallel.expert={ep}")
+    layout += [f"parallel.sequence_parallel={'true' if tp > 1 else 'false'}",
+               "parallel.distributed_optimizer=true",
+               f"parallel.first_stage_layers={first if first is not None else 'null'}",
+               f"parallel.last_stage_layers={last if last is not None else 'null'}",
+               f"schedule.kind={kind}", f"schedule.overlap_p2p_comm={'true' if kind == 'interleaved' else 'false'}"]
     for mbs in MICRO_BATCH_SIZES:
-        if gbs % (mbs * dp):
+        if job.train.global_batch_size % (mbs * dp):
             continue
         for rec in RECOMPUTE:
-            par = dict(tensor=tp, pipeline=pp, virtual_pipeline=vp if vp > 1 else None, context=cp, expert=ep,
-                       sequence_parallel=tp > 1, distributed_optimizer=True, data=None,
-                       first_stage_layers=first, last_stage_layers=last)
-            sched = dict(kind=kind, overlap_p2p_comm=kind == "interleaved",
-                         batch_p2p_comm=job.schedule.batch_p2p_comm and not (kind == "interleaved" and pp == 2),
-                         microbatch_group_size=None)
             cand = _with(job, parallel=par, schedule=sched, train=dict(micro_batch_size=mbs, recompute=rec))
-            overrides = [f"parallel.tensor={tp}", f"parallel.pipeline={pp}",
-                         f"parallel.virtual_pipeline={vp if vp > 1 else 'null'}", f"parallel.context={cp}"]
-            if job.model.num_experts:
-                overrides.append(f"parallel.expert={ep}")
-            overrides += [f"parallel.sequence_parallel={'true' if tp > 1 else 'false'}",
-                          "parallel.distributed_optimizer=true",
-                          f"parallel.first_stage_layers={first if first is not None else 'null'}",
-                          f"parallel.last_stage_layers={last if last is not None else 'null'}",
-                          f"schedule.kind={kind}", f"schedule.overlap_p2p_comm={'true' if kind == 'interleaved' else 'false'}",
-                          f"train.micro_batch_size={mbs}", f"train.recompute={rec}"]
-            yield overrides, cand
-
-
-def _layout_ok(job: JobConfig) -> bool:
-    from launcher.validate import validate
-
-    from launcher.plan import LAYOUT_FIELDS
-
-    return not any(p.severity == "error" and p.field.startswith(LAYOUT_FIELDS) for p in validate(job))
+            yield layout + [f"train.micro_batch_size={mbs}", f"train.recompute={rec}"], cand
 
 
 def search(job: JobConfig, top: int = 10) -> list[Candidate]:
@@ -146,8 +136,6 @@ def search(job: JobConfig, top: int = 10) -> list[Candidate]:
     Candidates are valid by construction; memory is predicted for all of them, the fitting ones are
     pre-ranked with the closed-form bubble, then the best few are re-timed with the schedule simulator and
     checked with ``launcher.validate.validate`` (the launcher's own rules) before they are returned."""
-    from launcher.validate import num_microbatches
-
     cap = job.cluster.gpu_memory_gb * GB
     fitting = []
     fitted: set = set()  # layouts (all but recompute) that already fit with less recomputation
@@ -155,8 +143,7 @@ def search(job: JobConfig, top: int = 10) -> list[Candidate]:
         key = tuple(o for o in overrides if not o.startswith("train.recompute="))
         if key in fitted:
             continue  # more recomputation than needed is never faster
-        stages = memory_per_stage(cand, max(1, num_microbatches(cand)))
-        peak = max(s.total for s in stages)
+        peak = max(s.total for s in memory_per_stage(cand))
         if peak <= cap:
             fitted.add(key)
             fitting.append((overrides, cand, peak, step_time(cand, exact=False).step_s))
@@ -165,7 +152,7 @@ def search(job: JobConfig, top: int = 10) -> list[Candidate]:
     for overrides, cand, peak, _ in fitting:
         if len(results) >= max(3 * top, 20):
             break
-        if not _layout_ok(cand):
+        if layout_errors(validate(cand)):
             continue
         st = step_time(cand)
         perf = throughput(cand, st)

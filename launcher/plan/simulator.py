@@ -19,9 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-KINDS = ("F", "B", "W", "BW")
-
-
 @dataclass(frozen=True)
 class Op:
     """One scheduled operation of a pipeline rank."""
@@ -219,8 +216,7 @@ def _ready_time(op: Op, k: int, r: int, n_virtual: int, done: dict, t_comm: floa
             return own
         nxt = done.get(("B", k + 1, mb))
         return None if nxt is None else max(own, nxt + t_comm)
-    b = done.get(("B", k, mb))
-    return b
+    return done.get(("B", k, mb))  # W needs its own B
 
 
 def simulate_kind(kind: str, p: int, m: int, t_f, t_b, t_w, v: int = 1, t_comm: float = 0.0,

@@ -14,9 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from launcher.plan.flops import FMA, flops_per_step, kv_channels, layer_flops, moe_layer_pattern, query_groups
-from launcher.plan.memory import DTYPE_BYTES, dp_sizes, recompute_fraction, padded_vocab, stage_layer_indices, stage_params
+from launcher.plan.memory import (DTYPE_BYTES, GRAD_BYTES_FP32, dp_sizes, padded_vocab, recompute_fraction, sp_shards,
+                                  stage_layer_indices, stage_params)
 from launcher.plan.simulator import simulate_kind
 from launcher.schema import JobConfig
+from launcher.validate import num_microbatches, world_size
 
 HBM_EFFICIENCY = 0.8
 """Fraction of HBM bandwidth that element-wise kernels (norms, SwiGLU, RoPE, residual adds) reach."""
@@ -103,7 +105,7 @@ def stage_costs(job: JobConfig, stage: int) -> StageCosts:
     h = model.hidden_size
     parts = dict.fromkeys(("gemm", "attention", "elementwise", "fp8_cast", "tp_comm", "cp_comm", "ep_comm", "recompute"), 0.0)
     f = b = w = 0.0
-    sp = t if (par.sequence_parallel and t > 1) else 1
+    sp = sp_shards(par)
     tp_bw = _bandwidth(job, t)
     cp_bw = _bandwidth(job, t * cp)
     etp = par.expert_tensor or t
@@ -178,13 +180,11 @@ def _all_stage_costs(job: JobConfig) -> list[StageCosts]:
 def _layer_dims(job: JobConfig, moe: bool) -> tuple:
     """(activation bytes, TP, SP shards, hidden, q width, kv width, MLP width incl. routed top-k + shared)."""
     model, par = job.model, job.parallel
-    t = par.tensor
-    sp = t if (par.sequence_parallel and t > 1) else 1
     d = kv_channels(model)
     ffn = model.ffn_hidden_size
     if moe:
         ffn = (model.moe_ffn_hidden_size or ffn) * model.moe_router_topk + (model.moe_shared_expert_intermediate_size or 0)
-    return (DTYPE_BYTES.get(job.precision.dtype, 2), t, sp, model.hidden_size,
+    return (DTYPE_BYTES.get(job.precision.dtype, 2), par.tensor, sp_shards(par), model.hidden_size,
             model.num_attention_heads * d, query_groups(model) * d, ffn)
 
 
@@ -211,12 +211,6 @@ def _fp8_cast_bytes(job: JobConfig, moe: bool) -> tuple[float, float]:
 
 
 # ------------------------------------------------------------------------------------------- the step
-def _num_microbatches(job: JobConfig) -> int:
-    from launcher.validate import num_microbatches
-
-    return max(1, num_microbatches(job))
-
-
 def _closed_form(kind: str, p: int, v: int, m: int, fs, bs, ws, t_comm: float):
     """Makespan from the closed forms (DESIGN.md): m x slowest stage + bubble of the mean stage;
     1F1B (p-1)(F+B+W), interleaved (p-1)(F+B+W)/v, ZB-H1 (p-1)(F+B-W), plus 2(p-1) sends."""
@@ -264,10 +258,10 @@ def step_time(job: JobConfig, exact: bool = True) -> StepTime:
     model, par, cl = job.model, job.parallel, job.cluster
     p, t, cp = par.pipeline, par.tensor, par.context
     a = DTYPE_BYTES.get(job.precision.dtype, 2)
-    m = _num_microbatches(job)
+    m = max(1, num_microbatches(job))
     costs = _all_stage_costs(job)
-    world = job.nodes * cl.gpus_per_node
-    sp = t if (par.sequence_parallel and t > 1) else 1
+    world = world_size(job)
+    sp = sp_shards(par)
     tokens = job.train.micro_batch_size * model.seq_length
     t_comm = 0.0
     if p > 1:
@@ -281,7 +275,7 @@ def step_time(job: JobConfig, exact: bool = True) -> StepTime:
     per_stage = [stage_params(job, r, indices[r]) for r in range(p)]
     worst = max(range(p), key=lambda r: per_stage[r].total)
     rp = per_stage[worst]
-    grad_bytes = 4 if job.precision.grad_reduce_in_fp32 else a
+    grad_bytes = GRAD_BYTES_FP32 if job.precision.grad_reduce_in_fp32 else a
     rs = _ring(grad_bytes * rp.dense, dp_cp, dp_bw) + _ring(grad_bytes * rp.expert, edp, dp_bw)
     ag = _ring(a * rp.dense, dp_cp, dp_bw) + _ring(a * rp.expert, edp, dp_bw)
     if not par.distributed_optimizer:
@@ -303,12 +297,9 @@ def step_time(job: JobConfig, exact: bool = True) -> StepTime:
 
 def throughput(job: JobConfig, st: StepTime) -> dict:
     """tokens/s, TFLOP/s per GPU and MFU (model FLOPs / BF16 dense peak) for a predicted step time."""
-    world = job.nodes * job.cluster.gpus_per_node
+    world = world_size(job)
     fl = flops_per_step(job.model, job.train.global_batch_size)
     tokens = job.train.global_batch_size * job.model.seq_length
     tflops = fl / st.step_s / world / 1e12
     return {"tokens_per_s": tokens / st.step_s, "tokens_per_s_per_gpu": tokens / st.step_s / world,
             "tflops_per_gpu": tflops, "mfu": tflops / job.cluster.peak_tflops_bf16}
-
-
-
