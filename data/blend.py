@@ -6,13 +6,13 @@ from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple
 
 from launcher import ROOT
-from launcher.validate import parse_blend as _blend_pairs
+from launcher.core.blend import parse_blend as _blend_pairs
 
 
 def parse_blend(blend: Sequence[Any]) -> Tuple[List[str], Optional[List[float]]]:
     """``[w, prefix, w, prefix, ...]`` → (prefixes, weights); ``[prefix, ...]`` → (prefixes, None).
 
-    The rules are ``launcher.validate.parse_blend``'s (one parser for validation and use). Raises ValueError
+    The rules are ``launcher.core.blend.parse_blend``'s (one parser for validation and use). Raises ValueError
     with a message naming the rule when the list mixes the two forms.
     """
     items = list(blend)

@@ -1,12 +1,12 @@
 """Compose a JobConfig from recipes + CLI overrides (Hydra compose API), and load one back from a bundle."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
 from launcher import RECIPES_DIR
+from launcher.core.jobfile import job_to_yaml, load_job  # noqa: F401  (re-exported for login-side callers)
 from launcher.schema import JobConfig, register
 
 
@@ -41,17 +41,6 @@ def to_job(cfg: DictConfig) -> JobConfig:
 def compose_job(overrides: Sequence[str] = ()) -> JobConfig:
     """Compose and type a job in one call."""
     return to_job(compose_dict(overrides))
-
-
-def load_job(path: str | Path) -> JobConfig:
-    """Load a resolved config.yaml (as written into a run bundle) back into a typed JobConfig."""
-    base = OmegaConf.structured(JobConfig)
-    return to_job(OmegaConf.merge(base, OmegaConf.load(str(path))))
-
-
-def job_to_yaml(job: JobConfig) -> str:
-    """Serialise a typed job to YAML (the bundle's resolved config)."""
-    return OmegaConf.to_yaml(OmegaConf.structured(job))
 
 
 def _one_line(exc: Exception) -> str:

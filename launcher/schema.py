@@ -12,9 +12,47 @@ This module is imported on the login node: it must not import torch or megatron.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
+
+# ---- Allowed values, declared once. Validation reads them from the field metadata (``choices_of``); the rank
+# side maps each name to its Megatron-Core value and a test checks the maps cover exactly these names.
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+ACTIVATIONS = ("swiglu", "gelu", "squared_relu")
+POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
+MOE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+MOE_DISPATCHERS = ("alltoall", "allgather")
+SCHEDULES = ("1f1b", "interleaved", "zb_h1")
+DTYPES = ("bf16", "fp16", "fp32")
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+FP8_FORMATS = ("hybrid", "e4m3")
+FP8_AMAX_ALGOS = ("max", "most_recent")
+TE_CHOICES = ("auto", "true", "false")
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
+RECOMPUTE = ("none", "selective", "full")
+DATA_KINDS = ("indexed", "mock")
+CHECKPOINT_FORMATS = ("torch_dist",)
+WANDB_MODES = ("offline", "online", "disabled")
+LAUNCHERS = ("slurm", "local")
+GPUS = ("H100", "H200", "GH200", "B200", "GB200", "A100", "cpu")
+BACKENDS = ("nccl", "gloo")
+ACTIONS = ("default", "render", "submit", "run", "plan", "search", "validate")
+
+
+def choice(default: Any, allowed: Tuple[Any, ...], *, nullable: bool = False):
+    """A field whose value must be one of ``allowed`` (null too when ``nullable``); the rule lives here."""
+    assert default in allowed or (nullable and default is None), (default, allowed)
+    return field(default=default, metadata={"choices": allowed, "nullable": nullable})
+
+
+def choices_of(cls: type, name: str) -> Optional[Tuple[Any, ...]]:
+    """The allowed values of field ``name`` of schema class ``cls`` (None: not a choice field)."""
+    for f in cls.__dataclass_fields__.values():
+        if f.name == name:
+            return f.metadata.get("choices")
+    raise KeyError(name)
 
 
 @dataclass
@@ -43,13 +81,13 @@ class ModelConfig:
     """Training sequence length in tokens."""
     max_position_embeddings: Optional[int] = None
     """Maximum positions for learned embeddings / RoPE tables; null means seq_length."""
-    normalization: str = "RMSNorm"
+    normalization: str = choice("RMSNorm", NORMALIZATIONS)
     """Normalization layer: RMSNorm or LayerNorm."""
     norm_epsilon: float = 1e-5
     """Epsilon of the normalization layers."""
-    activation: str = "swiglu"
+    activation: str = choice("swiglu", ACTIVATIONS)
     """MLP activation: swiglu (gated SiLU), gelu, or squared_relu."""
-    position_embedding: str = "rope"
+    position_embedding: str = choice("rope", POSITION_EMBEDDINGS)
     """Position embedding: rope, learned_absolute, or none."""
     rotary_base: float = 500000.0
     """RoPE base frequency (theta)."""
@@ -88,11 +126,11 @@ class ModelConfig:
     """The first k layers use a dense MLP (DeepSeek-V3 uses 3)."""
     moe_aux_loss_coeff: float = 0.0
     """Load-balancing auxiliary loss coefficient."""
-    moe_router_load_balancing_type: str = "aux_loss"
+    moe_router_load_balancing_type: str = choice("aux_loss", MOE_LOAD_BALANCING)
     """Load balancing: aux_loss, seq_aux_loss, sinkhorn, or none."""
-    moe_router_score_function: str = "softmax"
+    moe_router_score_function: str = choice("softmax", MOE_SCORE_FUNCTIONS)
     """Router score function: softmax or sigmoid."""
-    moe_token_dispatcher_type: str = "alltoall"
+    moe_token_dispatcher_type: str = choice("alltoall", MOE_DISPATCHERS)
     """Token dispatcher: alltoall or allgather."""
     moe_grouped_gemm: bool = True
     """Use grouped GEMM for experts (GPU only; ignored on CPU)."""
@@ -153,7 +191,7 @@ class ParallelConfig:
 class ScheduleConfig:
     """Pipeline schedule."""
 
-    kind: str = "1f1b"
+    kind: str = choice("1f1b", SCHEDULES)
     """Pipeline schedule: 1f1b, interleaved (needs virtual_pipeline > 1) or zb_h1 (zero bubble)."""
     microbatch_group_size: Optional[int] = None
     """Interleaved: microbatches run per virtual stage before switching; null means the pipeline size."""
@@ -167,23 +205,28 @@ class ScheduleConfig:
 class PrecisionConfig:
     """Numerics: training dtype and FP8."""
 
-    dtype: str = "bf16"
+    dtype: str = choice("bf16", DTYPES)
     """Parameter/compute dtype: bf16, fp16 or fp32."""
-    fp8: Optional[str] = None
+    fp8: Optional[str] = choice(None, FP8_RECIPES, nullable=True)
     """FP8 recipe: delayed, tensorwise, blockwise (Hopper+) or mxfp8 (Blackwell); null disables FP8."""
-    fp8_format: str = "hybrid"
+    fp8_format: str = choice("hybrid", FP8_FORMATS)
     """FP8 format: hybrid (E4M3 forward, E5M2 backward) or e4m3."""
     fp8_param: bool = False
     """Keep parameters in FP8 (saves the BF16 weight copy; needs FP8)."""
     fp8_amax_history_len: int = 1024
     """Delayed scaling: amax history length."""
-    fp8_amax_compute_algo: str = "max"
+    fp8_amax_compute_algo: str = choice("max", FP8_AMAX_ALGOS)
     """Delayed scaling: max or most_recent."""
-    transformer_engine: str = "auto"
+    transformer_engine: str = choice("auto", TE_CHOICES)
     """Use Transformer Engine layers: auto (on when the cluster has GPUs), true, or false."""
     grad_reduce_in_fp32: bool = True
     """Keep gradient buffers and their data-parallel reduction in fp32 (Megatron's default with bf16);
     false keeps them in the parameter dtype (NVIDIA's performance recipes), saving 2 bytes per parameter."""
+
+    def __post_init__(self) -> None:
+        # Hydra parses `precision.transformer_engine=false` as a boolean, which the str field stores as "False".
+        if isinstance(self.transformer_engine, (bool, str)):
+            self.transformer_engine = str(self.transformer_engine).lower()
 
 
 @dataclass
@@ -202,7 +245,7 @@ class TrainConfig:
     """Peak learning rate."""
     min_lr: float = 3.0e-5
     """Final learning rate of the decay."""
-    lr_schedule: str = "cosine"
+    lr_schedule: str = choice("cosine", LR_SCHEDULES)
     """LR decay: cosine, linear, constant or wsd (warmup-stable-decay)."""
     warmup_steps: int = 0
     """Linear warmup steps."""
@@ -224,7 +267,7 @@ class TrainConfig:
     """Evaluate on the validation split every n steps (0 disables periodic eval)."""
     eval_iters: int = 2
     """Validation batches per evaluation."""
-    recompute: str = "selective"
+    recompute: str = choice("selective", RECOMPUTE)
     """Activation recomputation: none, selective (core attention) or full."""
     recompute_num_layers: Optional[int] = None
     """Full recompute: layers per stage recomputed; null means all."""
@@ -236,7 +279,7 @@ class TrainConfig:
 class DataConfig:
     """Training data: a blend of Megatron indexed datasets (.bin/.idx), or mock data."""
 
-    kind: str = "indexed"
+    kind: str = choice("indexed", DATA_KINDS)
     """indexed (Megatron .bin/.idx prefixes) or mock (synthetic tokens, for debugging only)."""
     blend: List[Any] = field(default_factory=list)
     """Dataset prefixes, optionally weighted: [0.3, path/a, 0.7, path/b] or [path/a, path/b]."""
@@ -264,7 +307,7 @@ class CheckpointConfig:
     """Resume automatically from the latest complete checkpoint in dir."""
     keep_last: Optional[int] = None
     """Keep only the newest n checkpoints; null keeps all."""
-    format: str = "torch_dist"
+    format: str = choice("torch_dist", CHECKPOINT_FORMATS)
     """dist_checkpointing backend format."""
     async_save: bool = False
     """Write checkpoints asynchronously (GPU clusters)."""
@@ -282,7 +325,7 @@ class LoggingConfig:
     """Weights & Biases project; null disables wandb. The API key comes from WANDB_API_KEY only."""
     wandb_entity: Optional[str] = None
     """Weights & Biases entity (team)."""
-    wandb_mode: str = "offline"
+    wandb_mode: str = choice("offline", WANDB_MODES)
     """wandb mode: offline, online or disabled."""
 
 
@@ -292,9 +335,9 @@ class ClusterConfig:
 
     name: str = "local"
     """Profile name."""
-    launcher: str = "local"
+    launcher: str = choice("local", LAUNCHERS)
     """slurm (sbatch + srun + torchrun per node) or local (torchrun on this machine)."""
-    gpu: str = "cpu"
+    gpu: str = choice("cpu", GPUS)
     """Accelerator: H100, H200, B200, or cpu."""
     gpus_per_node: int = 4
     """GPUs (or CPU processes for the cpu profile) per node."""
@@ -319,7 +362,7 @@ class ClusterConfig:
     """Fraction of link bandwidth collectives reach (planner constant)."""
     memory_reserve_gb: float = 4.0
     """Memory held back per GPU for the CUDA context, allocator fragmentation and NCCL."""
-    backend: str = "gloo"
+    backend: str = choice("gloo", BACKENDS)
     """torch.distributed backend: nccl (GPU) or gloo (CPU)."""
     partition: Optional[str] = None
     """Slurm partition."""
@@ -363,7 +406,7 @@ class JobConfig:
 
     name: str = "smoke"
     """Run name (used for the bundle directory and the Slurm job name)."""
-    action: str = "default"
+    action: str = choice("default", ACTIONS)
     """render, submit, run, plan, search, validate, or default (render; and run when cluster is local)."""
     nodes: int = 1
     """Number of nodes (top-level shorthand)."""
