@@ -4,31 +4,24 @@ from __future__ import annotations
 import json
 import sys
 
+from launcher.core import derive
 from launcher.problems import EXIT_USAGE, Problem, errors, report
 from launcher.schema import JobConfig
-from launcher.validate import data_parallel_size, num_microbatches, world_size
-
-
-def train_steps(job: JobConfig) -> int:
-    """Optimizer steps of the run (train_tokens rounds up to whole steps)."""
-    if job.train.train_steps is not None:
-        return job.train.train_steps
-    per_step = job.train.global_batch_size * job.model.seq_length
-    return -(-int(job.train.train_tokens or 0) // per_step)
 
 
 def tokens_needed(job: JobConfig) -> int:
-    return train_steps(job) * job.train.global_batch_size * job.model.seq_length
+    """Tokens the run consumes (what the data pre-flight checks the blend against)."""
+    return derive(job).tokens
 
 
 def summary(job: JobConfig) -> str:
-    p = job.parallel
-    dp = data_parallel_size(p, world_size(job))
+    """One line: model, cluster, the derived layout, schedule, precision, microbatches."""
+    lay = derive(job)
     return (f"{job.name}: {job.model.name} on {job.nodes}x{job.cluster.gpus_per_node} {job.cluster.gpu} "
-            f"(TP{p.tensor} PP{p.pipeline}{f' VPP{p.virtual_pipeline}' if p.virtual_pipeline else ''} CP{p.context}"
-            f"{f' EP{p.expert}' if p.expert > 1 else ''} DP{dp}), {job.schedule.kind}, "
+            f"(TP{lay.tp} PP{lay.pp}{f' VPP{lay.vpp}' if lay.vpp > 1 else ''} CP{lay.cp}"
+            f"{f' EP{lay.ep}' if lay.ep > 1 else ''} DP{lay.dp}), {job.schedule.kind}, "
             f"{job.precision.dtype}{f'+fp8/{job.precision.fp8}' if job.precision.fp8 else ''}, "
-            f"{num_microbatches(job)} microbatches/step")
+            f"{lay.microbatches} microbatches/step")
 
 
 def do_validate(job: JobConfig, args) -> int:

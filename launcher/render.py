@@ -31,6 +31,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from launcher import ROOT
 from launcher.config import job_to_yaml
+from launcher.core import derive
 from launcher.schema import JobConfig
 
 TEMPLATES = ROOT / "slurm"
@@ -180,7 +181,7 @@ def cross_check(job: JobConfig, texts: dict[str, str]) -> list[str]:
         m = re.search(pattern, text, re.MULTILINE)
         return int(m.group(1)) if m else None
 
-    p = job.parallel
+    lay = derive(job)
     nodes = find(r"^#SBATCH --nodes=(\d+)$", texts["job.sbatch"])
     nproc = find(r"--nproc-per-node=(\d+)", texts["launch.sh"])
     tnodes = find(r"--nnodes=(\d+)", texts["launch.sh"])
@@ -188,7 +189,8 @@ def cross_check(job: JobConfig, texts: dict[str, str]) -> list[str]:
     if nodes != job.nodes or tnodes != job.nodes:
         issues.append(f"rendered node counts (sbatch {nodes}, torchrun {tnodes}) differ from nodes={job.nodes}")
     world = (nodes or 0) * (nproc or 0)
-    model_parallel = p.tensor * p.pipeline * p.context
-    if not world or world % model_parallel or (p.data is not None and world // model_parallel != p.data):
-        issues.append(f"rendered world size {world} does not fit TP x PP x CP = {model_parallel}")
+    if world != lay.world:
+        issues.append(f"rendered world size {world} differs from the layout's {lay.world} ranks")
+    elif not lay.dp or (job.parallel.data is not None and lay.dp != job.parallel.data):
+        issues.append(f"rendered world size {world} does not fit TP x PP x CP = {lay.model_parallel}")
     return issues

@@ -2,27 +2,38 @@
 
 Each check returns Problems (field, value, rule, alternative); ``validate`` runs them all so that every
 failure is reported at once. The rules mirror Megatron-Core's own asserts (parallel_state, TransformerConfig,
-the pipeline schedules) so that a job that passes here does not die at step 0 on 512 GPUs.
+the pipeline schedules, Megatron-LM's ``megatron/training/arguments.py``) so that a job that passes here does
+not die at step 0 on 512 GPUs. Allowed values are declared once, on the schema's fields (``choice``), and
+checked by one generic rule; the cross-rules read the job's derived ``Layout`` (``launcher.core.derive``),
+which never raises, so nothing here divides by a size the user set to 0.
 
 Login-node code: no torch, no megatron.
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import math
 import os
 import re
 from functools import lru_cache
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterator
 
-from launcher.problems import Problem
-from launcher.schema import (CheckpointConfig, ClusterConfig, DataConfig, JobConfig, LoggingConfig,
-                             ModelConfig, ParallelConfig, PrecisionConfig)
+from launcher.core import Layout, derive
+from launcher.core.blend import is_number, parse_blend
+from launcher.problems import Problem, errors
+from launcher.schema import (SECTIONS, CheckpointConfig, DataConfig, JobConfig, LoggingConfig, ModelConfig,
+                             ParallelConfig)
 
-ACTIONS = ("default", "render", "submit", "run", "plan", "search", "validate")
 HOPPER_OR_NEWER = ("H100", "H200", "GH200", "B200", "GB200")
 BLACKWELL = ("B200", "GB200")
 SBATCH_WORD = re.compile(r"[A-Za-z0-9_.,-]+")
 SBATCH_PATH = re.compile(r"[A-Za-z0-9_./+:@=-]+")
 SECRET_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.IGNORECASE)
+MAX_LAYERS = 100_000
+"""Deeper than any published decoder (a few hundred layers): a larger value is a typo."""
+MAX_PIPELINE = 1024
+"""Pipeline and virtual-pipeline sizes above this are typos; the layout's per-chunk table has PP x VPP entries."""
 
 
 class _Checks:
@@ -36,39 +47,46 @@ class _Checks:
             self.problems.append(Problem(field, value, rule, hint, severity))
         return bool(cond)
 
-    def one_of(self, field: str, value, allowed: Iterable) -> bool:
-        allowed = tuple(allowed)
-        return self.need(value in allowed, field, value, f"must be one of {', '.join(map(str, allowed))}",
-                         f"{field}={allowed[0]}")
-
     def positive(self, field: str, value) -> bool:
         return self.need(value is not None and value >= 1, field, value, "must be a positive integer",
                          f"{field}=1")
 
 
-def data_parallel_size(parallel: ParallelConfig, world_size: int) -> int:
-    """DP = world / (TP x PP x CP); 0 when it does not divide."""
-    model_parallel = parallel.tensor * parallel.pipeline * parallel.context
-    return world_size // model_parallel if model_parallel and world_size % model_parallel == 0 else 0
+# ---------------------------------------------------------------------------------------------- choices
+def _choice_fields(job: JobConfig) -> Iterator[tuple[str, Any, dataclasses.Field]]:
+    """(dotted name, section object, field) of every schema field declared with ``choice(...)``."""
+    for prefix, section in (("", job), *((f"{name}.", getattr(job, name)) for name in SECTIONS)):
+        for f in dataclasses.fields(section):
+            if "choices" in f.metadata:
+                yield prefix + f.name, section, f
 
 
-def world_size(job: JobConfig) -> int:
-    """Total ranks: nodes x GPUs (or CPU processes) per node."""
-    return job.nodes * job.cluster.gpus_per_node
+def _allowed(section, name: str) -> bool:
+    """The value of ``section.name`` is one the schema allows (so rules that branch on it may read it)."""
+    f = section.__dataclass_fields__[name]
+    value = getattr(section, name)
+    return value in f.metadata["choices"] or (value is None and f.metadata["nullable"])
 
 
-def num_microbatches(job: JobConfig) -> int:
-    """Microbatches per step per pipeline: global batch / (micro batch x DP)."""
-    dp = data_parallel_size(job.parallel, world_size(job))
-    denom = job.train.micro_batch_size * dp
-    return job.train.global_batch_size // denom if denom else 0
+def validate_choices(job: JobConfig) -> list[Problem]:
+    """Every choice field holds one of the values its schema declaration allows (null where nullable)."""
+    problems = []
+    for name, section, f in _choice_fields(job):
+        if not _allowed(section, f.name):
+            value, allowed = getattr(section, f.name), f.metadata["choices"]
+            shown = ", ".join(map(str, allowed)) + (" (or null)" if f.metadata["nullable"] else "")
+            problems.append(Problem(name, value, f"must be one of {shown}", f"{name}={_closest(value, allowed)}"))
+    return problems
 
 
-def uses_transformer_engine(precision: PrecisionConfig, cluster: ClusterConfig) -> bool:
-    """TE is used when requested, or on 'auto' whenever the cluster has GPUs."""
-    if precision.transformer_engine == "auto":
-        return cluster.gpu != "cpu"
-    return precision.transformer_engine == "true"
+def _closest(value, allowed: tuple) -> str:
+    """The allowed value nearest to a misspelt one (``1F1B`` -> ``1f1b``), else the first allowed value."""
+    names = [str(a) for a in allowed]
+    folded = {n.lower(): n for n in names}
+    if str(value).lower() in folded:
+        return folded[str(value).lower()]
+    near = difflib.get_close_matches(str(value), names, n=1, cutoff=0.75)
+    return near[0] if near else names[0]
 
 
 # ------------------------------------------------------------------------------------------------ model
@@ -77,9 +95,6 @@ def validate_model(model: ModelConfig) -> list[Problem]:
     for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size",
                  "seq_length"):
         c.positive(f"model.{name}", getattr(model, name))
-    c.one_of("model.normalization", model.normalization, ("RMSNorm", "LayerNorm"))
-    c.one_of("model.activation", model.activation, ("swiglu", "gelu", "squared_relu"))
-    c.one_of("model.position_embedding", model.position_embedding, ("rope", "learned_absolute", "none"))
     heads = model.num_attention_heads or 1
     if model.kv_channels is None and not model.multi_latent_attention and model.hidden_size:
         c.need(model.hidden_size % heads == 0, "model.num_attention_heads", heads,
@@ -112,32 +127,29 @@ def _validate_moe(c: _Checks, model: ModelConfig) -> None:
         return
     c.need(1 <= model.moe_router_topk <= model.num_experts, "model.moe_router_topk", model.moe_router_topk,
            f"must be between 1 and num_experts={model.num_experts}", "model.moe_router_topk=2")
-    c.one_of("model.moe_router_load_balancing_type", model.moe_router_load_balancing_type,
-             ("aux_loss", "seq_aux_loss", "sinkhorn", "none"))
-    c.one_of("model.moe_router_score_function", model.moe_router_score_function, ("softmax", "sigmoid"))
-    c.one_of("model.moe_token_dispatcher_type", model.moe_token_dispatcher_type, ("alltoall", "allgather"))
     c.need(0 <= model.moe_first_k_dense < model.num_layers, "model.moe_first_k_dense", model.moe_first_k_dense,
            f"must leave at least one MoE layer of num_layers={model.num_layers}", "model.moe_first_k_dense=0")
     c.positive("model.moe_layer_freq", model.moe_layer_freq)
 
 
 # --------------------------------------------------------------------------------------------- parallel
-def validate_parallel(job: JobConfig) -> list[Problem]:
+def validate_parallel(job: JobConfig, lay: Layout) -> list[Problem]:
     c = _Checks()
     p, model, cluster = job.parallel, job.model, job.cluster
     sizes_ok = all([c.positive(f"parallel.{n}", getattr(p, n)) for n in ("tensor", "pipeline", "context", "expert")])
-    if not sizes_ok:
+    # Without a positive world (nodes / cluster.gpus_per_node, reported by their own sections) no layout rule
+    # can be stated.
+    if p.expert_tensor is not None:
+        sizes_ok = c.positive("parallel.expert_tensor", p.expert_tensor) and sizes_ok
+    if not sizes_ok or min(job.nodes, cluster.gpus_per_node) < 1:
         return c.problems
-    world = world_size(job)
-    mp = p.tensor * p.pipeline * p.context
-    if c.need(world % mp == 0, "parallel.tensor", p.tensor,
+    world, mp = lay.world, lay.model_parallel
+    if c.need(lay.dp > 0, "parallel.tensor", p.tensor,
               f"TP x PP x CP = {p.tensor}x{p.pipeline}x{p.context} = {mp} must divide the world size "
-              f"{job.nodes} nodes x {cluster.gpus_per_node} = {world}",
-              f"nodes={_round_up(world, mp) // cluster.gpus_per_node or 1} or parallel.pipeline={_divisor_near(world // max(1, p.tensor * p.context), p.pipeline)}"):
-        dp = world // mp
+              f"{job.nodes} nodes x {cluster.gpus_per_node} = {world}", _world_fix(job, lay)):
         if p.data is not None:
-            c.need(p.data == dp, "parallel.data", p.data,
-                   f"is derived: world {world} / (TP x PP x CP = {mp}) = {dp}", f"parallel.data={dp} (or null)")
+            c.need(p.data == lay.dp, "parallel.data", p.data,
+                   f"is derived: world {world} / (TP x PP x CP = {mp}) = {lay.dp}", f"parallel.data={lay.dp} (or null)")
     c.need(p.tensor <= cluster.gpus_per_node, "parallel.tensor", p.tensor,
            f"tensor parallelism must stay inside one node ({cluster.gpus_per_node} GPUs per node)",
            f"parallel.tensor={cluster.gpus_per_node}")
@@ -151,28 +163,20 @@ def validate_parallel(job: JobConfig) -> list[Problem]:
     c.need(model.ffn_hidden_size % p.tensor == 0, "parallel.tensor", p.tensor,
            f"must divide model.ffn_hidden_size={model.ffn_hidden_size} (column-parallel MLP)",
            f"parallel.tensor={_divisor_near(model.ffn_hidden_size, p.tensor)}")
-    if p.sequence_parallel and p.tensor > 1:
-        shards = p.tensor * (2 * p.context if p.context > 1 else 1)
+    if lay.sequence_parallel:
+        shards = lay.tp * (2 * lay.cp if lay.cp > 1 else 1)
         c.need(model.seq_length % shards == 0, "parallel.sequence_parallel", True,
-               f"model.seq_length={model.seq_length} must be divisible by TP{' x 2CP' if p.context > 1 else ''} = {shards}",
+               f"model.seq_length={model.seq_length} must be divisible by TP{' x 2CP' if lay.cp > 1 else ''} = {shards}",
                f"model.seq_length={_round_up(model.seq_length, shards)}")
-    c.need(p.distributed_optimizer or not p.overlap_param_gather, "parallel.overlap_param_gather", True,
-           "overlapping the parameter all-gather needs the distributed optimizer",
-           "parallel.overlap_param_gather=false or parallel.distributed_optimizer=true")
-    if p.tp_comm_overlap:
-        c.need(p.tensor > 1 and p.sequence_parallel, "parallel.tp_comm_overlap", True,
-               "TP communication overlap needs parallel.tensor > 1 and parallel.sequence_parallel=true",
-               "parallel.tp_comm_overlap=false")
-        c.need(uses_transformer_engine(job.precision, cluster), "parallel.tp_comm_overlap", True,
-               "TP communication overlap uses Transformer Engine userbuffers (GPU only)", "parallel.tp_comm_overlap=false")
-    _validate_layer_split(c, p, model)
+    _validate_overlap(c, p, lay)
+    _validate_layer_split(c, p, model, lay)
     if p.context > 1:
         c.need(model.seq_length % (2 * p.context) == 0, "parallel.context", p.context,
                f"model.seq_length={model.seq_length} must be divisible by 2 x CP (load-balanced causal split)",
                f"parallel.context={_divisor_near(model.seq_length // 2, p.context)}")
-        c.need(uses_transformer_engine(job.precision, cluster), "parallel.context", p.context,
+        c.need(lay.transformer_engine, "parallel.context", p.context,
                "context parallelism needs Transformer Engine attention (GPU only)", "parallel.context=1")
-    _validate_experts(c, p, model, world)
+    _validate_experts(c, p, model, lay)
     if p.sequence_parallel and p.tensor == 1:
         c.need(False, "parallel.sequence_parallel", True, "has no effect with parallel.tensor=1 (Megatron turns it off)",
                "parallel.sequence_parallel=false", severity="warning")
@@ -182,16 +186,41 @@ def validate_parallel(job: JobConfig) -> list[Problem]:
     return c.problems
 
 
-def _validate_layer_split(c: _Checks, p: ParallelConfig, model: ModelConfig) -> None:
-    vp = p.virtual_pipeline or 1
-    if not c.positive("parallel.virtual_pipeline", vp):
+def _world_fix(job: JobConfig, lay: Layout) -> str:
+    """Two ways to make TP x PP x CP divide the world: the fewest nodes whose ranks it divides, or the
+    pipeline size nearest to the current one that divides the ranks TP x CP leave."""
+    nodes = lay.model_parallel // math.gcd(lay.model_parallel, job.cluster.gpus_per_node)
+    return f"nodes={nodes} or parallel.pipeline={_divisor_near(lay.world // (lay.tp * lay.cp), lay.pp)}"
+
+
+def _validate_overlap(c: _Checks, p: ParallelConfig, lay: Layout) -> None:
+    """Communication-overlap switches and what each one needs (Megatron-LM ``arguments.py`` asserts the first
+    two at start-up; TE's userbuffers need the third)."""
+    c.need(p.distributed_optimizer or not p.overlap_param_gather, "parallel.overlap_param_gather", True,
+           "overlapping the parameter all-gather needs the distributed optimizer",
+           "parallel.overlap_param_gather=false or parallel.distributed_optimizer=true")
+    c.need(p.overlap_grad_reduce or not p.overlap_param_gather, "parallel.overlap_param_gather", True,
+           "overlapping the parameter all-gather needs parallel.overlap_grad_reduce=true (Megatron-LM: "
+           "'Must use --overlap-param-gather with --overlap-grad-reduce')",
+           "parallel.overlap_grad_reduce=true or parallel.overlap_param_gather=false")
+    if p.tp_comm_overlap:
+        c.need(lay.sequence_parallel, "parallel.tp_comm_overlap", True,
+               "TP communication overlap needs parallel.tensor > 1 and parallel.sequence_parallel=true",
+               "parallel.tp_comm_overlap=false")
+        c.need(lay.transformer_engine, "parallel.tp_comm_overlap", True,
+               "TP communication overlap uses Transformer Engine userbuffers (GPU only)", "parallel.tp_comm_overlap=false")
+
+
+def _validate_layer_split(c: _Checks, p: ParallelConfig, model: ModelConfig, lay: Layout) -> None:
+    if p.virtual_pipeline is not None and not c.positive("parallel.virtual_pipeline", p.virtual_pipeline):
         return
+    vp = lay.vpp
     c.need(vp == 1 or p.pipeline > 1, "parallel.virtual_pipeline", vp,
            "virtual pipeline stages need parallel.pipeline > 1", "parallel.virtual_pipeline=null")
     layers = model.num_layers
     first, last = p.first_stage_layers, p.last_stage_layers
     if first is None and last is None:
-        chunks = p.pipeline * vp
+        chunks = lay.pp * vp
         c.need(layers % chunks == 0, "model.num_layers", layers,
                f"must be divisible by PP x VPP = {p.pipeline}x{vp} = {chunks} "
                "(or set parallel.first_stage_layers/last_stage_layers for an uneven split)",
@@ -212,29 +241,28 @@ def _validate_layer_split(c: _Checks, p: ParallelConfig, model: ModelConfig) -> 
            "parallel.first_stage_layers=null and parallel.last_stage_layers=null")
 
 
-def _validate_experts(c: _Checks, p: ParallelConfig, model: ModelConfig, world: int) -> None:
+def _validate_experts(c: _Checks, p: ParallelConfig, model: ModelConfig, lay: Layout) -> None:
     if model.num_experts is None:
         c.need(p.expert == 1, "parallel.expert", p.expert, "expert parallelism needs an MoE model (model.num_experts)",
                "parallel.expert=1")
         return
     c.need(model.num_experts % p.expert == 0, "parallel.expert", p.expert,
            f"must divide model.num_experts={model.num_experts}", f"parallel.expert={_divisor_near(model.num_experts, p.expert)}")
-    etp = p.expert_tensor or p.tensor
-    per_stage = world // p.pipeline if p.pipeline else 0
-    c.need(per_stage and per_stage % (etp * p.expert) == 0, "parallel.expert", p.expert,
-           f"ETP x EP = {etp}x{p.expert} must divide the ranks per pipeline stage ({per_stage})",
+    # Expert DP = world / (ETP x EP x PP) is 0 exactly when ETP x EP does not divide the ranks of a stage.
+    c.need(lay.expert_dp > 0, "parallel.expert", p.expert,
+           f"ETP x EP = {lay.etp}x{lay.ep} must divide the ranks per pipeline stage ({lay.world // lay.pp})",
            "parallel.expert=1")
     c.need(p.tensor == 1 or p.sequence_parallel, "parallel.sequence_parallel", p.sequence_parallel,
            "MoE with tensor parallelism requires sequence parallelism", "parallel.sequence_parallel=true")
 
 
 # --------------------------------------------------------------------------------------------- schedule
-def validate_schedule(job: JobConfig) -> list[Problem]:
+def validate_schedule(job: JobConfig, lay: Layout) -> list[Problem]:
     c = _Checks()
     s, p = job.schedule, job.parallel
-    if not c.one_of("schedule.kind", s.kind, ("1f1b", "interleaved", "zb_h1")):
-        return c.problems
-    vp, m = p.virtual_pipeline or 1, num_microbatches(job)
+    if not _allowed(s, "kind"):
+        return c.problems  # reported by validate_choices
+    vp, m = lay.vpp, lay.microbatches
     if s.kind == "zb_h1" and job.action not in ("plan", "search", "validate"):
         c.need(False, "schedule.kind", s.kind, "zero-bubble is planned and simulated (action=plan) but cannot "
                "train yet: its schedule lands with the zero-bubble issue", "schedule.kind=1f1b")
@@ -245,7 +273,7 @@ def validate_schedule(job: JobConfig) -> list[Problem]:
         c.need(not (p.pipeline == 2 and s.batch_p2p_comm and not s.overlap_p2p_comm), "schedule.batch_p2p_comm",
                s.batch_p2p_comm, "interleaved with PP=2 and batched p2p trains silently wrong (Megatron-LM #750, #1450)",
                "schedule.batch_p2p_comm=false or schedule.overlap_p2p_comm=true")
-        group = s.microbatch_group_size or p.pipeline
+        group = lay.microbatch_group
         if m:
             c.need(m % group == 0, "train.global_batch_size", job.train.global_batch_size,
                    f"interleaved needs microbatches per step ({m}) divisible by the microbatch group size ({group})",
@@ -266,16 +294,14 @@ def validate_schedule(job: JobConfig) -> list[Problem]:
 
 
 # -------------------------------------------------------------------------------------------- precision
-def validate_precision(job: JobConfig) -> list[Problem]:
+def validate_precision(job: JobConfig, lay: Layout) -> list[Problem]:
     c = _Checks()
     pr, cluster = job.precision, job.cluster
-    c.one_of("precision.dtype", pr.dtype, ("bf16", "fp16", "fp32"))
-    c.one_of("precision.transformer_engine", pr.transformer_engine, ("auto", "true", "false"))
-    te = uses_transformer_engine(pr, cluster)
+    te = lay.transformer_engine
     c.need(not (te and cluster.gpu == "cpu"), "precision.transformer_engine", pr.transformer_engine,
            "Transformer Engine needs a GPU (this cluster profile is cpu)", "precision.transformer_engine=false")
     if pr.fp8 is not None:
-        if c.one_of("precision.fp8", pr.fp8, ("delayed", "tensorwise", "blockwise", "mxfp8")):
+        if _allowed(pr, "fp8"):
             needs = BLACKWELL if pr.fp8 == "mxfp8" else HOPPER_OR_NEWER
             generation = "Blackwell (B200)" if pr.fp8 == "mxfp8" else "Hopper or newer (H100/H200/B200)"
             c.need(cluster.gpu in needs, "precision.fp8", pr.fp8,
@@ -285,23 +311,27 @@ def validate_precision(job: JobConfig) -> list[Problem]:
                "precision.fp8=null or precision.transformer_engine=auto on a GPU cluster")
         c.need(pr.dtype in ("bf16", "fp16"), "precision.dtype", pr.dtype, "FP8 training runs on a bf16/fp16 model",
                "precision.dtype=bf16")
-        c.one_of("precision.fp8_format", pr.fp8_format, ("hybrid", "e4m3"))
-        c.one_of("precision.fp8_amax_compute_algo", pr.fp8_amax_compute_algo, ("max", "most_recent"))
     c.need(te or not job.model.multi_latent_attention, "model.multi_latent_attention", True,
            "multi-latent attention needs Transformer Engine attention (Megatron-Core's local attention cannot "
            "take MLA's head sizes)", "a GPU cluster profile (cluster=h100) or model.multi_latent_attention=false")
     c.need(not pr.fp8_param or pr.fp8 is not None, "precision.fp8_param", pr.fp8_param,
            "FP8 parameters need an FP8 recipe", "precision.fp8=delayed or precision.fp8_param=false")
+    # Megatron-LM arguments.py: "--fp8-param-gather only supported with distributed optimizer" (the rank wing
+    # maps fp8_param to fp8_param_gather); without it the FP8 weights would never be updated.
+    c.need(not pr.fp8_param or job.parallel.distributed_optimizer, "precision.fp8_param", pr.fp8_param,
+           "FP8 parameters are re-quantised by the distributed optimizer under fp8_param_gather; Megatron-LM "
+           "asserts FP8 param gather needs the distributed optimizer",
+           "parallel.distributed_optimizer=true or precision.fp8_param=false")
     return c.problems
 
 
 # ------------------------------------------------------------------------------------------------ train
-def validate_train(job: JobConfig) -> list[Problem]:
+def validate_train(job: JobConfig, lay: Layout) -> list[Problem]:
     c = _Checks()
     t = job.train
     c.positive("train.micro_batch_size", t.micro_batch_size)
     c.positive("train.global_batch_size", t.global_batch_size)
-    dp = data_parallel_size(job.parallel, world_size(job))
+    dp = lay.dp
     if dp and t.micro_batch_size >= 1:
         unit = t.micro_batch_size * dp
         c.need(t.global_batch_size % unit == 0, "train.global_batch_size", t.global_batch_size,
@@ -318,12 +348,10 @@ def validate_train(job: JobConfig) -> list[Problem]:
     c.need(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "must be >= 0", "train.warmup_steps=0")
     c.need(t.lr > 0, "train.lr", t.lr, "must be positive", "train.lr=3e-4")
     c.need(0 <= t.min_lr <= t.lr, "train.min_lr", t.min_lr, f"must be in [0, train.lr={t.lr}]", f"train.min_lr={t.lr / 10:g}")
-    c.one_of("train.lr_schedule", t.lr_schedule, ("cosine", "linear", "constant", "wsd"))
     c.need(t.clip_grad >= 0, "train.clip_grad", t.clip_grad, "must be >= 0 (0 disables clipping)", "train.clip_grad=1.0")
     c.need(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0", "train.weight_decay=0.1")
     c.need(0 <= t.adam_beta1 < 1 and 0 <= t.adam_beta2 < 1, "train.adam_beta2", t.adam_beta2,
            "Adam betas must be in [0, 1)", "train.adam_beta2=0.95")
-    c.one_of("train.recompute", t.recompute, ("none", "selective", "full"))
     if t.eval_interval:
         c.positive("train.eval_iters", t.eval_iters)
     c.need(t.eval_interval >= 0, "train.eval_interval", t.eval_interval, "must be >= 0 (0 disables)", "train.eval_interval=0")
@@ -336,10 +364,10 @@ def validate_train(job: JobConfig) -> list[Problem]:
 # ------------------------------------------------------------------------------------------------- data
 def validate_data(data: DataConfig) -> list[Problem]:
     c = _Checks()
-    if not c.one_of("data.kind", data.kind, ("indexed", "mock")):
-        return c.problems
+    if not _allowed(data, "kind"):
+        return c.problems  # reported by validate_choices
     parts = [s.strip() for s in str(data.split).split(",")]
-    c.need(len(parts) == 3 and all(_is_number(s) and float(s) >= 0 for s in parts) and any(float(s) > 0 for s in parts if _is_number(s)),
+    c.need(len(parts) == 3 and all(is_number(s) and float(s) >= 0 for s in parts) and any(float(s) > 0 for s in parts if is_number(s)),
            "data.split", data.split, "must be three non-negative weights train,valid,test", "data.split=969,30,1")
     c.need(data.kind != "mock" or not data.blend, "data.kind", data.kind,
            "mock data ignores data.blend: a blend was given but would never be read", "data.kind=indexed")
@@ -353,20 +381,6 @@ def validate_data(data: DataConfig) -> list[Problem]:
             c.problems.append(problem)
     c.need(data.num_workers >= 0, "data.num_workers", data.num_workers, "must be >= 0", "data.num_workers=1")
     return c.problems
-
-
-def parse_blend(blend: list) -> list[tuple[float, str]]:
-    """[w, p, w, p] or [p, p] -> [(weight, prefix)]; raises ValueError on a malformed list."""
-    if all(isinstance(x, str) and not _is_number(x) for x in blend):
-        return [(1.0, str(x)) for x in blend]
-    if len(blend) % 2:
-        raise ValueError("odd length")
-    pairs = []
-    for weight, prefix in zip(blend[0::2], blend[1::2]):
-        if not _is_number(weight) or _is_number(prefix):
-            raise ValueError("expected weight, prefix pairs")
-        pairs.append((float(weight), str(prefix)))
-    return pairs
 
 
 def blend_structure_problem(blend: list) -> Problem | None:
@@ -387,7 +401,6 @@ def validate_checkpoint(ckpt: CheckpointConfig) -> list[Problem]:
     c = _Checks()
     c.need(ckpt.save_interval >= 0, "checkpoint.save_interval", ckpt.save_interval, "must be >= 0 (0: only at the end)",
            "checkpoint.save_interval=1000")
-    c.one_of("checkpoint.format", ckpt.format, ("torch_dist",))
     c.need(not ckpt.async_save, "checkpoint.async_save", True,
            "asynchronous saving is not implemented yet: checkpoints are written synchronously",
            "checkpoint.async_save=false", severity="warning")
@@ -399,16 +412,12 @@ def validate_checkpoint(ckpt: CheckpointConfig) -> list[Problem]:
 def validate_logging(logging: LoggingConfig) -> list[Problem]:
     c = _Checks()
     c.positive("logging.log_interval", logging.log_interval)
-    c.one_of("logging.wandb_mode", logging.wandb_mode, ("offline", "online", "disabled"))
     return c.problems
 
 
 def validate_cluster(job: JobConfig) -> list[Problem]:
     c = _Checks()
     cl = job.cluster
-    c.one_of("cluster.launcher", cl.launcher, ("slurm", "local"))
-    c.one_of("cluster.backend", cl.backend, ("nccl", "gloo"))
-    c.one_of("cluster.gpu", cl.gpu, ("H100", "H200", "GH200", "B200", "GB200", "A100", "cpu"))
     c.positive("cluster.gpus_per_node", cl.gpus_per_node)
     c.need(not (cl.gpu == "cpu" and cl.backend == "nccl"), "cluster.backend", cl.backend,
            "NCCL needs GPUs; a cpu cluster uses gloo", "cluster.backend=gloo")
@@ -490,33 +499,48 @@ def validate_slurm(job: JobConfig) -> list[Problem]:
 
 def validate_job(job: JobConfig) -> list[Problem]:
     c = _Checks()
-    c.one_of("action", job.action, ACTIONS)
     c.positive("nodes", job.nodes)
     c.need(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", job.name or "") is not None, "name", job.name,
            "run names are letters, digits, '.', '_' and '-'", "name=my_run")
     return c.problems
 
 
-SECTION_CHECKS: tuple[Callable[[JobConfig], list[Problem]], ...] = (
-    validate_job,
-    lambda j: validate_model(j.model),
-    validate_cluster,
+def validate_sizes(job: JobConfig) -> list[Problem]:
+    """Sizes so large that they can only be typos; checked before anything is derived, because the layout
+    holds a table per layer and per (virtual) pipeline chunk."""
+    c = _Checks()
+    for name, value, most in (("model.num_layers", job.model.num_layers, MAX_LAYERS),
+                              ("parallel.pipeline", job.parallel.pipeline, MAX_PIPELINE),
+                              ("parallel.virtual_pipeline", job.parallel.virtual_pipeline, MAX_PIPELINE)):
+        c.need(value is None or value <= most, name, value, f"must be at most {most} (a typo?)", f"{name}=1")
+    return c.problems
+
+
+SECTION_CHECKS: tuple[Callable[[JobConfig, Layout], list[Problem]], ...] = (
+    lambda j, lay: validate_job(j),
+    lambda j, lay: validate_choices(j),
+    lambda j, lay: validate_model(j.model),
+    lambda j, lay: validate_cluster(j),
     validate_parallel,
     validate_schedule,
     validate_precision,
     validate_train,
-    lambda j: validate_data(j.data),
-    lambda j: validate_checkpoint(j.checkpoint),
-    lambda j: validate_logging(j.logging),
-    validate_slurm,
+    lambda j, lay: validate_data(j.data),
+    lambda j, lay: validate_checkpoint(j.checkpoint),
+    lambda j, lay: validate_logging(j.logging),
+    lambda j, lay: validate_slurm(j),
 )
+"""Each section's rules, in report order; the cross-section ones read the derived layout."""
 
 
 def validate(job: JobConfig) -> list[Problem]:
     """Every problem of every section (errors and warnings), in section order."""
-    problems: list[Problem] = []
+    problems = validate_sizes(job)
+    if errors(problems):
+        return problems
+    lay = derive(job)
     for check in SECTION_CHECKS:
-        problems.extend(check(job))
+        problems.extend(check(job, lay))
     return problems
 
 
@@ -525,24 +549,13 @@ def validate(job: JobConfig) -> list[Problem]:
 def _divisor_near(n: int, want: int) -> int:
     """The divisor of n closest to want (ties go lower): a valid value to suggest."""
     n = max(1, int(n))
-    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]  # O(sqrt n): hints are built eagerly
+    divisors = small + [n // d for d in small]
     return min(divisors, key=lambda d: (abs(d - want), d))
 
 
 def _round_up(x: int, unit: int) -> int:
     return -(-x // unit) * unit if unit else x
-
-
-def _is_number(x) -> bool:
-    if isinstance(x, bool):
-        return False
-    if isinstance(x, (int, float)):
-        return True
-    try:
-        float(str(x))
-        return True
-    except ValueError:
-        return False
 
 
 def _slurm_seconds(text: str) -> int | None:

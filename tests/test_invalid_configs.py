@@ -81,7 +81,22 @@ CASES = [
     ("run-on-slurm-profile", L8 + ["action=run"], "action="),
     ("submit-on-local-profile", ["recipe=smoke", "action=submit"], "action="),
     ("norm", ["recipe=smoke", "model.normalization=BatchNorm"], "model.normalization="),
+    ("choice-on-dense-model", ["recipe=smoke", "model.moe_token_dispatcher_type=alltoallv"],
+     "model.moe_token_dispatcher_type="),
+    ("fp8-format-unknown", L8 + ["precision.fp8_format=e5m2"], "precision.fp8_format="),
+    ("fp8-param-needs-distopt", L8 + ["parallel.distributed_optimizer=false", "parallel.overlap_param_gather=false"],
+     "precision.fp8_param="),
+    ("param-gather-needs-grad-overlap", L8 + ["parallel.overlap_grad_reduce=false"], "parallel.overlap_param_gather="),
+    ("tp-overlap-needs-te", ["recipe=smoke", "parallel.tp_comm_overlap=true", "parallel.sequence_parallel=true"],
+     "parallel.tp_comm_overlap="),
+    ("zero-gpus-per-node", L8 + ["cluster.gpus_per_node=0"], "cluster.gpus_per_node="),
+    ("zero-tensor", L70 + ["parallel.tensor=0"], "parallel.tensor="),
+    ("zero-virtual-pipeline", L70 + ["parallel.virtual_pipeline=0"], "parallel.virtual_pipeline="),
+    ("absurd-pipeline", L70 + ["parallel.pipeline=100000"], "parallel.pipeline="),
 ]
+
+HINTED = ["fp8-param-needs-distopt", "param-gather-needs-grad-overlap", "tp-overlap-needs-sp", "tp-overlap-needs-te"]
+"""Cases whose hint is a plain override (or several joined by " or "): each alternative must validate."""
 
 
 def test_catalogue_is_large():
@@ -98,6 +113,19 @@ def test_invalid_config_is_refused(overrides, field, cli, tmp_path):
     assert any(field in line for line in error_lines), err
     assert all("try " in line or "error: Error" in line or "flags" in line for line in error_lines), err
     assert list(tmp_path.iterdir()) == []  # nothing rendered
+
+
+@pytest.mark.parametrize("case", HINTED)
+def test_hint_is_itself_valid(case):
+    from launcher.config import compose_job
+    from launcher.validate import validate
+
+    overrides, field = next((o, f) for cid, o, f in CASES if cid == case)
+    [problem] = [p for p in validate(compose_job(overrides)) if p.severity == "error" and p.line().startswith(
+        f"error: {field}")]
+    for alternative in problem.hint.split(" or "):
+        fixed = validate(compose_job([*overrides, alternative]))
+        assert not [p for p in fixed if p.severity == "error"], (alternative, [p.line() for p in fixed])
 
 
 def test_several_failures_are_all_reported(cli):

@@ -1,11 +1,12 @@
-"""FLOPs per token reproduce Megatron's num_floating_point_operations (DESIGN.md "Formulas to match")."""
+"""FLOPs per token reproduce Megatron-LM's num_floating_point_operations (reference values below)."""
 import pytest
 
 from launcher.config import compose_job
-from launcher.plan.flops import flops_per_step, flops_per_token, moe_layer_pattern
+from launcher.core import derive, moe_layer_pattern
+from launcher.plan.flops import flops_per_step, flops_per_token
 
 CASES = [
-    # (model recipe, overrides, GFLOP/token from DESIGN.md)
+    # (model recipe, overrides, GFLOP/token from Megatron-LM's num_floating_point_operations)
     ("llama3_8b", [], 51.470),
     ("llama3_70b", [], 449.22),
     ("llama31_405b", [], 2523.96),
@@ -25,9 +26,9 @@ def test_flops_per_token_matches_megatron(model, extra, expected):
 
 def test_flops_per_step_is_tokens_times_per_token():
     job = compose_job(["recipe=llama3_8b"])
-    tokens = job.train.global_batch_size * job.model.seq_length
-    assert flops_per_step(job.model, job.train.global_batch_size) == pytest.approx(
-        flops_per_token(job.model) * tokens)
+    tokens = job.train.global_batch_size * job.model.seq_length  # spelled out: this checks the Layout's count too
+    assert derive(job).tokens_per_step == tokens
+    assert flops_per_step(job.model, derive(job).tokens_per_step) == pytest.approx(flops_per_token(job.model) * tokens)
 
 
 def test_deepseek_moe_pattern_first_three_dense():

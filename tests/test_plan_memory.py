@@ -2,8 +2,9 @@
 import pytest
 
 from launcher.config import compose_job
+from launcher.core import derive, padded_vocab, stage_layer_counts
 from launcher.plan.memory import (GB, activation_formula_check, in_flight_microbatches, memory_per_stage,
-                                  stage_layer_counts, stage_params, static_bytes)
+                                  stage_params, static_bytes)
 
 # A GPT-3-like layer (MHA, GELU, 4h MLP, dropout on) with Megatron's local (unfused) attention:
 # the setting of Korthikanti et al. 2022, Table 2.
@@ -46,16 +47,19 @@ def test_context_parallel_divides_sequence():
     assert activation_formula_check(cp) == pytest.approx(activation_formula_check(base) / 2)
 
 
+def _in_flight(overrides, stage):
+    job = compose_job(["recipe=llama3_70b", *overrides])  # DP2, micro-batch 1: global batch 128 = 64 microbatches
+    return in_flight_microbatches(job, derive(job), stage)
+
+
 def test_in_flight_1f1b_zb_and_interleaved():
-    job = compose_job(["recipe=llama3_70b", "schedule.kind=1f1b", "parallel.virtual_pipeline=null"])
-    p = job.parallel.pipeline
-    assert [in_flight_microbatches(job, r, 64) for r in range(p)] == [p - r for r in range(p)]
-    assert in_flight_microbatches(job, 0, 2) == 2  # fewer microbatches than stages
-    zb = compose_job(["recipe=llama3_70b", "schedule.kind=zb_h1", "parallel.virtual_pipeline=null"])
-    assert in_flight_microbatches(zb, 0, 64) <= p
-    il = compose_job(["recipe=llama3_70b"])  # PP4 VPP5 interleaved
-    v = il.parallel.virtual_pipeline
-    assert in_flight_microbatches(il, 0, 64) == pytest.approx(p * (1 + (p - 1) / (p * v)))
+    one = ["schedule.kind=1f1b", "parallel.virtual_pipeline=null"]
+    p = compose_job(["recipe=llama3_70b"]).parallel.pipeline
+    assert [_in_flight(one, r) for r in range(p)] == [p - r for r in range(p)]
+    assert _in_flight([*one, "train.global_batch_size=4"], 0) == 2  # fewer microbatches than stages
+    assert _in_flight(["schedule.kind=zb_h1", "parallel.virtual_pipeline=null"], 0) <= p
+    v = compose_job(["recipe=llama3_70b"]).parallel.virtual_pipeline  # PP4 VPP5 interleaved
+    assert _in_flight([], 0) == pytest.approx(p * (1 + (p - 1) / (p * v)))
 
 
 def test_distributed_optimizer_bytes_per_param():
@@ -78,8 +82,6 @@ def test_uneven_stages_and_first_last_differ():
     first, mid, last = stages[0], stages[3], stages[-1]
     assert first.parts["activations"] > mid.parts["activations"] > last.parts["activations"]
     assert last.parts["output_logits"] > 0 and first.parts["output_logits"] == 0
-    from launcher.plan.memory import padded_vocab
-
     emb = padded_vocab(job.model, 8) * job.model.hidden_size / 8
     per_layer = mid.params / 16
     assert first.params == pytest.approx(15 * per_layer + emb)  # input embedding on the first stage

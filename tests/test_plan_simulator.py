@@ -1,4 +1,4 @@
-"""The pipeline simulator reproduces DESIGN.md's closed forms for 1F1B, interleaved and ZB-H1."""
+"""The pipeline simulator reproduces the closed-form bubbles of 1F1B, interleaved and ZB-H1."""
 import pytest
 
 from launcher.plan.simulator import Op, build_schedule, simulate, simulate_kind

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from launcher.core import Layout, derive, padded_vocab
 from launcher.plan.flops import flops_per_step, flops_per_token
-from launcher.plan.memory import GB, StageMemory, memory_per_stage, model_params, padded_vocab
+from launcher.plan.memory import GB, StageMemory, memory_per_stage, model_params
 from launcher.plan.timing import StepTime, step_time, throughput
 from launcher.problems import Problem
 from launcher.schema import JobConfig
-from launcher.validate import data_parallel_size, num_microbatches, validate, world_size
+from launcher.validate import validate
 
 __all__ = ["Plan", "PlanError", "plan_job", "oom_message", "flops_per_token", "flops_per_step"]
 
@@ -160,13 +161,12 @@ def _stages_to_show(stages: list[StageMemory]) -> list[StageMemory]:
     return [s for s in stages if s.stage in keep]
 
 
-def _layout(job: JobConfig, m: int) -> dict:
+def _layout(job: JobConfig, lay: Layout) -> dict:
+    """The plan's layout summary: the derived sizes, plus the batch and schedule settings they came from."""
     par = job.parallel
-    world = world_size(job)
-    return {"tp": par.tensor, "pp": par.pipeline, "vpp": par.virtual_pipeline or 1, "cp": par.context,
-            "ep": par.expert, "dp": data_parallel_size(par, world), "world": world,
-            "mbs": job.train.micro_batch_size, "gbs": job.train.global_batch_size, "microbatches": m,
-            "schedule": job.schedule.kind, "recompute": job.train.recompute, "sequence_parallel": par.sequence_parallel,
+    return {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "cp": lay.cp, "ep": lay.ep, "dp": lay.dp, "world": lay.world,
+            "mbs": job.train.micro_batch_size, "gbs": job.train.global_batch_size, "microbatches": lay.microbatches,
+            "schedule": job.schedule.kind, "recompute": job.train.recompute, "sequence_parallel": lay.sequence_parallel,
             "first_stage_layers": par.first_stage_layers, "last_stage_layers": par.last_stage_layers}
 
 
@@ -180,15 +180,14 @@ def plan_job(job: JobConfig) -> Plan:
     if blocking:
         raise PlanError("cannot plan an invalid layout:\n" + "\n".join(p.line() for p in blocking))
     warnings = [p.line() for p in problems if p.severity != "error" and p.field.startswith(LAYOUT_FIELDS)]
-    m = max(1, num_microbatches(job))
-    stages = memory_per_stage(job, m)
-    st = step_time(job)
-    counts = model_params(job.model, 1, padded_vocab(job.model, 1)).as_dict()
+    lay = derive(job)
+    st = step_time(job, lay)
+    counts = model_params(job.model, 1, padded_vocab(job.model, 1)).as_dict()  # reported at TP 1: the whole model
     return Plan(
-        name=job.name, layout=_layout(job, m), stages=stages, gpu_memory_gb=job.cluster.gpu_memory_gb,
-        flops_per_token=flops_per_token(job.model),
-        flops_per_step=flops_per_step(job.model, job.train.global_batch_size),
-        params=counts, step=st, perf=throughput(job, st), warnings=warnings)
+        name=job.name, layout=_layout(job, lay), stages=memory_per_stage(job, lay),
+        gpu_memory_gb=job.cluster.gpu_memory_gb, flops_per_token=flops_per_token(job.model),
+        flops_per_step=flops_per_step(job.model, lay.tokens_per_step),
+        params=counts, step=st, perf=throughput(job, st, lay), warnings=warnings)
 
 
 def oom_message(plan: Plan) -> str:

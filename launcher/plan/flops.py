@@ -10,24 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from launcher.core import moe_layer_pattern
 from launcher.schema import ModelConfig
 
 FWD_BWD = 3
 """Each GEMM runs three times: forward, backward data-gradient, backward weight-gradient."""
 FMA = 2
 """A multiply-accumulate is two floating-point operations."""
-
-
-def moe_layer_pattern(model: ModelConfig) -> list[bool]:
-    """Which decoder layers have an MoE MLP: layer i is MoE iff i >= moe_first_k_dense and i % freq == 0.
-
-    With moe_first_k_dense = 0 this is Megatron's integer ``--moe-layer-freq`` rule; with k > 0 it is
-    DeepSeek-V3's ``first_k_dense_replace`` (Megatron takes that as an explicit list pattern).
-    """
-    if not model.num_experts:
-        return [False] * model.num_layers
-    freq = max(1, model.moe_layer_freq)
-    return [i >= model.moe_first_k_dense and i % freq == 0 for i in range(model.num_layers)]
 
 
 def kv_channels(model: ModelConfig) -> int:
@@ -114,9 +103,9 @@ def flops_per_token(model: ModelConfig) -> float:
     return float(total)
 
 
-def flops_per_step(model: ModelConfig, global_batch_size: int) -> float:
-    """Training FLOPs of one optimizer step: global_batch_size sequences of model.seq_length tokens."""
-    return flops_per_token(model) * global_batch_size * model.seq_length
+def flops_per_step(model: ModelConfig, tokens_per_step: int) -> float:
+    """Training FLOPs of one optimizer step of ``tokens_per_step`` tokens (``Layout.tokens_per_step``)."""
+    return flops_per_token(model) * tokens_per_step
 
 
 def param_count(model: ModelConfig) -> dict[str, float]:

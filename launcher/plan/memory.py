@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from launcher.plan.flops import kv_channels, moe_layer_pattern, query_groups
-from launcher.schema import JobConfig, ModelConfig, ParallelConfig
-from launcher.validate import num_microbatches as count_microbatches, uses_transformer_engine, world_size
+from launcher.core import Layout, derive, moe_layer_pattern
+from launcher.core import padded_vocab  # noqa: F401  (re-export: tests/test_models_mtp.py imports it from here)
+from launcher.plan.flops import kv_channels, query_groups
+from launcher.schema import JobConfig, ModelConfig
 
 GB = 1e9
 """Reports use GB = 10^9 bytes, as ClusterConfig.gpu_memory_gb does."""
@@ -34,21 +35,20 @@ FP8_WEIGHT_COPY_BYTES = 2
 """Transformer Engine keeps an FP8 copy of each GEMM weight and its transpose (Hopper) between microbatches."""
 
 
-def sp_shards(parallel: ParallelConfig) -> int:
-    """Sequence-parallel shards of the norm/dropout regions: TP when sequence parallelism is on, else 1."""
-    return parallel.tensor if (parallel.sequence_parallel and parallel.tensor > 1) else 1
+def sp_shards(lay: Layout) -> int:
+    """Sequence-parallel shards of the norm/dropout regions: TP when sequence parallelism is in effect, else 1."""
+    return lay.tp if lay.sequence_parallel else 1
+
+
+def stage_layers(lay: Layout, stage: int) -> list[int]:
+    """Global decoder-layer indices held by ``stage``: its virtual chunks' layers, in chunk order."""
+    return [i for chunk in lay.chunk_layers[stage] for i in chunk]
 
 
 # ------------------------------------------------------------------------------------------- parameters
 def _norm_params(model: ModelConfig) -> int:
     """Parameters per hidden unit of one norm: RMSNorm a weight, LayerNorm a weight and a bias."""
     return 1 if model.normalization == "RMSNorm" else 2
-
-
-def padded_vocab(model: ModelConfig, tp: int) -> int:
-    """Embedding rows: vocab_size rounded up to make_vocab_size_divisible_by x TP (Megatron's padding)."""
-    unit = max(1, model.make_vocab_size_divisible_by) * tp
-    return -(-model.vocab_size // unit) * unit
 
 
 @dataclass(frozen=True)
@@ -171,51 +171,14 @@ def model_params(model: ModelConfig, tp: int = 1, padded_vocab: int | None = Non
     return out
 
 
-# ------------------------------------------------------------------------------------------ stage layout
-def stage_layer_counts(parallel: ParallelConfig, num_layers: int) -> list[int]:
-    """Decoder layers on each pipeline stage (even split, or first/last stage overrides)."""
-    p = parallel.pipeline
-    if p == 1:
-        return [num_layers]
-    first, last = parallel.first_stage_layers, parallel.last_stage_layers
-    middle = p - (first is not None) - (last is not None)
-    rest = num_layers - (first or 0) - (last or 0)
-    each = rest // middle if middle > 0 else 0
-    counts = [each] * p
-    if first is not None:
-        counts[0] = first
-    if last is not None:
-        counts[-1] = last
-    # Any remainder of an invalid split goes to the middle stages so the total stays right.
-    for i in range(num_layers - sum(counts)):
-        counts[1 + i % max(1, p - 2)] += 1
-    return counts
-
-
-def stage_layer_indices(parallel: ParallelConfig, num_layers: int) -> list[list[int]]:
-    """Global layer indices held by each stage; with VPP the model is cut into PP x VPP chunks, stage r
-    holding chunks r, r + PP, r + 2 PP, ... (Megatron's interleaved assignment)."""
-    p, v = parallel.pipeline, parallel.virtual_pipeline or 1
-    counts = stage_layer_counts(parallel, num_layers)
-    per_chunk = [max(0, c // v) for c in counts]
-    indices: list[list[int]] = [[] for _ in range(p)]
-    nxt = 0
-    for k in range(v):
-        for r in range(p):
-            size = per_chunk[r] if k < v - 1 else counts[r] - per_chunk[r] * (v - 1)
-            indices[r].extend(range(nxt, nxt + size))
-            nxt += size
-    return indices
-
-
-def stage_params(job: JobConfig, stage: int, layers: list[int] | None = None) -> RankParams:
-    """Parameters held by one rank of pipeline stage ``stage`` (``layers``: its global layer indices)."""
-    model, par = job.model, job.parallel
-    tp, p = par.tensor, par.pipeline
-    etp, ep = par.expert_tensor or tp, par.expert
-    pattern = moe_layer_pattern(model)
-    if layers is None:
-        layers = stage_layer_indices(par, model.num_layers)[stage]
+# ------------------------------------------------------------------------------------------ per stage
+def stage_params(job: JobConfig, stage: int, lay: Layout | None = None) -> RankParams:
+    """Parameters held by one rank of pipeline stage ``stage`` (``lay``: the job's layout, derived if None)."""
+    model = job.model
+    lay = lay or derive(job)
+    tp, p, etp, ep = lay.tp, lay.pp, lay.etp, lay.ep
+    pattern = lay.moe_pattern
+    layers = stage_layers(lay, stage)
     n_moe = sum(1 for i in layers if pattern[i])
     counts = {True: n_moe, False: len(layers) - n_moe}
     last = stage == p - 1
@@ -231,7 +194,7 @@ def stage_params(job: JobConfig, stage: int, layers: list[int] | None = None) ->
         out.gemm += n * (lp.gemm / tp + lp.gemm_expert / (ep * etp))
     h = model.hidden_size
     norm = _norm_params(model)
-    emb = padded_vocab(model, tp) * h / tp
+    emb = lay.padded_vocab * h / tp
     embedding = 0.0
     if stage == 0:
         embedding += emb
@@ -252,17 +215,17 @@ def stage_params(job: JobConfig, stage: int, layers: list[int] | None = None) ->
 
 
 # ------------------------------------------------------------------------------------------ activations
-def layer_activation_bytes_per_token(job: JobConfig, moe: bool, *, full: bool = False) -> float:
+def layer_activation_bytes_per_token(job: JobConfig, lay: Layout, moe: bool, *, full: bool = False) -> float:
     """Activation bytes one layer keeps per token of a microbatch on one rank, before CP (divide by CP).
 
     ``full`` ignores recomputation (the working set while a layer's forward is recomputed)."""
-    model, par, rec = job.model, job.parallel, job.train.recompute
-    te = uses_transformer_engine(job.precision, job.cluster)
-    t = par.tensor
-    sp = sp_shards(par)
+    model, rec = job.model, job.train.recompute
+    te = lay.transformer_engine
+    t = lay.tp
+    sp = sp_shards(lay)
     a = DTYPE_BYTES.get(job.precision.dtype, 2)
     g = 1 if job.precision.fp8 else a  # bytes of a saved GEMM input (TE saves FP8 casts under FP8)
-    h, n, s = model.hidden_size, model.num_attention_heads, model.seq_length // par.context
+    h, n, s = model.hidden_size, model.num_attention_heads, model.seq_length // lay.cp
     if rec == "full" and not full:
         return a * h / sp  # only the layer input is checkpointed
     drop = (h if model.hidden_dropout > 0 else 0) * 2  # two residual dropout masks (1 byte each)
@@ -284,7 +247,7 @@ def layer_activation_bytes_per_token(job: JobConfig, moe: bool, *, full: bool = 
     m = 2 if model.activation == "swiglu" else 1
     if moe:
         e_ffn = model.moe_ffn_hidden_size or model.ffn_hidden_size
-        etp = par.expert_tensor or t
+        etp = lay.etp
         k = model.moe_router_topk
         # permuted tokens in, unpermute input out (gathered over ETP), expert fc1 out / fc2 in (sharded).
         mlp_sp = k * (g * h + a * h) * etp + k * (a * m * e_ffn + g * e_ffn) + 4 * k
@@ -298,19 +261,18 @@ def layer_activation_bytes_per_token(job: JobConfig, moe: bool, *, full: bool = 
     return per
 
 
-def recompute_fraction(job: JobConfig, stage_layers: int) -> float:
-    """Share of a stage's layers under full recompute: all, or recompute_num_layers per model chunk
+def recompute_fraction(job: JobConfig, lay: Layout, layers: int) -> float:
+    """Share of a stage's ``layers`` under full recompute: all, or recompute_num_layers per model chunk
     (Megatron's block method recomputes the first n layers of each chunk)."""
-    if job.train.recompute != "full" or stage_layers == 0:
+    if job.train.recompute != "full" or layers == 0:
         return 0.0
     n = job.train.recompute_num_layers
     if n is None:
         return 1.0
-    v = job.parallel.virtual_pipeline or 1
-    return min(1.0, n * v / stage_layers)
+    return min(1.0, n * lay.vpp / layers)
 
 
-def in_flight_microbatches(job: JobConfig, stage: int, num_microbatches: int) -> float:
+def in_flight_microbatches(job: JobConfig, lay: Layout, stage: int) -> float:
     """Microbatches whose activations a stage holds at its peak, in units of the whole stage's layers.
 
     1F1B and ZB-H1: stage r warms up with p - r - 1 forwards and runs one more before its first backward,
@@ -319,12 +281,12 @@ def in_flight_microbatches(job: JobConfig, stage: int, num_microbatches: int) ->
     microbatch group size, default p), each 1/v of the stage: for r = 0 and g = p this is Megatron's
     p (1 + (p - 1)/(p v)). Capped by the microbatches that exist.
     """
-    p, v = job.parallel.pipeline, job.parallel.virtual_pipeline or 1
-    m = max(1, num_microbatches)
+    p, v = lay.pp, lay.vpp
+    m = max(1, lay.microbatches)
     if p == 1:
         return 1.0
     if job.schedule.kind == "interleaved" and v > 1:
-        group = job.schedule.microbatch_group_size or p
+        group = lay.microbatch_group
         chunks = 2 * (p - stage - 1) + (v - 1) * group + 1
         return min(chunks, m * v) / v
     return float(min(p - stage, m))
@@ -360,23 +322,23 @@ class StageMemory:
                 "total_gb": self.total / GB, "parts_gb": {k: v / GB for k, v in self.parts.items()}}
 
 
-def dp_sizes(job: JobConfig) -> tuple[int, int]:
-    """(dense optimizer shards = DP x CP, expert optimizer shards = world / (ETP x EP x PP))."""
-    par = job.parallel
-    world = world_size(job)
-    dp_cp = max(1, world // (par.tensor * par.pipeline))
-    edp = max(1, world // ((par.expert_tensor or par.tensor) * par.expert * par.pipeline))
-    return dp_cp, edp
+def grad_groups(lay: Layout) -> tuple[int, int]:
+    """Ranks over which (dense, expert) gradients are reduced: DP x CP and expert DP (at least 1, so a size
+    the layout leaves undefined never divides by zero)."""
+    return max(1, lay.dp_cp), max(1, lay.expert_dp)
 
 
-def static_bytes(job: JobConfig, rp: RankParams) -> dict[str, float]:
+def optimizer_shards(job: JobConfig, lay: Layout) -> tuple[int, int]:
+    """Ranks sharing the (dense, expert) optimizer state: the gradient groups with the distributed optimizer."""
+    return grad_groups(lay) if job.parallel.distributed_optimizer else (1, 1)
+
+
+def static_bytes(job: JobConfig, rp: RankParams, lay: Layout | None = None) -> dict[str, float]:
     """Weights, fp32 gradients, optimizer state (master copy + Adam) and FP8 weight copies."""
-    pr, par = job.precision, job.parallel
+    pr = job.precision
     a = DTYPE_BYTES.get(pr.dtype, 2)
-    dp_cp, edp = dp_sizes(job)
     opt_per_param = ADAM_STATE_BYTES + (MASTER_BYTES if pr.dtype != "fp32" else 0)
-    dense_shards = dp_cp if par.distributed_optimizer else 1
-    expert_shards = edp if par.distributed_optimizer else 1
+    dense_shards, expert_shards = optimizer_shards(job, lay or derive(job))
     weight_bytes = a * rp.total
     fp8 = 0.0
     if pr.fp8:  # layer GEMM weights only: rp.gemm excludes the output layer
@@ -393,35 +355,34 @@ def static_bytes(job: JobConfig, rp: RankParams) -> dict[str, float]:
     }
 
 
-def stage_memory(job: JobConfig, stage: int, num_microbatches: int, layers: list[int] | None = None) -> StageMemory:
-    """Peak memory of one rank of ``stage`` (``layers``: its global layer indices, computed if None)."""
-    model, par = job.model, job.parallel
-    if layers is None:
-        layers = stage_layer_indices(par, model.num_layers)[stage]
-    rp = stage_params(job, stage, layers)
-    parts = static_bytes(job, rp)  # FP8 copies: layer GEMMs only (the output layer stays BF16 in TE recipes)
-    p, t, cp = par.pipeline, par.tensor, par.context
+def stage_memory(job: JobConfig, lay: Layout, stage: int) -> StageMemory:
+    """Peak memory of one rank of ``stage``."""
+    model = job.model
+    layers = stage_layers(lay, stage)
+    rp = stage_params(job, stage, lay)
+    parts = static_bytes(job, rp, lay)  # FP8 copies: layer GEMMs only (the output layer stays BF16 in TE recipes)
+    p, t, cp = lay.pp, lay.tp, lay.cp
     a = DTYPE_BYTES.get(job.precision.dtype, 2)
-    sp = sp_shards(par)
+    sp = sp_shards(lay)
     b, s, h = job.train.micro_batch_size, model.seq_length, model.hidden_size
     tokens = b * s / cp
-    pattern = moe_layer_pattern(model)
+    pattern = lay.moe_pattern
     n_moe = sum(1 for i in layers if pattern[i])
     counts = {True: n_moe, False: len(layers) - n_moe}
-    frac = recompute_fraction(job, len(layers))
-    per_kind = {k: frac * layer_activation_bytes_per_token(job, k)
-                + (1 - frac) * layer_activation_bytes_per_token(job, k, full=True) for k, n in counts.items() if n}
+    frac = recompute_fraction(job, lay, len(layers))
+    per_kind = {k: frac * layer_activation_bytes_per_token(job, lay, k)
+                + (1 - frac) * layer_activation_bytes_per_token(job, lay, k, full=True) for k, n in counts.items() if n}
     last = stage == p - 1
     mtp = model.mtp_num_layers if last else 0
     per_mb = sum(n * per_kind[k] for k, n in counts.items() if n) * tokens
-    per_mb_mtp = mtp * (layer_activation_bytes_per_token(job, pattern[-1]) + 3 * a * h / sp) * tokens
+    per_mb_mtp = mtp * (layer_activation_bytes_per_token(job, lay, pattern[-1]) + 3 * a * h / sp) * tokens
     if stage == 0:
         per_mb += 8 * tokens + (h * tokens / sp if model.hidden_dropout > 0 else 0)  # token ids; emb dropout
-    in_flight = in_flight_microbatches(job, stage, num_microbatches)
+    in_flight = in_flight_microbatches(job, lay, stage)
     parts["activations"] = per_mb * in_flight + per_mb_mtp
     logits = 0.0
     if last:
-        vp = padded_vocab(model, t)
+        vp = lay.padded_vocab
         logits += 2 * a * h * tokens / sp  # final norm input + output-layer input
         logits += tokens * vp / t * (4 * (1 + mtp) + a)  # fp32 softmax per head (+ one bf16 logits transient)
     parts["output_logits"] = logits
@@ -430,30 +391,28 @@ def stage_memory(job: JobConfig, stage: int, num_microbatches: int, layers: list
         comm += 2 * 2 * a * h * tokens / sp  # p2p send/recv buffers, both directions
     if sp > 1:
         comm += a * h * tokens  # SP all-gather buffer (Megatron GlobalMemoryBuffer)
-    if model.num_experts and par.expert > 1:
+    if model.num_experts and lay.ep > 1:
         comm += 2 * model.moe_router_topk * a * h * tokens / sp  # all-to-all dispatch send + receive
     if cp > 1 and not model.multi_latent_attention:
         comm += 2 * 2 * a * query_groups(model) * kv_channels(model) * tokens / t  # ring K/V send + recv
     parts["comm_buffers"] = comm
     # The backward of one layer: its activation gradients (and, under full recompute, its recomputed forward).
-    work = max((layer_activation_bytes_per_token(job, k, full=True) for k in per_kind), default=0.0) * tokens
+    work = max((layer_activation_bytes_per_token(job, lay, k, full=True) for k in per_kind), default=0.0) * tokens
     parts["workspace"] = work * (2 if frac > 0 else 1)
     parts["reserve"] = job.cluster.memory_reserve_gb * GB
     return StageMemory(stage, len(layers), rp.total, in_flight, parts)
 
 
-def memory_per_stage(job: JobConfig, num_microbatches: int | None = None) -> list[StageMemory]:
-    """Peak memory of every pipeline stage."""
-    if num_microbatches is None:
-        num_microbatches = count_microbatches(job)
-    indices = stage_layer_indices(job.parallel, job.model.num_layers)
-    return [stage_memory(job, r, num_microbatches, indices[r]) for r in range(job.parallel.pipeline)]
+def memory_per_stage(job: JobConfig, lay: Layout | None = None) -> list[StageMemory]:
+    """Peak memory of every pipeline stage (``lay``: the job's layout, derived if None)."""
+    lay = lay or derive(job)
+    return [stage_memory(job, lay, r) for r in range(lay.pp)]
 
 
 def activation_formula_check(job: JobConfig) -> float:
     """Per-layer activation bytes for one microbatch divided by s*b*h (the Korthikanti coefficient)."""
-    model = job.model
+    model, lay = job.model, derive(job)
     s, b, h = model.seq_length, job.train.micro_batch_size, model.hidden_size
-    per_tok = layer_activation_bytes_per_token(job, False)
-    return per_tok * b * s / job.parallel.context / (s * b * h)
+    per_tok = layer_activation_bytes_per_token(job, lay, False)
+    return per_tok * b * s / lay.cp / (s * b * h)
 

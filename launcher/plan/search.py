@@ -1,21 +1,23 @@
 """Layout search: enumerate valid TP/PP/VPP/CP/EP/micro-batch/recompute layouts, drop those that do not fit,
 rank the rest by predicted throughput.
 
-Candidates keep everything else of the job (model, precision, global batch, cluster, nodes). Each candidate is
-checked with ``launcher.validate.validate`` (the same rules the launcher enforces), then its memory is
-predicted; only layouts that fit are timed (the schedule simulator runs once per fitting layout).
+Candidates keep everything else of the job (model, precision, global batch, cluster, nodes). Each candidate's
+``Layout`` is derived once, where it is built, and handed to the memory and time models with it; the fitting
+ones are pre-ranked, and the best are checked with ``launcher.validate.validate`` (the same rules the launcher
+enforces) and timed with the schedule simulator.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
+from launcher.core import Layout, derive
 from launcher.plan import layout_errors
 from launcher.plan.flops import query_groups
 from launcher.plan.memory import GB, memory_per_stage
 from launcher.plan.timing import step_time, throughput
 from launcher.schema import JobConfig
-from launcher.validate import uses_transformer_engine, validate, world_size
+from launcher.validate import validate
 
 MICRO_BATCH_SIZES = (1, 2, 4)
 """Micro-batch sizes tried."""
@@ -58,12 +60,12 @@ def _with(job: JobConfig, **sections) -> JobConfig:
 
 
 def candidates(job: JobConfig):
-    """Yield (overrides, candidate job) for every layout worth checking."""
+    """Yield (overrides, candidate job, its Layout) for every layout worth checking."""
     model, cl = job.model, job.cluster
-    world = world_size(job)
+    base = derive(job)  # world and TE do not change between candidates
+    world, te = base.world, base.transformer_engine
     heads = model.num_attention_heads
     groups = query_groups(model)
-    te = uses_transformer_engine(job.precision, cl)
     tps = [t for t in _divisors(cl.gpus_per_node) if heads % t == 0 and groups % t == 0]
     cps = [c for c in CONTEXT_SIZES if c == 1 or (te and model.seq_length % (2 * c) == 0)]
     eps = [1]
@@ -83,10 +85,7 @@ def candidates(job: JobConfig):
                 for first, last in splits:
                     for vp in _virtual_sizes(model.num_layers, pp, first, last):
                         for ep in eps:
-                            if (world // pp) % (tp * ep):
-                                continue
-                            yield from _batch_and_recompute(job, world // (tp * cp * pp), tp, cp, pp, vp, ep,
-                                                            first, last)
+                            yield from _batch_and_recompute(job, tp, cp, pp, vp, ep, first, last)
 
 
 def _virtual_sizes(layers: int, pp: int, first, last) -> list[int]:
@@ -105,7 +104,7 @@ def _virtual_sizes(layers: int, pp: int, first, last) -> list[int]:
     return out
 
 
-def _batch_and_recompute(job, dp, tp, cp, pp, vp, ep, first, last):
+def _batch_and_recompute(job, tp, cp, pp, vp, ep, first, last):
     kind = "interleaved" if vp > 1 else ("zb_h1" if job.schedule.kind == "zb_h1" and pp > 1 else "1f1b")
     par = dict(tensor=tp, pipeline=pp, virtual_pipeline=vp if vp > 1 else None, context=cp, expert=ep,
                sequence_parallel=tp > 1, distributed_optimizer=True, data=None,
@@ -123,11 +122,14 @@ def _batch_and_recompute(job, dp, tp, cp, pp, vp, ep, first, last):
                f"parallel.last_stage_layers={last if last is not None else 'null'}",
                f"schedule.kind={kind}", f"schedule.overlap_p2p_comm={'true' if kind == 'interleaved' else 'false'}"]
     for mbs in MICRO_BATCH_SIZES:
-        if job.train.global_batch_size % (mbs * dp):
+        sized = _with(job, parallel=par, schedule=sched, train=dict(micro_batch_size=mbs))
+        lay = derive(sized)  # recomputation does not change the layout: one derivation serves all three
+        # The batch must split into micro-batches over DP, and ETP x EP must tile each stage's ranks.
+        if not lay.microbatches or not lay.expert_dp:
             continue
         for rec in RECOMPUTE:
-            cand = _with(job, parallel=par, schedule=sched, train=dict(micro_batch_size=mbs, recompute=rec))
-            yield layout + [f"train.micro_batch_size={mbs}", f"train.recompute={rec}"], cand
+            cand = _with(sized, train=dict(recompute=rec))
+            yield layout + [f"train.micro_batch_size={mbs}", f"train.recompute={rec}"], cand, lay
 
 
 def search(job: JobConfig, top: int = 10) -> list[Candidate]:
@@ -139,33 +141,34 @@ def search(job: JobConfig, top: int = 10) -> list[Candidate]:
     cap = job.cluster.gpu_memory_gb * GB
     fitting = []
     fitted: set = set()  # layouts (all but recompute) that already fit with less recomputation
-    for overrides, cand in candidates(job):
+    for overrides, cand, lay in candidates(job):
         key = tuple(o for o in overrides if not o.startswith("train.recompute="))
         if key in fitted:
             continue  # more recomputation than needed is never faster
-        peak = max(s.total for s in memory_per_stage(cand))
+        peak = max(s.total for s in memory_per_stage(cand, lay))
         if peak <= cap:
             fitted.add(key)
-            fitting.append((overrides, cand, peak, step_time(cand, exact=False).step_s))
-    fitting.sort(key=lambda x: x[3])
+            fitting.append((overrides, cand, lay, peak, step_time(cand, lay, exact=False).step_s))
+    fitting.sort(key=lambda x: x[4])
     results: list[Candidate] = []
-    for overrides, cand, peak, _ in fitting:
+    for overrides, cand, lay, peak, _ in fitting:
         if len(results) >= max(3 * top, 20):
             break
         if layout_errors(validate(cand)):
             continue
-        st = step_time(cand)
-        perf = throughput(cand, st)
+        st = step_time(cand, lay)
+        perf = throughput(cand, st, lay)
         results.append(Candidate(overrides, perf["tokens_per_s"], perf["tflops_per_gpu"], perf["mfu"], st.step_s,
-                                 peak / GB, job.cluster.gpu_memory_gb, st.bubble_fraction, _why(cand, st, peak, cap)))
+                                 peak / GB, job.cluster.gpu_memory_gb, st.bubble_fraction,
+                                 _why(cand, lay, st, peak, cap)))
     results.sort(key=lambda c: -c.tokens_per_s)
     return results[:top]
 
 
-def _why(job: JobConfig, st, peak: float, cap: float) -> str:
-    par, tr = job.parallel, job.train
+def _why(job: JobConfig, lay: Layout, st, peak: float, cap: float) -> str:
+    tr = job.train
     bits = [f"fits {peak / GB:.1f}/{cap / GB:.0f} GB"]
-    if par.pipeline > 1:
+    if lay.pp > 1:
         bits.append(f"bubble {100 * st.bubble_fraction:.0f}%")
     if tr.recompute != "none":
         bits.append(f"recompute {tr.recompute} costs {st.breakdown_s.get('recompute', 0):.2f} s")
@@ -173,7 +176,7 @@ def _why(job: JobConfig, st, peak: float, cap: float) -> str:
     worst = max(comm, key=comm.get)
     if comm[worst] > 0.01 * st.step_s:
         bits.append(f"{worst} {comm[worst]:.2f} s exposed")
-    if par.tensor * par.context > job.cluster.gpus_per_node:
+    if lay.tp * lay.cp > job.cluster.gpus_per_node:
         bits.append("TPxCP crosses nodes")
     bits.append(f"mbs {tr.micro_batch_size}")
     return "; ".join(bits)

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from launcher.plan.flops import FMA, flops_per_step, kv_channels, layer_flops, moe_layer_pattern, query_groups
-from launcher.plan.memory import (DTYPE_BYTES, GRAD_BYTES_FP32, dp_sizes, padded_vocab, recompute_fraction, sp_shards,
-                                  stage_layer_indices, stage_params)
+from launcher.core import Layout, derive
+from launcher.plan.flops import FMA, flops_per_step, kv_channels, layer_flops, query_groups
+from launcher.plan.memory import (DTYPE_BYTES, GRAD_BYTES_FP32, grad_groups, optimizer_shards, recompute_fraction,
+                                  sp_shards, stage_layers, stage_params)
 from launcher.plan.simulator import simulate_kind
 from launcher.schema import JobConfig
-from launcher.validate import num_microbatches, world_size
 
 HBM_EFFICIENCY = 0.8
 """Fraction of HBM bandwidth that element-wise kernels (norms, SwiGLU, RoPE, residual adds) reach."""
@@ -85,10 +85,10 @@ def _ring(nbytes: float, n: int, bw: float) -> float:
 
 
 # ------------------------------------------------------------------------------------------ per stage
-def stage_costs(job: JobConfig, stage: int) -> StageCosts:
+def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
     """F/B/W seconds per microbatch for one rank of ``stage``."""
     model, par, cl, pr = job.model, job.parallel, job.cluster, job.precision
-    t, cp = par.tensor, par.context
+    t, cp = lay.tp, lay.cp
     a = DTYPE_BYTES.get(pr.dtype, 2)
     tokens = job.train.micro_batch_size * model.seq_length  # per microbatch (whole sequence)
     share = tokens / (t * cp)  # per-rank share of per-token work (TP x CP; experts balanced over EP)
@@ -97,19 +97,18 @@ def stage_costs(job: JobConfig, stage: int) -> StageCosts:
     gemm_peak = cl.peak_tflops_fp8 * 1e12 * cl.fp8_gemm_efficiency if pr.fp8 else bf16
     hbm = cl.hbm_bandwidth_gbps * 1e9 * HBM_EFFICIENCY
     lf = layer_flops(model)
-    pattern = moe_layer_pattern(model)
-    kinds = [pattern[i] for i in stage_layer_indices(par, model.num_layers)[stage]]
-    last = stage == par.pipeline - 1
+    pattern = lay.moe_pattern
+    kinds = [pattern[i] for i in stage_layers(lay, stage)]
+    last = stage == lay.pp - 1
     n_mtp = model.mtp_num_layers if last else 0
     kinds += [pattern[-1]] * n_mtp
     h = model.hidden_size
     parts = dict.fromkeys(("gemm", "attention", "elementwise", "fp8_cast", "tp_comm", "cp_comm", "ep_comm", "recompute"), 0.0)
     f = b = w = 0.0
-    sp = sp_shards(par)
+    sp = sp_shards(lay)
     tp_bw = _bandwidth(job, t)
     cp_bw = _bandwidth(job, t * cp)
-    etp = par.expert_tensor or t
-    ep_bw = _bandwidth(job, etp * par.expert)
+    ep_bw = _bandwidth(job, lay.etp * lay.ep)
     act_full = a * h * tokens / cp  # one full-sequence-shard activation tensor (bytes)
     d = kv_channels(model)
     counts = {k: kinds.count(k) for k in set(kinds)}
@@ -118,8 +117,8 @@ def stage_costs(job: JobConfig, stage: int) -> StageCosts:
         core_fwd = lf.attn_core * share / 3
         g = gemm_layer / gemm_peak
         att = core_fwd / bf16
-        elem = _elementwise_bytes(job, is_moe) * tokens / cp / hbm
-        cast_f, cast_b = _fp8_cast_bytes(job, is_moe)
+        elem = _elementwise_bytes(job, lay, is_moe) * tokens / cp / hbm
+        cast_f, cast_b = _fp8_cast_bytes(job, lay, is_moe)
         cast_f, cast_b = cast_f * tokens / cp / hbm, cast_b * tokens / cp / hbm
         tp = 4 * _ring(act_full, t, tp_bw) if t > 1 else 0.0  # AG/RS (or AR) x2 per pass
         if tp and par.tp_comm_overlap and sp > 1:  # userbuffers pipeline the collective under its GEMM
@@ -129,8 +128,8 @@ def stage_costs(job: JobConfig, stage: int) -> StageCosts:
             kv_bytes = 2 * a * query_groups(model) * d * tokens / cp / t
             cpc = max(0.0, (cp - 1) * (kv_bytes / cp_bw + COLLECTIVE_LATENCY_S) - att)  # overlapped with attention
         epc = 0.0
-        if is_moe and par.expert > 1:
-            a2a = a * h * tokens / cp / sp * model.moe_router_topk * (par.expert - 1) / par.expert
+        if is_moe and lay.ep > 1:
+            a2a = a * h * tokens / cp / sp * model.moe_router_topk * (lay.ep - 1) / lay.ep
             epc = 2 * (a2a / ep_bw + COLLECTIVE_LATENCY_S)  # dispatch + combine
         f += n * (g + att + elem + cast_f + tp + cpc + epc)
         b += n * (g + ATTENTION_BWD_FACTOR * att + ELEMENTWISE_PASSES_BWD * elem + cast_b + tp + 2 * cpc + epc)
@@ -144,13 +143,13 @@ def stage_costs(job: JobConfig, stage: int) -> StageCosts:
         parts["ep_comm"] += n * 2 * epc
         rec = 0.0
         if job.train.recompute == "full":
-            rec = recompute_fraction(job, len(kinds) - n_mtp) * (g + att + elem + cast_f + tp + cpc + epc)
+            rec = recompute_fraction(job, lay, len(kinds) - n_mtp) * (g + att + elem + cast_f + tp + cpc + epc)
         elif job.train.recompute == "selective":
             rec = att
         b += n * rec
         parts["recompute"] += n * rec
     if last:  # output layer (+ MTP heads): GEMMs in BF16, plus the loss
-        vp = padded_vocab(model, t)
+        vp = lay.padded_vocab
         heads = 1 + n_mtp
         g = FMA * tokens / cp * h * vp / t * heads / bf16
         elem = 3 * 4 * tokens / cp * vp / t * heads / hbm  # fp32 softmax + gradient
@@ -162,47 +161,46 @@ def stage_costs(job: JobConfig, stage: int) -> StageCosts:
     return StageCosts(f, b, w, parts)
 
 
-def _all_stage_costs(job: JobConfig) -> list[StageCosts]:
+def _all_stage_costs(job: JobConfig, lay: Layout) -> list[StageCosts]:
     """stage_costs for every stage, computed once per distinct stage (middle stages are usually identical)."""
-    par = job.parallel
-    indices = stage_layer_indices(par, job.model.num_layers)
-    pattern = moe_layer_pattern(job.model)
+    p, pattern = lay.pp, lay.moe_pattern
     cache: dict = {}
     out = []
-    for r in range(par.pipeline):
-        key = (r == 0, r == par.pipeline - 1, sum(pattern[i] for i in indices[r]), len(indices[r]))
+    for r in range(p):
+        layers = stage_layers(lay, r)
+        key = (r == 0, r == p - 1, sum(pattern[i] for i in layers), len(layers))
         if key not in cache:
-            cache[key] = stage_costs(job, r)
+            cache[key] = stage_costs(job, lay, r)
         out.append(cache[key])
     return out
 
 
-def _layer_dims(job: JobConfig, moe: bool) -> tuple:
+def _layer_dims(job: JobConfig, lay: Layout, moe: bool) -> tuple:
     """(activation bytes, TP, SP shards, hidden, q width, kv width, MLP width incl. routed top-k + shared)."""
-    model, par = job.model, job.parallel
+    model = job.model
     d = kv_channels(model)
     ffn = model.ffn_hidden_size
     if moe:
         ffn = (model.moe_ffn_hidden_size or ffn) * model.moe_router_topk + (model.moe_shared_expert_intermediate_size or 0)
-    return (DTYPE_BYTES.get(job.precision.dtype, 2), par.tensor, sp_shards(par), model.hidden_size,
+    return (DTYPE_BYTES.get(job.precision.dtype, 2), lay.tp, sp_shards(lay), model.hidden_size,
             model.num_attention_heads * d, query_groups(model) * d, ffn)
 
 
-def _elementwise_bytes(job: JobConfig, moe: bool) -> float:
+def _elementwise_bytes(job: JobConfig, lay: Layout, moe: bool) -> float:
     """Forward element-wise HBM traffic per token per layer on one rank (bytes): two norms (read + write),
     two residual adds (2 reads + write), RoPE on Q and K, the gated activation (read 2f, write f)."""
-    a, t, sp, h, q, kv, ffn = _layer_dims(job, moe)
+    a, t, sp, h, q, kv, ffn = _layer_dims(job, lay, moe)
     m = 3 if job.model.activation == "swiglu" else 2
     return a * (2 * 2 * h + 2 * 3 * h) / sp + a * (2 * (q + kv) * 2 + m * ffn) / t
 
 
-def _fp8_cast_bytes(job: JobConfig, moe: bool) -> tuple[float, float]:
+def _fp8_cast_bytes(job: JobConfig, lay: Layout, moe: bool) -> tuple[float, float]:
     """FP8 quantisation traffic per token per layer on one rank (forward, backward), bytes: every GEMM input
     (forward) and every output gradient (backward) is read in BF16 and written as FP8 twice (row-wise and
     the transposed copy the other GEMM needs on Hopper). Zero without FP8."""
     if not job.precision.fp8:
         return 0.0, 0.0
-    a, t, sp, h, q, kv, ffn = _layer_dims(job, moe)
+    a, t, sp, h, q, kv, ffn = _layer_dims(job, lay, moe)
     m = 2 if job.model.activation == "swiglu" else 1
     per = a + 2
     fwd = per * (2 * h / sp + (q + ffn) / t)  # qkv and fc1 inputs (sequence-sharded), proj and fc2 inputs
@@ -212,8 +210,8 @@ def _fp8_cast_bytes(job: JobConfig, moe: bool) -> tuple[float, float]:
 
 # ------------------------------------------------------------------------------------------- the step
 def _closed_form(kind: str, p: int, v: int, m: int, fs, bs, ws, t_comm: float):
-    """Makespan from the closed forms (DESIGN.md): m x slowest stage + bubble of the mean stage;
-    1F1B (p-1)(F+B+W), interleaved (p-1)(F+B+W)/v, ZB-H1 (p-1)(F+B-W), plus 2(p-1) sends."""
+    """Makespan from the closed forms (Narayanan et al. 2021; Qi et al. 2024): m x slowest stage + bubble of
+    the mean stage; 1F1B (p-1)(F+B+W), interleaved (p-1)(F+B+W)/v, ZB-H1 (p-1)(F+B-W), plus 2(p-1) sends."""
     f, b, w = sum(fs) / p, sum(bs) / p, sum(ws) / p
     bubble = (p - 1) * (f + b + w)
     if kind == "interleaved":
@@ -226,17 +224,16 @@ def _closed_form(kind: str, p: int, v: int, m: int, fs, bs, ws, t_comm: float):
     return makespan, makespan - busy, 1.0 - total_busy / (p * makespan)
 
 
-def _pipeline(job: JobConfig, costs: list[StageCosts], m: int, t_comm: float, exact: bool = True):
+def _pipeline(job: JobConfig, lay: Layout, costs: list[StageCosts], t_comm: float, exact: bool = True):
     """Makespan, bubble and bubble fraction of the schedule; long runs are extrapolated from a short one
     (after the pipeline fills, each extra microbatch adds the slowest stage's F+B+W). ``exact=False`` uses
     the closed forms instead of the simulator (the search's first pass)."""
-    par = job.parallel
-    p, v = par.pipeline, par.virtual_pipeline or 1
+    p, v, m = lay.pp, lay.vpp, max(1, lay.microbatches)
     kind = job.schedule.kind if p > 1 else "1f1b"
     fs, bs, ws = [c.f for c in costs], [c.b for c in costs], [c.w for c in costs]
     if not exact or p == 1:
         return _closed_form(kind, p, v, m, fs, bs, ws, t_comm)
-    group = job.schedule.microbatch_group_size or p
+    group = lay.microbatch_group
     unit = group if kind == "interleaved" else 1
     cap = max(3 * p, 2 * unit)
     cap = -(-cap // unit) * unit
@@ -253,26 +250,26 @@ def _pipeline(job: JobConfig, costs: list[StageCosts], m: int, t_comm: float, ex
     return makespan, bubble, 1.0 - total_busy / (p * makespan)
 
 
-def step_time(job: JobConfig, exact: bool = True) -> StepTime:
-    """Predicted step time and breakdown for the job's layout (``exact=False``: closed-form bubble)."""
+def step_time(job: JobConfig, lay: Layout | None = None, exact: bool = True) -> StepTime:
+    """Predicted step time and breakdown for the job's layout (``lay``: derived if None; ``exact=False``:
+    closed-form bubble)."""
     model, par, cl = job.model, job.parallel, job.cluster
-    p, t, cp = par.pipeline, par.tensor, par.context
+    lay = lay or derive(job)
+    p, t, cp = lay.pp, lay.tp, lay.cp
     a = DTYPE_BYTES.get(job.precision.dtype, 2)
-    m = max(1, num_microbatches(job))
-    costs = _all_stage_costs(job)
-    world = world_size(job)
-    sp = sp_shards(par)
+    m = max(1, lay.microbatches)
+    costs = _all_stage_costs(job, lay)
+    sp = sp_shards(lay)
     tokens = job.train.micro_batch_size * model.seq_length
     t_comm = 0.0
     if p > 1:
-        pp_bw = _bandwidth(job, world)  # stages are the outermost dimension: across nodes when world > node
+        pp_bw = _bandwidth(job, lay.world)  # stages are the outermost dimension: across nodes when world > node
         t_comm = a * model.hidden_size * tokens / cp / sp / pp_bw + COLLECTIVE_LATENCY_S
-    pipeline_s, bubble_s, bubble_frac = _pipeline(job, costs, m, t_comm, exact)
+    pipeline_s, bubble_s, bubble_frac = _pipeline(job, lay, costs, t_comm, exact)
     # Data parallel: reduce-scatter of gradients (or all-reduce) and all-gather of updated parameters.
-    dp_cp, edp = dp_sizes(job)
-    dp_bw = _bandwidth(job, t * cp * (world // (t * cp * p)))
-    indices = stage_layer_indices(par, model.num_layers)
-    per_stage = [stage_params(job, r, indices[r]) for r in range(p)]
+    dp_cp, edp = grad_groups(lay)
+    dp_bw = _bandwidth(job, t * cp * lay.dp)
+    per_stage = [stage_params(job, r, lay) for r in range(p)]
     worst = max(range(p), key=lambda r: per_stage[r].total)
     rp = per_stage[worst]
     grad_bytes = GRAD_BYTES_FP32 if job.precision.grad_reduce_in_fp32 else a
@@ -285,7 +282,8 @@ def step_time(job: JobConfig, exact: bool = True) -> StepTime:
     hide_ag = c.f if (par.overlap_param_gather and par.distributed_optimizer) else 0.0  # first forward
     dp_exposed = max(0.0, rs - hide_rs) + max(0.0, ag - hide_ag)
     # Optimizer: read/write fp32 master + 2 moments, read grads, write params, on this rank's shard.
-    shard = rp.dense / (dp_cp if par.distributed_optimizer else 1) + rp.expert / (edp if par.distributed_optimizer else 1)
+    dense_shards, expert_shards = optimizer_shards(job, lay)
+    shard = rp.dense / dense_shards + rp.expert / expert_shards
     optimizer_s = shard * (3 * 4 * 2 + grad_bytes + a) / (cl.hbm_bandwidth_gbps * 1e9 * HBM_EFFICIENCY)
     step = pipeline_s + dp_exposed + optimizer_s
     busiest = max(costs, key=lambda c: c.f + c.b + c.w)
@@ -295,11 +293,10 @@ def step_time(job: JobConfig, exact: bool = True) -> StepTime:
                     [(c.f, c.b, c.w) for c in costs])
 
 
-def throughput(job: JobConfig, st: StepTime) -> dict:
+def throughput(job: JobConfig, st: StepTime, lay: Layout | None = None) -> dict:
     """tokens/s, TFLOP/s per GPU and MFU (model FLOPs / BF16 dense peak) for a predicted step time."""
-    world = world_size(job)
-    fl = flops_per_step(job.model, job.train.global_batch_size)
-    tokens = job.train.global_batch_size * job.model.seq_length
-    tflops = fl / st.step_s / world / 1e12
+    lay = lay or derive(job)
+    world, tokens = lay.world, lay.tokens_per_step
+    tflops = flops_per_step(job.model, tokens) / st.step_s / world / 1e12
     return {"tokens_per_s": tokens / st.step_s, "tokens_per_s_per_gpu": tokens / st.step_s / world,
             "tflops_per_gpu": tflops, "mfu": tflops / job.cluster.peak_tflops_bf16}
