@@ -1,6 +1,6 @@
 """GPU proxy benchmark: the smoke architecture at Llama3-8B width on one GPU, with our own model builder,
 Megatron-Core DDP + optimizer and the no-pipelining schedule. Prints tokens/s, TFLOP/s (Megatron FLOPs
-formula from launcher.plan.flops), MFU against --peak (989 TFLOP/s dense BF16 for H100/H200) and peak memory.
+formula from launcher.core.flops), MFU against --peak (989 TFLOP/s dense BF16 for H100/H200) and peak memory.
 
 Target machine: one H200, Python 3.12, torch 2.11, no megatron-core, no Transformer Engine, no network.
 Carry the cp312 megatron-core wheel along and pass it with --wheel (installed with --no-deps into a temp
@@ -73,16 +73,21 @@ def _ensure_imports(wheel) -> None:
         sys.modules["hydra.core.config_store"] = store
 
 
-def _init(backend: str) -> None:
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    from launcher.schema import ClusterConfig, ParallelConfig
-    from launcher.rank import setup
+def _job(args, on_gpu: bool):
+    """The proxy as a typed job of one rank (the same schema and derived layout the launcher's jobs use)."""
+    from launcher.schema import ClusterConfig, JobConfig, ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig
 
-    setup.init_distributed(cluster=ClusterConfig(backend=backend), parallel=ParallelConfig(), seed=1234)
+    model = ModelConfig(
+        name="smoke@llama3-8b-width", num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=args.ffn,
+        num_attention_heads=args.heads, num_query_groups=args.groups, vocab_size=args.vocab,
+        seq_length=args.seq, normalization="RMSNorm", activation="swiglu", position_embedding="rope",
+        rotary_base=500000.0, tie_embeddings=False)
+    return JobConfig(
+        model=model, cluster=ClusterConfig(gpus_per_node=1, backend="nccl" if on_gpu else "gloo"),
+        parallel=ParallelConfig(distributed_optimizer=False, overlap_grad_reduce=False, overlap_param_gather=False),
+        precision=PrecisionConfig(dtype=args.dtype, transformer_engine="false"),
+        train=TrainConfig(micro_batch_size=args.micro_batch, global_batch_size=args.micro_batch * args.microbatches,
+                          lr=1e-4, min_lr=1e-5, warmup_steps=0, train_steps=args.warmup + args.steps))
 
 
 def main(argv=None) -> dict:
@@ -90,30 +95,26 @@ def main(argv=None) -> dict:
     _ensure_imports(args.wheel)
     import torch
 
-    from launcher.plan.flops import flops_per_token
+    from launcher.core import derive
+    from launcher.core.flops import flops_per_token
     from launcher.rank import loop, optim, setup
     from launcher.rank.metrics import memory_gib
-    from launcher.schema import ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig
     from models import build_model
 
     on_gpu = torch.cuda.is_available()
-    _init("nccl" if on_gpu else "gloo")
-    model_cfg = ModelConfig(
-        name="smoke@llama3-8b-width", num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=args.ffn,
-        num_attention_heads=args.heads, num_query_groups=args.groups, vocab_size=args.vocab,
-        seq_length=args.seq, normalization="RMSNorm", activation="swiglu", position_embedding="rope",
-        rotary_base=500000.0, tie_embeddings=False)
-    parallel = ParallelConfig(distributed_optimizer=False, overlap_grad_reduce=False, overlap_param_gather=False)
-    precision = PrecisionConfig(dtype=args.dtype, transformer_engine="false")
-    train = TrainConfig(micro_batch_size=args.micro_batch, global_batch_size=args.micro_batch * args.microbatches,
-                        lr=1e-4, min_lr=1e-5, warmup_steps=0, train_steps=args.warmup + args.steps)
-    chunks = build_model(model=model_cfg, parallel=parallel, precision=precision)
-    model = optim.wrap_ddp(chunks, parallel=parallel)
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29500 + os.getpid() % 1000)),
+                       ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)
+    job = _job(args, on_gpu)
+    layout, train, parallel, precision = derive(job), job.train, job.parallel, job.precision
+    setup.init_distributed(cluster=job.cluster, layout=layout, seed=train.seed)
+    chunks = build_model(model=job.model, parallel=parallel, precision=precision, layout=layout)
+    model = optim.wrap_ddp(chunks, parallel=parallel, precision=precision, layout=layout)
     optimizer = optim.build_optimizer(model, train=train, parallel=parallel, precision=precision)
-    scheduler = optim.build_scheduler(optimizer, train=train, steps=train.train_steps)
+    scheduler = optim.build_scheduler(optimizer, train=train, steps=layout.steps)
     optim.hook_model_config(model, optimizer, parallel=parallel)
     lp = loop.Loop(model=model, optimizer=optimizer, scheduler=scheduler, train=train, seq_length=args.seq,
-                   num_microbatches=args.microbatches, kind="1f1b", dp_size=1)
+                   num_microbatches=layout.microbatches, kind="1f1b", dp_size=layout.dp)
     data = [_batches(args)]
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     losses = []
@@ -127,8 +128,8 @@ def main(argv=None) -> dict:
         losses.append(lp.train_step(data)["local_loss"])
     sync()
     elapsed = (time.perf_counter() - start) / args.steps
-    tokens = train.global_batch_size * args.seq
-    fpt = flops_per_token(model_cfg)
+    tokens = layout.tokens_per_step
+    fpt = flops_per_token(job.model)
     tflops = fpt * tokens / elapsed / 1e12
     result = {
         "device": torch.cuda.get_device_name() if on_gpu else "cpu", "torch": torch.__version__,

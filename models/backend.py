@@ -15,10 +15,8 @@ from typing import Any, Dict
 
 import torch
 
-from launcher.schema import PrecisionConfig
-
-FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
-FP8_FORMATS = ("hybrid", "e4m3")
+from launcher.core import Layout
+from launcher.schema import FP8_FORMATS, FP8_RECIPES, ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig
 
 
 def te_available() -> bool:
@@ -64,6 +62,28 @@ def fp8_fields(precision: PrecisionConfig, te: bool) -> Dict[str, Any]:
         fields.update(fp8_amax_history_len=precision.fp8_amax_history_len,
                       fp8_amax_compute_algo=precision.fp8_amax_compute_algo)
     return fields
+
+
+def userbuffer_kwargs(*, model: ModelConfig, precision: PrecisionConfig, train: TrainConfig,
+                      layout: Layout) -> Dict[str, Any]:
+    """Arguments of Transformer Engine's ``initialize_ub`` for TP communication overlap, as Megatron-LM's
+    ``_initialize_tp_communicators`` computes them: one [tokens per CP rank, hidden] buffer shape."""
+    return dict(shape=[model.seq_length * train.micro_batch_size // layout.cp, model.hidden_size],
+                tp_size=layout.tp, use_fp8=precision.fp8 is not None, ub_cfgs=None, bootstrap_backend="nccl")
+
+
+def initialize_tp_comm_overlap(*, model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig,
+                               train: TrainConfig, layout: Layout) -> bool:
+    """Set up TE's userbuffers when parallel.tp_comm_overlap (before the model is built, after the process
+    groups exist); returns whether it did. TP overlap without TE is refused by validation and here."""
+    if not parallel.tp_comm_overlap:
+        return False
+    if not use_transformer_engine(precision):
+        raise RuntimeError("parallel.tp_comm_overlap=true needs Transformer Engine on a GPU; "
+                           "set parallel.tp_comm_overlap=false")
+    base = importlib.import_module("transformer_engine.pytorch.module.base")
+    base.initialize_ub(**userbuffer_kwargs(model=model, precision=precision, train=train, layout=layout))
+    return True
 
 
 class SequenceParallelNorm(torch.nn.Module):

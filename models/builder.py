@@ -18,23 +18,33 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-from launcher.plan.flops import moe_layer_pattern
-from launcher.plan.memory import padded_vocab
-from launcher.schema import ModelConfig, ParallelConfig, PrecisionConfig, ScheduleConfig
+from launcher.core import Layout, derive
+from launcher.schema import JobConfig, ModelConfig, ParallelConfig, PrecisionConfig, ScheduleConfig
 from models import backend
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""schema.DTYPES -> torch dtype (a test checks the keys are exactly the schema's)."""
 ACTIVATIONS = {"swiglu": (F.silu, True), "gelu": (F.gelu, False),
                "squared_relu": (lambda x: torch.pow(F.relu(x), 2), False)}
+"""schema.ACTIVATIONS -> (activation_func, gated_linear_unit)."""
 _LAYER_SEED_STRIDE = 1000003  # a prime, so (seed, layer) pairs do not collide for realistic sizes
 
 
+def layout_of(*, model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig,
+              schedule: Optional[ScheduleConfig] = None) -> Layout:
+    """The core's layout for these sections alone (tests and benchmarks that build a model without a job)."""
+    return derive(JobConfig(model=model, parallel=parallel, precision=precision,
+                            schedule=schedule or ScheduleConfig()))
+
+
 def transformer_config(*, model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig,
-                       schedule: Optional[ScheduleConfig] = None, recompute: str = "none",
-                       recompute_num_layers: Optional[int] = None, te: Optional[bool] = None):
+                       layout: Optional[Layout] = None, schedule: Optional[ScheduleConfig] = None,
+                       recompute: str = "none", recompute_num_layers: Optional[int] = None,
+                       te: Optional[bool] = None):
     """The megatron.core TransformerConfig (or MLATransformerConfig) for this job."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+    layout = layout or layout_of(model=model, parallel=parallel, precision=precision, schedule=schedule)
     te = backend.use_transformer_engine(precision) if te is None else te
     on_gpu = torch.cuda.is_available()
     dtype = DTYPES[precision.dtype]
@@ -44,6 +54,9 @@ def transformer_config(*, model: ModelConfig, parallel: ParallelConfig, precisio
     if parallel.context > 1 and not te:
         raise ValueError(f"parallel.context={parallel.context} needs Transformer Engine attention (GPU); "
                          "use parallel.context=1 on CPU")
+    if parallel.tp_comm_overlap and not te:
+        raise ValueError("parallel.tp_comm_overlap=true needs Transformer Engine userbuffers (GPU); "
+                         "use parallel.tp_comm_overlap=false")
     kwargs = dict(
         num_layers=model.num_layers, hidden_size=model.hidden_size, ffn_hidden_size=model.ffn_hidden_size,
         num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
@@ -54,9 +67,10 @@ def transformer_config(*, model: ModelConfig, parallel: ParallelConfig, precisio
         init_method_std=model.init_method_std, mtp_num_layers=model.mtp_num_layers or None,
         # parallel layout
         tensor_model_parallel_size=parallel.tensor, pipeline_model_parallel_size=parallel.pipeline,
-        virtual_pipeline_model_parallel_size=_vpp(parallel), context_parallel_size=parallel.context,
-        expert_model_parallel_size=parallel.expert, expert_tensor_parallel_size=parallel.expert_tensor,
-        sequence_parallel=parallel.sequence_parallel,
+        virtual_pipeline_model_parallel_size=_vpp(layout), context_parallel_size=parallel.context,
+        expert_model_parallel_size=parallel.expert, expert_tensor_parallel_size=layout.etp,
+        sequence_parallel=layout.sequence_parallel,
+        tp_comm_overlap=parallel.tp_comm_overlap,
         num_layers_in_first_pipeline_stage=parallel.first_stage_layers,
         num_layers_in_last_pipeline_stage=parallel.last_stage_layers,
         # numerics
@@ -64,12 +78,13 @@ def transformer_config(*, model: ModelConfig, parallel: ParallelConfig, precisio
         # CPU: full-size init on the CPU generator (layout-independent); GPU: per-shard init on device
         use_cpu_initialization=not on_gpu, perform_initialization=True,
         # fused kernels: only with Transformer Engine (the local spec's fused softmax needs apex/TE kernels)
-        gradient_accumulation_fusion=False, bias_activation_fusion=te and gated,
+        # TE fuses the weight-gradient accumulation into DDP's main_grad buffer (Megatron-LM's default with TE)
+        gradient_accumulation_fusion=te, bias_activation_fusion=te and gated,
         bias_dropout_fusion=on_gpu, masked_softmax_fusion=te, apply_rope_fusion=False,
         persist_layer_norm=False, deallocate_pipeline_outputs=on_gpu,
         transformer_impl="transformer_engine" if te else "local",
-        **_recompute_fields(recompute, recompute_num_layers), **_moe_fields(model, on_gpu),
-        **_schedule_fields(parallel, schedule), **backend.fp8_fields(precision, te),
+        **_recompute_fields(recompute, recompute_num_layers), **_moe_fields(model, layout, on_gpu),
+        **_schedule_fields(layout, schedule), **backend.fp8_fields(precision, te),
     )
     if model.multi_latent_attention:
         if not te:
@@ -84,8 +99,9 @@ def transformer_config(*, model: ModelConfig, parallel: ParallelConfig, precisio
     return TransformerConfig(**kwargs)
 
 
-def _vpp(parallel: ParallelConfig) -> Optional[int]:
-    return parallel.virtual_pipeline if (parallel.virtual_pipeline or 1) > 1 else None
+def _vpp(layout: Layout) -> Optional[int]:
+    """Megatron's spelling of "no virtual pipeline" is None, not 1."""
+    return layout.vpp if layout.vpp > 1 else None
 
 
 def _recompute_fields(recompute: str, num_layers: Optional[int]) -> dict:
@@ -99,10 +115,10 @@ def _recompute_fields(recompute: str, num_layers: Optional[int]) -> dict:
     raise ValueError(f"train.recompute={recompute!r}; use none, selective or full")
 
 
-def _moe_fields(model: ModelConfig, on_gpu: bool) -> dict:
+def _moe_fields(model: ModelConfig, layout: Layout, on_gpu: bool) -> dict:
     if not model.num_experts:
         return {}
-    pattern = [int(is_moe) for is_moe in moe_layer_pattern(model)]
+    pattern = [int(is_moe) for is_moe in layout.moe_pattern]
     return dict(
         num_moe_experts=model.num_experts, moe_router_topk=model.moe_router_topk,
         moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden_size,
@@ -115,13 +131,13 @@ def _moe_fields(model: ModelConfig, on_gpu: bool) -> dict:
     )
 
 
-def _schedule_fields(parallel: ParallelConfig, schedule: Optional[ScheduleConfig]) -> dict:
+def _schedule_fields(layout: Layout, schedule: Optional[ScheduleConfig]) -> dict:
     if schedule is None:
         return {}
     fields = {"batch_p2p_comm": schedule.batch_p2p_comm, "overlap_p2p_comm": schedule.overlap_p2p_comm}
-    if _vpp(parallel):
-        fields["microbatch_group_size_per_vp_stage"] = schedule.microbatch_group_size or parallel.pipeline
-        if parallel.pipeline == 2 and fields["batch_p2p_comm"] and not fields["overlap_p2p_comm"]:
+    if _vpp(layout):
+        fields["microbatch_group_size_per_vp_stage"] = layout.microbatch_group
+        if layout.pp == 2 and fields["batch_p2p_comm"] and not fields["overlap_p2p_comm"]:
             # Upstream bug (Megatron-LM #750, #1450): interleaved PP=2 with batched p2p trains silently
             # wrong. Unbatched send/recv is correct.
             fields["batch_p2p_comm"] = False
@@ -181,33 +197,46 @@ def seeded_experts_class():
     return SeededSequentialMLP
 
 
+def gpt_model_kwargs(*, model: ModelConfig, layout: Layout, config, spec, vp_stage: Optional[int],
+                     pre_process: bool, post_process: bool, mtp_block_spec=None) -> dict:
+    """Keyword arguments of one GPTModel chunk (separate so the wiring test can check them without building)."""
+    return dict(
+        config=config, transformer_layer_spec=spec, vocab_size=layout.padded_vocab,
+        max_sequence_length=model.max_position_embeddings or model.seq_length,
+        pre_process=pre_process, post_process=post_process,
+        share_embeddings_and_output_weights=model.tie_embeddings,
+        position_embedding_type=model.position_embedding, rotary_percent=model.rotary_percent,
+        rotary_base=int(model.rotary_base), rope_scaling=model.rope_scaling,
+        rope_scaling_factor=model.rope_scaling_factor, vp_stage=vp_stage, mtp_block_spec=mtp_block_spec,
+    )
+
+
 def build_model(*, model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig,
-                schedule: Optional[ScheduleConfig] = None, seed: int = 1234, recompute: str = "none",
-                recompute_num_layers: Optional[int] = None) -> List[torch.nn.Module]:
-    """GPTModel chunk(s) for this rank: one per virtual pipeline stage, on the current device."""
+                layout: Optional[Layout] = None, schedule: Optional[ScheduleConfig] = None, seed: int = 1234,
+                recompute: str = "none", recompute_num_layers: Optional[int] = None) -> List[torch.nn.Module]:
+    """GPTModel chunk(s) for this rank: one per virtual pipeline stage, on the current device. ``layout`` is
+    the job's derived layout (the rank entry passes it; without one it is derived from these sections)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    from models.mtp import mtp_block_spec
+
+    layout = layout or layout_of(model=model, parallel=parallel, precision=precision, schedule=schedule)
     te = backend.use_transformer_engine(precision)
-    config = transformer_config(model=model, parallel=parallel, precision=precision, schedule=schedule,
-                                recompute=recompute, recompute_num_layers=recompute_num_layers, te=te)
+    config = transformer_config(model=model, parallel=parallel, precision=precision, layout=layout,
+                                schedule=schedule, recompute=recompute, recompute_num_layers=recompute_num_layers,
+                                te=te)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    vpp = _vpp(parallel) or 1
     chunks = []
-    for vp_stage in range(vpp):
+    for vp_stage in range(layout.vpp):
         torch.manual_seed(seed)  # embeddings: the same draw on every rank that builds them
-        vp = vp_stage if vpp > 1 else None
+        vp = vp_stage if layout.vpp > 1 else None
         spec = _seed_layers(backend.decoder_block_spec(config, te, vp_stage=vp, pp_rank=pp_rank), seed)
-        chunk = GPTModel(
-            config=config, transformer_layer_spec=spec, vocab_size=padded_vocab(model, parallel.tensor),
-            max_sequence_length=model.max_position_embeddings or model.seq_length,
+        chunk = GPTModel(**gpt_model_kwargs(
+            model=model, layout=layout, config=config, spec=spec, vp_stage=vp,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-            share_embeddings_and_output_weights=model.tie_embeddings,
-            position_embedding_type=model.position_embedding, rotary_percent=model.rotary_percent,
-            rotary_base=int(model.rotary_base), rope_scaling=model.rope_scaling,
-            rope_scaling_factor=model.rope_scaling_factor, vp_stage=vp,
-        )
+            mtp_block_spec=mtp_block_spec(config, spec, te=te, vp_stage=vp, pp_rank=pp_rank, seed=seed)))
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
         chunks.append(chunk)

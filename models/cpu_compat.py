@@ -55,6 +55,7 @@ PATCHED_MODULES = (
     "megatron.core.transformer.moe.moe_utils",  # tokens-per-expert buffers
     "megatron.core.transformer.moe.token_dispatcher",  # over_budget flag on 'cuda', d2h stream
     "megatron.core.transformer.moe.moe_layer",  # streams
+    "megatron.core.transformer.multi_token_prediction",  # MTP loss-logging buffers on current_device
 )
 
 _FACTORIES = frozenset({"zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like",

@@ -1,4 +1,4 @@
-"""Run ``launcher.train`` under torchrun on CPU for tests: write a bundle, run, parse the step lines."""
+"""Run the rank wing (``launcher.rank``) under torchrun on CPU for tests: write a bundle, run, parse the step lines."""
 from __future__ import annotations
 
 import os
@@ -26,10 +26,13 @@ def layout(tp: int = 1, pp: int = 1, vpp: int = 0, ep: int = 1) -> List[str]:
     return out
 
 
-def write_bundle(bundle: Path, overrides: Sequence[str]) -> Path:
+def write_bundle(bundle: Path, overrides: Sequence[str], nproc: int = 1) -> Path:
+    """A bundle holding just config.yaml, for a job of ``nproc`` ranks on this one node."""
     from launcher.config import compose_job, job_to_yaml
 
     bundle.mkdir(parents=True, exist_ok=True)
+    if not any(o.startswith("cluster.gpus_per_node=") for o in overrides):
+        overrides = [*overrides, f"cluster.gpus_per_node={nproc}"]
     (bundle / "config.yaml").write_text(job_to_yaml(compose_job(list(overrides))))
     return bundle
 
@@ -37,7 +40,7 @@ def write_bundle(bundle: Path, overrides: Sequence[str]) -> Path:
 def run_train(bundle: Path, nproc: int, timeout: int = 240) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-           "-m", "launcher.train", "--bundle", str(bundle)]
+           "-m", "launcher.rank", "--bundle", str(bundle)]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -68,7 +71,7 @@ class Run:
 
 
 def train(tmp: Path, name: str, nproc: int, overrides: Sequence[str]) -> Run:
-    bundle = write_bundle(tmp / name, overrides)
+    bundle = write_bundle(tmp / name, overrides, nproc)
     proc = run_train(bundle, nproc)
     assert proc.returncode == 0, f"{name} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return Run(bundle, proc)
@@ -82,7 +85,7 @@ def run_until(bundle: Path, nproc: int, marker: str, timeout: int = 240) -> str:
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "launcher.train", "--bundle", str(bundle)]
+           "-m", "launcher.rank", "--bundle", str(bundle)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             text=True, start_new_session=True)
     seen, deadline = [], time.time() + timeout

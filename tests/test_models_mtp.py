@@ -34,7 +34,7 @@ def decoder_spec(cfg):
 
 
 def gpt(model, cfg, spec, mtp_spec):
-    from launcher.plan.memory import padded_vocab
+    from launcher.core import padded_vocab
     from megatron.core.models.gpt import GPTModel
 
     torch.manual_seed(SEED)

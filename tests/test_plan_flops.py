@@ -3,7 +3,7 @@ import pytest
 
 from launcher.config import compose_job
 from launcher.core import derive, moe_layer_pattern
-from launcher.plan.flops import flops_per_step, flops_per_token
+from launcher.core.flops import flops_per_step, flops_per_token
 
 CASES = [
     # (model recipe, overrides, GFLOP/token from Megatron-LM's num_floating_point_operations)

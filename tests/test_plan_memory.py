@@ -90,7 +90,7 @@ def test_uneven_stages_and_first_last_differ():
 
 
 def test_model_params_llama3_8b():
-    from launcher.plan.flops import param_count
+    from launcher.plan.memory import param_count
 
     job = compose_job(["recipe=llama3_8b"])
     assert param_count(job.model)["total"] / 1e9 == pytest.approx(8.03, abs=0.01)

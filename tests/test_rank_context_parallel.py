@@ -91,6 +91,21 @@ def _check_cp(cp_size: int) -> None:
         assert local[key].shape == (B, S // cp_size), (key, tuple(local[key].shape))
         assert torch.equal(local[key], want), f"CP{cp_size} rank {cp_rank}: batch[{key!r}] sliced wrongly"
 
+    # The training loop's forward_step hands the model exactly this rank's slice (the wiring, not only the
+    # helper): a model that records what it is given.
+    from launcher.rank.loop import forward_step
+
+    seen = {}
+
+    def recording_model(tokens, position_ids, attention_mask, labels=None):
+        seen.update(tokens=tokens, position_ids=position_ids, labels=labels)
+        return torch.zeros(tokens.shape)
+
+    _, loss_func = forward_step(iter([{k: v.clone() for k, v in original.items()}]), recording_model)
+    for key in ("tokens", "position_ids", "labels"):
+        assert torch.equal(seen[key], _reference_slice(original[key], cp_size, cp_rank)), f"forward_step {key}"
+    assert torch.equal(loss_func.args[0], _reference_slice(original["loss_mask"], cp_size, cp_rank))
+
     # Single-process reference on the whole sequence.
     w_ref = torch.linspace(-1.0, 1.5, VOCAB).requires_grad_()
     mask = original["loss_mask"].float()

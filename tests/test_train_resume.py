@@ -16,7 +16,7 @@ def _resume_case(tmp_path, nproc, lay):
                               "checkpoint.save_at_end=true"]
     full = train(tmp_path, "uninterrupted", nproc, overrides)
 
-    bundle = write_bundle(tmp_path / "interrupted", overrides)
+    bundle = write_bundle(tmp_path / "interrupted", overrides, nproc)
     seen = run_until(bundle, nproc, marker=f"saved checkpoint {bundle / 'checkpoints' / f'iter_{K:07d}'}")
     assert f"iter_{K:07d}" in seen, seen[-2000:]
     assert f"step {K + 1:5d}" not in seen  # it really died at the checkpoint

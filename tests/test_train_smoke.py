@@ -2,6 +2,7 @@
 and leaves its report, TensorBoard events and a published checkpoint in the bundle."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -54,9 +55,28 @@ def test_smoke_tflops_use_megatron_formula(smoke):
     for h in smoke.steps.values():
         expect = fpt * tokens / (h["ms_per_step"] / 1e3) / smoke.final["world_size"] / 1e12
         assert h["tflops"] == pytest.approx(expect, rel=1e-6)
-        assert h["mfu"] == pytest.approx(h["tflops"] / job.cluster.peak_tflops_bf16, rel=1e-9)
+        # CPU: utilisation against the measured per-rank share of the CPU's matmul peak, not a GPU peak
+        assert h["mfu"] == pytest.approx(h["tflops"] / smoke.final["mfu_peak_tflops_per_rank"], rel=1e-9)
         assert h["tokens_per_s"] == pytest.approx(tokens / (h["ms_per_step"] / 1e3), rel=1e-6)
         assert 0 < h["mem_gib"] < 8
+    assert smoke.final["mfu_basis"] == "util vs measured CPU share"
+    assert 0 < smoke.final["mfu_peak_tflops_per_rank"] != job.cluster.peak_tflops_bf16
+    assert "| util vs measured CPU share " in smoke.stdout and "MFU" not in smoke.stdout
+
+
+CLEAN_LINE = re.compile(r"^(step +\d+ \| loss |eval +\d+ \| valid loss |saved checkpoint |resumed from |"
+                        r"finished at step |stopped at step )")
+
+
+def test_console_is_clean_and_every_rank_has_its_full_log(smoke):
+    lines = [line for line in smoke.stdout.splitlines() if line.strip()]
+    assert lines and all(CLEAN_LINE.match(line) for line in lines), [x for x in lines if not CLEAN_LINE.match(x)]
+    assert lines[-1].startswith("finished at step 12 of 12")
+    for rank in range(4):
+        log = (smoke.bundle / "logs" / f"rank-{rank}.log").read_text()
+        assert log.startswith(f"=== rank {rank} started")
+    assert "step    12 | loss" in (smoke.bundle / "logs" / "rank-0.log").read_text()
+    assert "GPTModel IS DEPRECATED" not in (smoke.bundle / "logs" / "rank-0.log").read_text()
 
 
 def test_smoke_leaves_report_tensorboard_and_checkpoint(smoke):
@@ -72,7 +92,7 @@ def test_smoke_leaves_report_tensorboard_and_checkpoint(smoke):
 
 
 def test_import_runs_nothing():
-    code = "import sys, launcher.train; assert 'torch' not in sys.modules and 'megatron' not in sys.modules"
+    code = "import sys, launcher.rank.entry, launcher.rank.__main__; assert 'torch' not in sys.modules and 'megatron' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from launcher.core import Layout, derive, padded_vocab
-from launcher.plan.flops import flops_per_step, flops_per_token
+from launcher.core.flops import flops_per_step, flops_per_token
 from launcher.plan.memory import GB, StageMemory, memory_per_stage, model_params
 from launcher.plan.timing import StepTime, step_time, throughput
 from launcher.problems import Problem

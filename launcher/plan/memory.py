@@ -15,8 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from launcher.core import Layout, derive, moe_layer_pattern
-from launcher.core import padded_vocab  # noqa: F401  (re-export: tests/test_models_mtp.py imports it from here)
-from launcher.plan.flops import kv_channels, query_groups
+from launcher.core.flops import kv_channels, query_groups
 from launcher.schema import JobConfig, ModelConfig
 
 GB = 1e9
@@ -416,3 +415,7 @@ def activation_formula_check(job: JobConfig) -> float:
     per_tok = layer_activation_bytes_per_token(job, lay, False)
     return per_tok * b * s / lay.cp / (s * b * h)
 
+
+def param_count(model: ModelConfig) -> dict[str, float]:
+    """Parameter counts (unpadded vocabulary): embedding, output, per-layer attention/MLP, total, active."""
+    return model_params(model, tp=1, padded_vocab=model.vocab_size).as_dict()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from launcher.core import Layout, derive
 from launcher.plan import layout_errors
-from launcher.plan.flops import query_groups
+from launcher.core.flops import query_groups
 from launcher.plan.memory import GB, memory_per_stage
 from launcher.plan.timing import step_time, throughput
 from launcher.schema import JobConfig

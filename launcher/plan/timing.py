@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from launcher.core import Layout, derive
-from launcher.plan.flops import FMA, flops_per_step, kv_channels, layer_flops, query_groups
+from launcher.core.flops import FMA, flops_per_step, kv_channels, layer_flops, query_groups
 from launcher.plan.memory import (DTYPE_BYTES, GRAD_BYTES_FP32, grad_groups, optimizer_shards, recompute_fraction,
                                   sp_shards, stage_layers, stage_params)
 from launcher.plan.simulator import simulate_kind

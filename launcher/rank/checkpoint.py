@@ -11,7 +11,6 @@ replaces ``latest`` atomically (write ``latest.tmp`` + ``os.replace``). A crash 
 """
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 from pathlib import Path
@@ -22,27 +21,19 @@ import torch
 LATEST = "latest"
 
 
-class _QuietSyncSave(logging.Filter):
-    """0.19.2's *synchronous* save goes through its deprecated async path and warns once per rank that
-    "MCore's async save is deprecated"; we never ask for async, so the warning only misleads users."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "async save is deprecated" not in record.getMessage()
-
-
-logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").addFilter(_QuietSyncSave())
 # Distributed-optimizer state layout. 0.19.2's default (fully_sharded_model_space) builds ShardedTensors
 # with flattened_range, which its own validation now rejects; dp_reshardable saves each DP rank's
 # contiguous shard (resume needs the same DP size; model weights still reshard freely).
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
-def check_options(checkpoint, rank: int) -> None:
-    """What this writer supports: torch_dist, synchronous (async_save falls back with a note)."""
+def check_options(checkpoint) -> None:
+    """What this writer supports: torch_dist, synchronous saves (validation refuses the rest first)."""
     if checkpoint.format != "torch_dist":
         raise ValueError(f"checkpoint.format={checkpoint.format!r} is not supported; use torch_dist")
-    if checkpoint.async_save and rank == 0:
-        print("note: checkpoint.async_save is not implemented yet; saving synchronously", flush=True)
+    if checkpoint.async_save:
+        raise ValueError("checkpoint.async_save=true is not implemented (saves are synchronous); "
+                         "use checkpoint.async_save=false")
 
 
 def _name(step: int) -> str:
@@ -94,10 +85,24 @@ def _sharded_state(model: List[torch.nn.Module], optimizer, scheduler, step: int
     return state
 
 
+def sync_params_before_save(model: List[torch.nn.Module]) -> bool:
+    """Finish the distributed optimizer's deferred parameter all-gather now; True when it ran.
+
+    With ``overlap_param_gather`` the all-gather of the parameters updated by ``optimizer.step()`` is
+    dispatched in the next forward, so a save right after a step would write shards a step old.
+    Megatron-Bridge forces the same synchronous sync before saving."""
+    deferred = any(getattr(getattr(chunk, "ddp_config", None), "overlap_param_gather", False) for chunk in model)
+    if deferred:
+        for chunk in model:
+            chunk.start_param_sync(force_sync=True)
+    return deferred
+
+
 def save(ckpt_dir: Path, *, model, optimizer, scheduler, step: int, consumed: int, keep_last=None) -> Path:
     """Save collectively (every rank calls), then publish atomically from rank 0."""
     from megatron.core import dist_checkpointing
 
+    sync_params_before_save(model)
     ckpt_dir = Path(ckpt_dir)
     final, tmp = ckpt_dir / _name(step), ckpt_dir / (_name(step) + ".tmp")
     rank = torch.distributed.get_rank()

@@ -9,6 +9,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from launcher.rank.batch import masked_token_loss, slice_batch_for_context_parallel
+
 # Stop requests: the Slurm job script turns --signal=B:USR1 into a STOP file in the bundle (torchrun would
 # die on USR1); SIGUSR1 sent straight to a rank works too. SIGTERM keeps its default: torchrun uses it to
 # tear down ranks when one fails.
@@ -16,30 +18,13 @@ STOP_SIGNALS = (signal.SIGUSR1,)
 
 
 def forward_step(data_iterator, model):
-    """Megatron forward_step_func: per-token losses from GPTModel, reduced by ``_loss``."""
+    """Megatron forward_step_func: this CP rank's slice of the batch through GPTModel, per-token losses
+    reduced by ``masked_token_loss`` (a mean over the whole sequence's tokens, across the CP group)."""
     batch = next(data_iterator)
     dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    batch = {k: v.to(dev, non_blocking=True) for k, v in batch.items()}
+    batch = slice_batch_for_context_parallel({k: v.to(dev, non_blocking=True) for k, v in batch.items()})
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, partial(_loss, batch["loss_mask"])
-
-
-def _loss(loss_mask: torch.Tensor, output: torch.Tensor):
-    mask = loss_mask.view(-1).float()
-    loss = torch.sum(output.view(-1).float() * mask) / mask.sum().clamp(min=1)
-    return loss, {"lm loss": loss.detach().clone()}  # clone: the schedule divides `loss` in place
-
-
-def run_length(job, *, dp_size: int) -> tuple:
-    """(optimizer steps, micro-batches per step per DP rank) for this job."""
-    from launcher.actions import train_steps
-
-    train = job.train
-    per_step = train.micro_batch_size * dp_size
-    if train.global_batch_size % per_step:
-        raise ValueError(f"train.global_batch_size={train.global_batch_size} is not a multiple of "
-                         f"micro_batch_size x data-parallel size = {per_step}")
-    return train_steps(job), train.global_batch_size // per_step
+    return output, partial(masked_token_loss, batch["loss_mask"])
 
 
 def schedule_func(kind: str) -> Callable:
@@ -121,7 +106,7 @@ class Loop:
 
     def run(self, *, iterators, valid_iters: Callable, steps: int, on_step: Callable,
             on_eval: Callable, on_checkpoint: Callable, save_interval: int,
-            flops_per_token: float, peak_tflops: float, world: int, deadline: Optional[float],
+            flops_per_token: float, world: int, deadline: Optional[float],
             stop_file: Optional[Path] = None) -> str:
         """Train to ``steps``; returns why it stopped: 'done' or 'stopped' (STOP file, SIGUSR1 or time
         limit; the caller then checkpoints). Any rank's reason stops all ranks at the same step."""
@@ -138,7 +123,7 @@ class Loop:
             tflops = flops_per_token * tokens_per_step / elapsed / world / 1e12
             on_step({"step": self.step, "loss": loss, "lr": out["lr"], "grad_norm": out["grad_norm"],
                      "ms_per_step": elapsed * 1e3, "tokens_per_s": tokens_per_step / elapsed,
-                     "tflops": tflops, "mfu": tflops / peak_tflops if peak_tflops else 0.0,
+                     "tflops": tflops,
                      "mem_gib": memory_gib()})
             if self.train.eval_interval and self.step % self.train.eval_interval == 0:
                 vi = valid_iters()

@@ -19,11 +19,37 @@ def memory_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
 
 
+def measure_cpu_matmul_tflops(seconds: float = 0.3, n: int = 512) -> float:
+    """This rank's share of the CPU's fp32 matmul throughput, measured with every rank of the node running it
+    at the same time (the caller puts a barrier before): the peak a CPU rank can reach, in TFLOP/s."""
+    import time
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)  # warm-up (allocation, thread pool)
+    done, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.mm(a, b)
+        done += 1
+    return 2 * n**3 * done / (time.perf_counter() - start) / 1e12
+
+
+def utilisation_basis(*, peak_tflops_bf16: float, on_gpu: bool) -> tuple[float, str]:
+    """(peak TFLOP/s per rank, label) that the logged utilisation is measured against.
+
+    On GPU: the cluster profile's dense BF16 peak (MFU, as NVIDIA and Megatron report it). On CPU a GPU peak
+    means nothing: the run is fp32 and its ranks share the cores, so measure the per-rank share instead."""
+    if on_gpu:
+        return peak_tflops_bf16, "MFU"
+    return measure_cpu_matmul_tflops(), "util vs measured CPU share"
+
+
 class MetricsLogger:
     """Rank 0 prints and records; other ranks only keep quiet."""
 
-    def __init__(self, *, logging: LoggingConfig, bundle: Path, run_name: str, config: dict, rank: int):
-        self.cfg, self.bundle, self.rank = logging, Path(bundle), rank
+    def __init__(self, *, logging: LoggingConfig, bundle: Path, run_name: str, config: dict, rank: int,
+                 console, peak_tflops: float, util_label: str):
+        self.cfg, self.bundle, self.rank, self.console = logging, Path(bundle), rank, console
+        self.peak_tflops, self.util_label = peak_tflops, util_label
         self.history: List[Dict[str, float]] = []
         self.evals: List[Dict[str, float]] = []
         self.tb = self.wandb = None
@@ -39,19 +65,21 @@ class MetricsLogger:
     def step(self, metrics: Dict[str, float]) -> None:
         if self.rank != 0:
             return
+        metrics = {**metrics, "mfu": metrics["tflops"] / self.peak_tflops if self.peak_tflops else 0.0}
         self.history.append(metrics)
         step = int(metrics["step"])
         if step % max(1, self.cfg.log_interval) == 0:
-            print("step {step:5d} | loss {loss:.4f} | lr {lr:.3e} | grad_norm {grad_norm:.3f} | "
-                  "{ms_per_step:.1f} ms/step | tokens/s {tokens_per_s:.0f} | TFLOP/s {tflops:.4f} | "
-                  "MFU {mfu:.2%} | mem {mem_gib:.2f} GiB".format(**metrics), flush=True)
+            self.console.line(
+                "step {step:5d} | loss {loss:.4f} | lr {lr:.3e} | grad_norm {grad_norm:.3f} | "
+                "{ms_per_step:.1f} ms/step | tokens/s {tokens_per_s:.0f} | TFLOP/s {tflops:.4f} | "
+                "{label} {mfu:.2%} | mem {mem_gib:.2f} GiB".format(label=self.util_label, **metrics))
         self._record(metrics, "train", step)
 
     def eval(self, step: int, loss: float) -> None:
         if self.rank != 0:
             return
         self.evals.append({"step": step, "loss": loss})
-        print(f"eval  {step:5d} | valid loss {loss:.4f}", flush=True)
+        self.console.line(f"eval  {step:5d} | valid loss {loss:.4f}")
         self._record({"loss": loss}, "valid", step)
 
     def _record(self, metrics: Dict[str, float], prefix: str, step: int) -> None:
@@ -74,10 +102,11 @@ class MetricsLogger:
 
 
 def summary(history: List[dict], evals: List[dict], *, status: str, steps: int, world: int,
-            flops_per_token: float) -> Dict[str, float]:
+            flops_per_token: float, peak_tflops: float, util_label: str) -> Dict[str, float]:
     """Final numbers for report/metrics.json; throughput averaged over the second half (past warm-up)."""
     final: Dict[str, float] = {"status": status, "steps": steps, "world_size": world,
-                               "flops_per_token": flops_per_token}
+                               "flops_per_token": flops_per_token, "mfu_basis": util_label,
+                               "mfu_peak_tflops_per_rank": peak_tflops}
     if history:
         tail = history[len(history) // 2:] if len(history) > 2 else history
         final.update(first_loss=history[0]["loss"], final_loss=history[-1]["loss"],

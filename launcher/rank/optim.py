@@ -1,62 +1,95 @@
-"""Megatron-Core DDP wrapping, optimizer (optionally distributed) and LR schedule."""
+"""Megatron-Core DDP wrapping, optimizer (optionally distributed) and LR schedule.
+
+The config objects are built by their own functions (``ddp_config``, ``optimizer_config``,
+``scheduler_kwargs``) so the wiring test can build exactly what a GPU rank builds, on CPU.
+"""
 from __future__ import annotations
 
 from typing import List
 
 import torch
 
-from launcher.schema import ParallelConfig, PrecisionConfig, TrainConfig
+from launcher.core import Layout
+from launcher.schema import LR_SCHEDULES, ParallelConfig, PrecisionConfig, TrainConfig
 
 LR_STYLES = {"cosine": "cosine", "linear": "linear", "constant": "constant", "wsd": "WSD"}
+"""schema.LR_SCHEDULES -> OptimizerParamScheduler's lr_decay_style."""
+assert set(LR_STYLES) == set(LR_SCHEDULES)
+DDP_BUCKET_ELEMENTS = 40_000_000
+"""Megatron-LM's default DDP bucket size (--ddp-bucket-size is max(40M, 1M x DP) elements)."""
 
 
-def wrap_ddp(chunks: List[torch.nn.Module], *, parallel: ParallelConfig) -> List[torch.nn.Module]:
-    """Megatron-Core DistributedDataParallel around each chunk (contiguous grad buffers, DP reduce)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.utils import get_model_config
+def ddp_config(*, parallel: ParallelConfig, precision: PrecisionConfig, layout: Layout, on_gpu: bool):
+    """Megatron-Core's DistributedDataParallelConfig for this job."""
+    from megatron.core.distributed import DistributedDataParallelConfig
 
-    on_gpu = torch.cuda.is_available()
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=parallel.distributed_optimizer,
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=precision.grad_reduce_in_fp32,
+        use_distributed_optimizer=parallel.distributed_optimizer,
         # overlapping needs CUDA streams; on CPU the reduce runs after backward
         overlap_grad_reduce=parallel.overlap_grad_reduce and on_gpu,
         overlap_param_gather=parallel.overlap_param_gather and on_gpu and parallel.distributed_optimizer,
-        check_for_nan_in_grad=False, bucket_size=None if not on_gpu else 40_000_000)
-    config = get_model_config(chunks[0])
-    return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+        # FP8 primary weights are re-quantised by the distributed optimizer only under fp8_param_gather
+        # (optimizer/distrib_optimizer.py); Megatron-LM sets the two together (training/argument_utils.py).
+        fp8_param_gather=precision.fp8_param,
+        check_for_nan_in_grad=False,
+        bucket_size=max(DDP_BUCKET_ELEMENTS, 1_000_000 * layout.dp_cp) if on_gpu else None)
+
+
+def wrap_ddp(chunks: List[torch.nn.Module], *, parallel: ParallelConfig, precision: PrecisionConfig,
+             layout: Layout) -> List[torch.nn.Module]:
+    """Megatron-Core DistributedDataParallel around each chunk (contiguous grad buffers, DP reduce)."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.utils import get_model_config
+
+    config = ddp_config(parallel=parallel, precision=precision, layout=layout, on_gpu=torch.cuda.is_available())
+    model_config = get_model_config(chunks[0])
+    return [DistributedDataParallel(config=model_config, ddp_config=config, module=chunk,
                                     disable_bucketing=i > 0)  # only the first chunk overlaps (Megatron)
             for i, chunk in enumerate(chunks)]
 
 
-def build_optimizer(model: List[torch.nn.Module], *, train: TrainConfig, parallel: ParallelConfig,
-                    precision: PrecisionConfig):
-    """Adam(W) via megatron.core.optimizer; grad clipping is part of its step()."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+def optimizer_config(*, train: TrainConfig, parallel: ParallelConfig, precision: PrecisionConfig, on_gpu: bool):
+    """Megatron-Core's OptimizerConfig: Adam(W); grad clipping is part of the optimizer's step()."""
+    from megatron.core.optimizer import OptimizerConfig
+
     from models.builder import DTYPES
 
     dtype = DTYPES[precision.dtype]
-    config = OptimizerConfig(
+    return OptimizerConfig(
         optimizer="adam", lr=train.lr, min_lr=train.min_lr, weight_decay=train.weight_decay,
         adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, adam_eps=train.adam_eps,
         clip_grad=train.clip_grad, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        params_dtype=dtype, use_distributed_optimizer=parallel.distributed_optimizer)
+        params_dtype=dtype, fp8_recipe=precision.fp8, use_distributed_optimizer=parallel.distributed_optimizer,
+        overlap_param_gather=parallel.overlap_param_gather and on_gpu and parallel.distributed_optimizer)
+
+
+def build_optimizer(model: List[torch.nn.Module], *, train: TrainConfig, parallel: ParallelConfig,
+                    precision: PrecisionConfig):
+    """The (distributed) Megatron optimizer over the DDP-wrapped chunks."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    config = optimizer_config(train=train, parallel=parallel, precision=precision, on_gpu=torch.cuda.is_available())
     return get_megatron_optimizer(config, model)
 
 
-def build_scheduler(optimizer, *, train: TrainConfig, steps: int):
-    """megatron.core OptimizerParamScheduler: linear warmup, then cosine | linear | constant | WSD."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    if train.lr_schedule not in LR_STYLES:
-        raise ValueError(f"train.lr_schedule={train.lr_schedule!r}; use one of {sorted(LR_STYLES)}")
+def scheduler_kwargs(*, train: TrainConfig, steps: int) -> dict:
+    """OptimizerParamScheduler's arguments: linear warmup, then cosine | linear | constant | WSD."""
     style = LR_STYLES[train.lr_schedule]
     wsd = (train.wsd_decay_steps or max(1, steps // 10)) if style == "WSD" else None
-    return OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if train.warmup_steps else train.lr, max_lr=train.lr, min_lr=train.min_lr,
+    return dict(
+        init_lr=0.0 if train.warmup_steps else train.lr, max_lr=train.lr, min_lr=train.min_lr,
         lr_warmup_steps=train.warmup_steps, lr_decay_steps=max(steps, train.warmup_steps + 1),
         lr_decay_style=style, start_wd=train.weight_decay, end_wd=train.weight_decay,
         wd_incr_steps=max(steps, 1), wd_incr_style="constant", wsd_decay_steps=wsd,
         lr_wsd_decay_style="linear" if wsd else None)
+
+
+def build_scheduler(optimizer, *, train: TrainConfig, steps: int):
+    """megatron.core OptimizerParamScheduler over the optimizer."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(optimizer, **scheduler_kwargs(train=train, steps=steps))
 
 
 def hook_model_config(model: List[torch.nn.Module], optimizer, *, parallel: ParallelConfig) -> None:

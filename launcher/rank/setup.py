@@ -6,10 +6,20 @@ import os
 
 import torch
 
-from launcher.schema import ClusterConfig, ParallelConfig
+from launcher.core import Layout
+from launcher.schema import ClusterConfig
 
 
-def init_distributed(*, cluster: ClusterConfig, parallel: ParallelConfig, seed: int) -> None:
+def parallel_state_kwargs(layout: Layout) -> dict:
+    """Arguments of ``parallel_state.initialize_model_parallel`` for this layout (None means "no VPP")."""
+    return dict(
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp)
+
+
+def init_distributed(*, cluster: ClusterConfig, layout: Layout, seed: int) -> None:
     """torch.distributed (nccl | gloo) from torchrun's env, then megatron.core parallel_state."""
     from megatron.core import parallel_state, tensor_parallel
 
@@ -23,17 +33,14 @@ def init_distributed(*, cluster: ClusterConfig, parallel: ParallelConfig, seed: 
         torch.distributed.init_process_group(backend=cluster.backend,
                                              timeout=datetime.timedelta(minutes=10))
     world = torch.distributed.get_world_size()
-    model_parallel = parallel.tensor * parallel.pipeline * parallel.context
-    if world % model_parallel:
+    if world != layout.world:
+        # torchrun started a different number of ranks than the job was planned for (nodes x gpus_per_node)
+        raise ValueError(f"torchrun started {world} ranks but the job's layout is for {layout.world} "
+                         f"(nodes x cluster.gpus_per_node); re-render the bundle for this allocation")
+    if not layout.dp:
         raise ValueError(f"world size {world} is not a multiple of tensor x pipeline x context = "
-                         f"{model_parallel}")
-    if parallel.data is not None and parallel.data != world // model_parallel:
-        raise ValueError(f"parallel.data={parallel.data} but the world size implies {world // model_parallel}")
-    vpp = parallel.virtual_pipeline if (parallel.virtual_pipeline or 1) > 1 else None
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=parallel.tensor, pipeline_model_parallel_size=parallel.pipeline,
-        virtual_pipeline_model_parallel_size=vpp, context_parallel_size=parallel.context,
-        expert_model_parallel_size=parallel.expert, expert_tensor_parallel_size=parallel.expert_tensor)
+                         f"{layout.model_parallel}")
+    parallel_state.initialize_model_parallel(**parallel_state_kwargs(layout))
     torch.manual_seed(seed)
     # Per-rank named RNG streams (TP dropout etc.); on CPU they are CPU generator states (cpu_compat).
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

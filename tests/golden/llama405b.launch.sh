@@ -12,5 +12,5 @@ exec python -m torch.distributed.run \
   --rdzv-endpoint="${MASTER_ADDR}:${MASTER_PORT}" \
   --rdzv-id="${SLURM_JOB_ID:-llama405b}" \
   --max-restarts=0 \
-  -m launcher.train --bundle "$BUNDLE"
+  -m launcher.rank --bundle "$BUNDLE"
 

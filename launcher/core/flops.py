@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from launcher.core import moe_layer_pattern
+from launcher.core.layout import moe_layer_pattern
 from launcher.schema import ModelConfig
 
 FWD_BWD = 3
@@ -107,9 +107,3 @@ def flops_per_step(model: ModelConfig, tokens_per_step: int) -> float:
     """Training FLOPs of one optimizer step of ``tokens_per_step`` tokens (``Layout.tokens_per_step``)."""
     return flops_per_token(model) * tokens_per_step
 
-
-def param_count(model: ModelConfig) -> dict[str, float]:
-    """Parameter counts (unpadded vocabulary): embedding, output, per-layer attention/MLP, total, active."""
-    from launcher.plan.memory import model_params
-
-    return model_params(model, tp=1, padded_vocab=model.vocab_size).as_dict()

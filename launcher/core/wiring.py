@@ -1,0 +1,168 @@
+"""Where every schema field lands: the Megatron-Core object (and attribute) it configures, or the login node.
+
+One entry per field of ``launcher.schema``; ``tests/test_wiring.py`` fails when a field has none, and, for
+every recipe, builds the objects a GPU rank would build and checks each ``Wire`` against them: a wire with
+``same=True`` must carry the field's value unchanged; one with ``same=False`` (a value the builder
+translates, e.g. ``dtype="bf16"`` -> ``bf16=True``) has its own check in that test.
+A field that reaches no rank-side object is ``LOGIN`` (compose, validate, plan, render, submit only).
+Torch-free: the login node may read it (help, Megatron-LM argument names).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+TC = "TransformerConfig"
+DDP = "DistributedDataParallelConfig"
+OPT = "OptimizerConfig"
+MPU = "initialize_model_parallel"
+GPT = "GPTModel"
+SCHED = "OptimizerParamScheduler"
+UB = "transformer_engine.initialize_ub"
+BUILT = (TC, DDP, OPT, MPU, GPT, SCHED, UB)
+"""Targets the wiring test builds (on CPU, for rank 0 of each recipe's real layout) and checks attribute by
+attribute. The others are exercised by the training tests."""
+DATA = "GPTDatasetConfig / DataLoader"
+LOOP = "training loop"
+CKPT = "dist_checkpointing save/load"
+METRICS = "metrics (rank 0 log, TensorBoard, wandb)"
+DIST = "torch.distributed.init_process_group"
+LOGIN = "login node only"
+
+
+@dataclass(frozen=True)
+class Wire:
+    """One destination of a schema field."""
+
+    target: str
+    """A Megatron-Core object (see BUILT), a rank-side stage (DATA, LOOP, ...) or LOGIN."""
+    attr: Optional[str] = None
+    """The attribute / keyword argument of ``target`` the value lands in."""
+    same: bool = True
+    """The value lands unchanged (False: translated by the builder; the wiring test checks it explicitly)."""
+
+
+def _w(target: str, *attrs: str, same: bool = True) -> Tuple[Wire, ...]:
+    return tuple(Wire(target, a, same) for a in attrs) or (Wire(target),)
+
+
+def _tc(*attrs: str, same: bool = True) -> Tuple[Wire, ...]:
+    return _w(TC, *attrs, same=same)
+
+
+WIRING: Dict[str, Tuple[Wire, ...]] = {
+    # ---- job
+    "name": _w(METRICS, "run_name"), "action": _w(LOGIN), "nodes": _w(LOGIN), "output_dir": _w(LOGIN),
+    "force": _w(LOGIN),
+    # ---- model
+    "model.name": _w(LOGIN),
+    "model.num_layers": _tc("num_layers"), "model.hidden_size": _tc("hidden_size"),
+    "model.ffn_hidden_size": _tc("ffn_hidden_size"), "model.num_attention_heads": _tc("num_attention_heads"),
+    "model.num_query_groups": _tc("num_query_groups", same=False),
+    "model.kv_channels": _tc("kv_channels", same=False),
+    "model.vocab_size": _w(GPT, "vocab_size", same=False) + _w(DATA, "vocab_size"),
+    "model.make_vocab_size_divisible_by": _w(GPT, "vocab_size", same=False),
+    "model.seq_length": _w(GPT, "max_sequence_length", same=False) + _w(DATA, "sequence_length")
+    + _w(UB, "shape", same=False),
+    "model.max_position_embeddings": _w(GPT, "max_sequence_length", same=False),
+    "model.normalization": _tc("normalization"), "model.norm_epsilon": _tc("layernorm_epsilon"),
+    "model.activation": _tc("activation_func", "gated_linear_unit", same=False),
+    "model.position_embedding": _w(GPT, "position_embedding_type"),
+    "model.rotary_base": _w(GPT, "rotary_base", same=False), "model.rotary_percent": _w(GPT, "rotary_percent"),
+    "model.rope_scaling": _w(GPT, "rope_scaling"), "model.rope_scaling_factor": _w(GPT, "rope_scaling_factor"),
+    "model.tie_embeddings": _w(GPT, "share_embeddings_and_output_weights"),
+    "model.add_bias_linear": _tc("add_bias_linear"), "model.add_qkv_bias": _tc("add_qkv_bias"),
+    "model.qk_layernorm": _tc("qk_layernorm"), "model.attention_dropout": _tc("attention_dropout"),
+    "model.hidden_dropout": _tc("hidden_dropout"), "model.init_method_std": _tc("init_method_std"),
+    "model.num_experts": _tc("num_moe_experts"), "model.moe_router_topk": _tc("moe_router_topk"),
+    "model.moe_ffn_hidden_size": _tc("moe_ffn_hidden_size", same=False),
+    "model.moe_shared_expert_intermediate_size": _tc("moe_shared_expert_intermediate_size"),
+    "model.moe_layer_freq": _tc("moe_layer_freq", same=False),
+    "model.moe_first_k_dense": _tc("moe_layer_freq", same=False),
+    "model.moe_aux_loss_coeff": _tc("moe_aux_loss_coeff"),
+    "model.moe_router_load_balancing_type": _tc("moe_router_load_balancing_type"),
+    "model.moe_router_score_function": _tc("moe_router_score_function"),
+    "model.moe_token_dispatcher_type": _tc("moe_token_dispatcher_type"),
+    "model.moe_grouped_gemm": _tc("moe_grouped_gemm", same=False),  # GPU only
+    "model.multi_latent_attention": _tc("multi_latent_attention"),
+    "model.q_lora_rank": _tc("q_lora_rank"), "model.kv_lora_rank": _tc("kv_lora_rank"),
+    "model.qk_head_dim": _tc("qk_head_dim"), "model.qk_pos_emb_head_dim": _tc("qk_pos_emb_head_dim"),
+    "model.v_head_dim": _tc("v_head_dim"),
+    "model.mtp_num_layers": _tc("mtp_num_layers", same=False) + _w(GPT, "mtp_block_spec", same=False),
+    # ---- parallel
+    "parallel.tensor": _w(MPU, "tensor_model_parallel_size") + _tc("tensor_model_parallel_size")
+    + _w(UB, "tp_size"),
+    "parallel.pipeline": _w(MPU, "pipeline_model_parallel_size") + _tc("pipeline_model_parallel_size"),
+    "parallel.virtual_pipeline": _w(MPU, "virtual_pipeline_model_parallel_size", same=False)
+    + _tc("virtual_pipeline_model_parallel_size", same=False),
+    "parallel.context": _w(MPU, "context_parallel_size") + _tc("context_parallel_size")
+    + _w(UB, "shape", same=False),
+    "parallel.expert": _w(MPU, "expert_model_parallel_size") + _tc("expert_model_parallel_size"),
+    "parallel.expert_tensor": _w(MPU, "expert_tensor_parallel_size", same=False)
+    + _tc("expert_tensor_parallel_size", same=False),
+    "parallel.data": _w(LOGIN),  # an assertion: validation checks it against the derived DP
+    "parallel.sequence_parallel": _tc("sequence_parallel", same=False),
+    "parallel.distributed_optimizer": _w(DDP, "use_distributed_optimizer") + _w(OPT, "use_distributed_optimizer"),
+    "parallel.overlap_grad_reduce": _w(DDP, "overlap_grad_reduce", same=False),
+    "parallel.overlap_param_gather": _w(DDP, "overlap_param_gather", same=False)
+    + _w(OPT, "overlap_param_gather", same=False) + _w(CKPT, "force_param_sync"),
+    "parallel.tp_comm_overlap": _tc("tp_comm_overlap") + _w(UB, "called", same=False),
+    "parallel.first_stage_layers": _tc("num_layers_in_first_pipeline_stage"),
+    "parallel.last_stage_layers": _tc("num_layers_in_last_pipeline_stage"),
+    # ---- schedule
+    "schedule.kind": _w(LOOP, "forward_backward_func"),
+    "schedule.microbatch_group_size": _tc("microbatch_group_size_per_vp_stage", same=False),
+    "schedule.batch_p2p_comm": _tc("batch_p2p_comm", same=False),
+    "schedule.overlap_p2p_comm": _tc("overlap_p2p_comm"),
+    # ---- precision
+    "precision.dtype": _tc("params_dtype", "bf16", "fp16", same=False) + _w(OPT, "params_dtype", "bf16", "fp16", same=False),
+    "precision.fp8": _tc("fp8_recipe", same=False) + _w(UB, "use_fp8", same=False) + _w(OPT, "fp8_recipe"),
+    "precision.fp8_format": _tc("fp8", same=False),
+    "precision.fp8_param": _tc("fp8_param") + _w(DDP, "fp8_param_gather"),
+    "precision.fp8_amax_history_len": _tc("fp8_amax_history_len", same=False),
+    "precision.fp8_amax_compute_algo": _tc("fp8_amax_compute_algo", same=False),
+    "precision.transformer_engine": _tc("transformer_impl", same=False),
+    "precision.grad_reduce_in_fp32": _w(DDP, "grad_reduce_in_fp32"),
+    # ---- train
+    "train.micro_batch_size": _w(LOOP, "micro_batch_size") + _w(DATA, "batch_sampler") + _w(UB, "shape", same=False),
+    "train.global_batch_size": _w(LOOP, "num_microbatches") + _w(DATA, "batch_sampler"),
+    "train.train_steps": _w(LOOP, "steps") + _w(SCHED, "lr_decay_steps", same=False),
+    "train.train_tokens": _w(LOOP, "steps") + _w(SCHED, "lr_decay_steps", same=False),
+    "train.lr": _w(OPT, "lr") + _w(SCHED, "max_lr"), "train.min_lr": _w(OPT, "min_lr") + _w(SCHED, "min_lr"),
+    "train.lr_schedule": _w(SCHED, "lr_decay_style", same=False),
+    "train.warmup_steps": _w(SCHED, "lr_warmup_steps"),
+    "train.wsd_decay_steps": _w(SCHED, "wsd_decay_steps", same=False),
+    "train.weight_decay": _w(OPT, "weight_decay") + _w(SCHED, "start_wd", "end_wd"),
+    "train.adam_beta1": _w(OPT, "adam_beta1"), "train.adam_beta2": _w(OPT, "adam_beta2"),
+    "train.adam_eps": _w(OPT, "adam_eps"), "train.clip_grad": _w(OPT, "clip_grad"),
+    "train.seed": _w(LOOP, "model_parallel_cuda_manual_seed") + _w(DATA, "random_seed"),
+    "train.eval_interval": _w(LOOP, "eval_interval"), "train.eval_iters": _w(LOOP, "eval_iters"),
+    "train.recompute": _tc("recompute_granularity", same=False),
+    "train.recompute_num_layers": _tc("recompute_num_layers", same=False),
+    "train.exit_after_minutes": _w(LOOP, "deadline"),
+    # ---- data
+    "data.kind": _w(DATA, "dataset class"), "data.blend": _w(DATA, "blend"), "data.split": _w(DATA, "split"),
+    "data.tokenizer": _w(DATA, "tokenizer"), "data.cache_dir": _w(DATA, "path_to_cache"),
+    "data.num_workers": _w(DATA, "num_workers"),
+    # ---- checkpoint
+    "checkpoint.dir": _w(CKPT, "dir"), "checkpoint.save_interval": _w(CKPT, "save_interval"),
+    "checkpoint.save_at_end": _w(CKPT, "save_at_end"), "checkpoint.resume": _w(CKPT, "resume"),
+    "checkpoint.keep_last": _w(CKPT, "keep_last"), "checkpoint.format": _w(CKPT, "backend"),
+    "checkpoint.async_save": _w(CKPT, "async_save"),
+    # ---- logging
+    "logging.log_interval": _w(METRICS, "log_interval"), "logging.tensorboard": _w(METRICS, "SummaryWriter"),
+    "logging.wandb_project": _w(METRICS, "wandb.init"), "logging.wandb_entity": _w(METRICS, "wandb.init"),
+    "logging.wandb_mode": _w(METRICS, "wandb.init"),
+    # ---- cluster
+    "cluster.backend": _w(DIST, "backend"),
+    "cluster.peak_tflops_bf16": _w(METRICS, "mfu") + _w(LOGIN),
+    **{f"cluster.{name}": _w(LOGIN) for name in (
+        "name", "launcher", "gpu", "gpus_per_node", "gpu_memory_gb", "peak_tflops_fp8", "hbm_bandwidth_gbps",
+        "nvlink_bandwidth_gbps", "network_bandwidth_gbps", "gemm_efficiency", "fp8_gemm_efficiency",
+        "comm_efficiency", "memory_reserve_gb", "partition", "account", "container_image", "container_mounts",
+        "workdir", "python", "env", "secret_env")},
+    # ---- slurm
+    **{f"slurm.{name}": _w(LOGIN) for name in (
+        "time", "job_name", "signal_lead_s", "requeue", "exclusive", "extra_args")},
+}
+"""Schema field (dotted path) -> its destinations."""

@@ -1,0 +1,105 @@
+"""Rank entry: ``torchrun --nproc-per-node=N -m launcher.rank --bundle DIR`` (DIR/config.yaml resolved).
+
+parse -> derive the layout -> build (dist, model, optimizer, data) -> resume -> run (log, eval, checkpoint)
+-> report -> close. Contract with the job script: a ``DIR/STOP`` file makes every rank checkpoint and exit 0
+at the next step; ``DIR/DONE`` is written once all steps have run. Rank 0 prints the clean log; every rank's
+full output goes to ``DIR/logs/rank-N.log``. Nothing runs at import time (dist_checkpointing spawns a helper
+process that re-imports this module).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    bundle = Path(args.bundle)
+    from launcher.rank.console import open_rank_log, quiet_known_warnings
+
+    console, log_path = open_rank_log(bundle, int(os.environ.get("RANK", "0")))
+    quiet_known_warnings()
+    try:
+        return train(bundle, console)
+    except Exception as exc:  # a clean non-zero exit: the traceback in the rank log, one line on the console
+        import traceback
+
+        traceback.print_exc()
+        console.failure(exc, log_path)
+        return 1
+
+
+def train(bundle: Path, console) -> int:
+    from launcher.core import derive, load_job
+    from launcher.core.flops import flops_per_token
+    from launcher.rank import checkpoint as ckpt, data, loop, metrics, optim, setup
+    from megatron.core import parallel_state as ps
+    from models import backend, build_model
+
+    import torch
+
+    job = load_job(bundle / "config.yaml")
+    layout, tr = derive(job), job.train
+    setup.init_distributed(cluster=job.cluster, layout=layout, seed=tr.seed)
+    rank = torch.distributed.get_rank()
+    backend.initialize_tp_comm_overlap(model=job.model, parallel=job.parallel, precision=job.precision, train=tr,
+                                       layout=layout)
+    chunks = build_model(model=job.model, parallel=job.parallel, precision=job.precision, layout=layout,
+                         schedule=job.schedule, seed=tr.seed, recompute=tr.recompute,
+                         recompute_num_layers=tr.recompute_num_layers)
+    model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision, layout=layout)
+    optimizer = optim.build_optimizer(model, train=tr, parallel=job.parallel, precision=job.precision)
+    scheduler = optim.build_scheduler(optimizer, train=tr, steps=layout.steps)
+    optim.hook_model_config(model, optimizer, parallel=job.parallel)
+    lp = loop.Loop(model=model, optimizer=optimizer, scheduler=scheduler, train=tr, seq_length=job.model.seq_length,
+                   num_microbatches=layout.microbatches, kind=job.schedule.kind, dp_size=layout.dp)
+    ckpt.check_options(job.checkpoint)
+    ckpt_dir = Path(job.checkpoint.dir) if job.checkpoint.dir else bundle / "checkpoints"
+    latest = ckpt.latest_checkpoint(ckpt_dir) if job.checkpoint.resume else None
+    saved_at = 0
+    if latest is not None:
+        lp.step, lp.consumed = ckpt.load(latest, model=model, optimizer=optimizer, scheduler=scheduler)
+        saved_at = lp.step
+        console.line(f"resumed from {latest} at step {lp.step} ({lp.consumed} samples consumed)")
+    train_iters, valid_iters = data.build_train_valid_iterators(
+        data=job.data, model=job.model, train=tr, steps=layout.steps, consumed_samples=lp.consumed,
+        dp_rank=ps.get_data_parallel_rank(), dp_size=layout.dp, num_chunks=len(model),
+        cache_dir=job.data.cache_dir or str(bundle / "data_cache"))
+    torch.distributed.barrier()  # every rank measures the CPU share at the same time
+    peak, label = metrics.utilisation_basis(peak_tflops_bf16=job.cluster.peak_tflops_bf16,
+                                            on_gpu=torch.cuda.is_available())
+    log = metrics.MetricsLogger(logging=job.logging, bundle=bundle, run_name=job.name, config=asdict(job), rank=rank,
+                                console=console, peak_tflops=peak, util_label=label)
+
+    def save():
+        nonlocal saved_at
+        saved_at = lp.step
+        path = ckpt.save(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler, step=lp.step,
+                         consumed=lp.consumed, keep_last=job.checkpoint.keep_last)
+        console.line(f"saved checkpoint {path}")
+
+    minutes = tr.exit_after_minutes
+    fpt = flops_per_token(job.model)
+    why = lp.run(iterators=train_iters, valid_iters=valid_iters, steps=layout.steps, on_step=log.step,
+                 on_eval=log.eval, on_checkpoint=save, save_interval=job.checkpoint.save_interval,
+                 flops_per_token=fpt, world=layout.world, deadline=time.time() + minutes * 60 if minutes else None,
+                 stop_file=bundle / "STOP")
+    if (job.checkpoint.save_at_end or why == "stopped") and lp.step > saved_at:
+        save()
+    log.close(metrics.summary(log.history, log.evals, status=why, steps=lp.step, world=layout.world,
+                              flops_per_token=fpt, peak_tflops=peak, util_label=label))
+    if why == "done" and rank == 0:
+        (bundle / "DONE").write_text(f"{lp.step}\n")  # the job script requeues only runs without DONE
+    console.line(f"{'finished' if why == 'done' else 'stopped'} at step {lp.step} of {layout.steps}"
+                 f"{' (DONE written)' if why == 'done' else ' (checkpointed; a requeued run resumes)'}")
+    setup.close()
+    return 0
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(prog="launcher.rank", description=__doc__)
+    parser.add_argument("--bundle", required=True, help="run bundle directory containing config.yaml")
+    return parser.parse_args(argv)

@@ -1,0 +1,134 @@
+"""The two wings, checked statically: every import of every module, at any depth (function bodies too),
+parsed with ``ast`` and followed through the project's own modules, without running any of them.
+
+- Login-node modules (compose, validate, plan, render, submit) reach no torch, megatron, transformer_engine,
+  apex, and none of the rank wing (``launcher.rank``, ``models``, the rank parts of ``data``).
+- The rank wing reaches no login-node module: of the launcher it imports only the schema and the core.
+- The shared core imports only itself, the schema and the standard library / OmegaConf.
+"""
+from __future__ import annotations
+
+import ast
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_AND_TORCH = ("torch", "megatron", "transformer_engine", "apex", "triton")
+SHARED = ("launcher", "launcher.schema", "launcher.core", "data", "data.blend")
+"""Read by both wings (data.blend: blend parsing and path resolution, pure Python)."""
+RANK = ("launcher.rank", "models", "data.datasets", "data.tokenizer")
+LOGIN = ("launcher.__main__", "launcher.cli", "launcher.actions", "launcher.validate", "launcher.plan",
+         "launcher.render", "launcher.executor", "launcher.overrides", "launcher.help", "launcher.config",
+         "launcher.problems", "data.preflight")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for top in ("launcher", "models", "data"):
+        for path in (ROOT / top).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _in(name: str, prefixes) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+@lru_cache(maxsize=None)
+def direct_imports(module: str) -> frozenset[str]:
+    """Every module named by an import statement anywhere in ``module`` (absolute names)."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import submodule`
+    return frozenset(n for n in names if n)
+
+
+def _project(name: str) -> list[str]:
+    """The project module(s) an imported name loads: the module and every package above it."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in MODULES]
+
+
+@lru_cache(maxsize=None)
+def reach(module: str) -> frozenset[str]:
+    """All names imported by ``module`` and, transitively, by the project modules it imports."""
+    seen, todo, names = {module}, [module], set()
+    while todo:
+        for name in direct_imports(todo.pop()):
+            names.add(name)
+            for dep in _project(name):
+                if dep not in seen:
+                    seen.add(dep)
+                    todo.append(dep)
+    return frozenset(names | seen)
+
+
+def _wing(module: str) -> str:
+    if _in(module, RANK):
+        return "rank"
+    if module in SHARED or _in(module, ("launcher.core",)):
+        return "shared"
+    if _in(module, LOGIN):
+        return "login"
+    return "tool"
+
+
+def test_every_launcher_module_has_a_wing():
+    unplaced = [m for m in MODULES if m.startswith("launcher") and _wing(m) == "tool"]
+    assert not unplaced, f"place these in a wing in tests/test_layering.py: {unplaced}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _wing(m) == "login"))
+def test_login_node_module_reaches_no_torch_and_no_rank_wing(module):
+    bad = sorted(n for n in reach(module) if _in(n, GPU_AND_TORCH) or _in(n, RANK))
+    assert not bad, f"{module} reaches {bad}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _wing(m) == "rank"))
+def test_rank_wing_module_reaches_no_login_module(module):
+    bad = sorted(n for n in reach(module) if _in(n, LOGIN))
+    assert not bad, f"{module} reaches {bad}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _wing(m) == "shared"))
+def test_shared_core_reaches_only_itself_and_no_torch(module):
+    bad = sorted(n for n in reach(module) if _in(n, GPU_AND_TORCH) or _in(n, RANK) or _in(n, LOGIN))
+    assert not bad, f"{module} reaches {bad}"
+
+
+def test_the_checker_sees_imports_inside_functions(tmp_path, monkeypatch):
+    """The walk must find a lazy import buried in a function body (a mutation the static test must catch)."""
+    fake = tmp_path / "fake.py"
+    fake.write_text("def f():\n    if True:\n        from launcher.plan import plan_job\n")
+    monkeypatch.setitem(MODULES, "models.fake", fake)
+    direct_imports.cache_clear()
+    reach.cache_clear()
+    try:
+        assert "launcher.plan" in reach("models.fake")
+        assert _in("launcher.plan", LOGIN)
+    finally:
+        direct_imports.cache_clear()
+        reach.cache_clear()
+
+
+def test_rank_entry_lives_in_the_rank_wing_and_launch_starts_it():
+    assert not (ROOT / "launcher" / "train.py").exists()
+    assert "-m launcher.rank --bundle" in (ROOT / "slurm" / "launch.sh.j2").read_text()
