@@ -75,6 +75,8 @@ def build_optimizer(model: List[torch.nn.Module], *, train: TrainConfig, paralle
 
 def scheduler_kwargs(*, train: TrainConfig, steps: int) -> dict:
     """OptimizerParamScheduler's arguments: linear warmup, then cosine | linear | constant | WSD."""
+    if train.lr_schedule not in LR_STYLES:  # validation refuses it first; a hand-built config lands here
+        raise ValueError(f"train.lr_schedule={train.lr_schedule!r}; use one of {sorted(LR_STYLES)}")
     style = LR_STYLES[train.lr_schedule]
     wsd = (train.wsd_decay_steps or max(1, steps // 10)) if style == "WSD" else None
     return dict(
