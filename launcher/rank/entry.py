@@ -85,7 +85,8 @@ def train(bundle: Path, console) -> int:
     fpt = flops_per_token(job.model)
     why = lp.run(iterators=train_iters, valid_iters=valid_iters, steps=layout.steps, on_step=log.step,
                  on_eval=log.eval, on_checkpoint=save, save_interval=job.checkpoint.save_interval,
-                 flops_per_token=fpt, world=layout.world, deadline=time.time() + minutes * 60 if minutes else None,
+                 flops_per_token=fpt, tokens_per_step=layout.tokens_per_step, world=layout.world,
+                 deadline=time.time() + minutes * 60 if minutes else None,
                  stop_file=bundle / "STOP")
     if (job.checkpoint.save_at_end or why == "stopped") and lp.step > saved_at:
         save()

@@ -106,13 +106,12 @@ class Loop:
 
     def run(self, *, iterators, valid_iters: Callable, steps: int, on_step: Callable,
             on_eval: Callable, on_checkpoint: Callable, save_interval: int,
-            flops_per_token: float, world: int, deadline: Optional[float],
+            flops_per_token: float, tokens_per_step: int, world: int, deadline: Optional[float],
             stop_file: Optional[Path] = None) -> str:
         """Train to ``steps``; returns why it stopped: 'done' or 'stopped' (STOP file, SIGUSR1 or time
         limit; the caller then checkpoints). Any rank's reason stops all ranks at the same step."""
         from launcher.rank.metrics import memory_gib
 
-        tokens_per_step = self.train.global_batch_size * self.seq_length
         while self.step < steps:
             start = time.perf_counter()
             out = self.train_step(iterators)
