@@ -42,6 +42,20 @@ def use_transformer_engine(precision: PrecisionConfig) -> bool:
     return have
 
 
+def check_planned_backend(precision: PrecisionConfig, layout: Layout) -> bool:
+    """The layer backend this process will build must be the one the login node planned (layout), else the plan
+    (memory, FP8, CP attention) describes a different job: refuse with the reason. Returns TE's use."""
+    te = use_transformer_engine(precision)
+    if layout.transformer_engine and not te:
+        raise RuntimeError("this job was planned with Transformer Engine layers (precision.transformer_engine="
+                           f"{precision.transformer_engine} on a GPU cluster) but Transformer Engine with a GPU is "
+                           "not available in this process; use the GPU image, or precision.transformer_engine=false")
+    if te and not layout.transformer_engine:
+        raise RuntimeError("Transformer Engine is available here but the job was planned without it "
+                           "(cluster.gpu=cpu or precision.transformer_engine=false); re-render for this cluster")
+    return te
+
+
 def fp8_fields(precision: PrecisionConfig, te: bool) -> Dict[str, Any]:
     """TransformerConfig fields for the FP8 recipe (empty when FP8 is off)."""
     if precision.fp8 is None:

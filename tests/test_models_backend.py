@@ -112,3 +112,24 @@ def test_sequence_parallel_norm_marks_params():
     cfg.normalization = "LayerNorm"
     norm = backend.SequenceParallelNorm(cfg, 8)
     assert isinstance(norm, torch.nn.LayerNorm) and all(p.sequence_parallel for p in norm.parameters())
+
+
+def test_rank_refuses_a_backend_other_than_the_planned_one(monkeypatch):
+    from launcher.core import derive
+    from launcher.schema import ClusterConfig, JobConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    gpu_job = JobConfig(cluster=ClusterConfig(gpu="H100", backend="nccl"), precision=PrecisionConfig())
+    with pytest.raises(RuntimeError, match="planned with Transformer Engine"):
+        backend.check_planned_backend(gpu_job.precision, derive(gpu_job))
+    cpu_job = JobConfig(precision=PrecisionConfig(transformer_engine="false"))
+    assert backend.check_planned_backend(cpu_job.precision, derive(cpu_job)) is False
+
+
+def test_gpu_without_te_planned_is_refused_when_te_is_present(fake_gpu_with_te):
+    from launcher.core import derive
+    from launcher.schema import JobConfig
+
+    job = JobConfig(precision=PrecisionConfig(transformer_engine="auto"))  # cluster.gpu=cpu: planned without TE
+    with pytest.raises(RuntimeError, match="planned without it"):
+        backend.check_planned_backend(job.precision, derive(job))

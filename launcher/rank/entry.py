@@ -45,6 +45,7 @@ def train(bundle: Path, console) -> int:
     layout, tr = derive(job), job.train
     setup.init_distributed(cluster=job.cluster, layout=layout, seed=tr.seed)
     rank = torch.distributed.get_rank()
+    backend.check_planned_backend(job.precision, layout)
     backend.initialize_tp_comm_overlap(model=job.model, parallel=job.parallel, precision=job.precision, train=tr,
                                        layout=layout)
     chunks = build_model(model=job.model, parallel=job.parallel, precision=job.precision, layout=layout,
