@@ -40,6 +40,14 @@ def _options(group: str) -> str:
     return ", ".join(sorted(p.stem for p in (RECIPES_DIR / group).glob("*.yaml")))
 
 
+def _allowed(f: dataclasses.Field) -> str:
+    """" [one of: a, b, c]" for a choice field (the schema's single list of allowed values)."""
+    allowed = f.metadata.get("choices")
+    if not allowed:
+        return ""
+    return f" [one of: {', '.join(map(str, allowed))}{', null' if f.metadata.get('nullable') else ''}]"
+
+
 def help_text() -> str:
     docs = field_docs()
     lines = [USAGE, f"recipes:  {_options('recipe')}", f"clusters: {_options('cluster')}",
@@ -49,9 +57,9 @@ def help_text() -> str:
     for f in dataclasses.fields(root):
         if f.name in schema.SECTIONS:
             continue
-        lines.append(f"  {f.name:<38} {docs[root.__name__].get(f.name, '')}")
+        lines.append(f"  {f.name:<38} {docs[root.__name__].get(f.name, '')}{_allowed(f)}")
     for section, cls in schema.SECTIONS.items():
         lines.append(f"\n{section}: {cls.__doc__}")
         for f in dataclasses.fields(cls):
-            lines.append(f"  {section + '.' + f.name:<38} {docs[cls.__name__].get(f.name, '')}")
+            lines.append(f"  {section + '.' + f.name:<38} {docs[cls.__name__].get(f.name, '')}{_allowed(f)}")
     return "\n".join(lines) + "\n"
