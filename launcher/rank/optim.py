@@ -15,8 +15,6 @@ from launcher.schema import LR_SCHEDULES, ParallelConfig, PrecisionConfig, Train
 LR_STYLES = {"cosine": "cosine", "linear": "linear", "constant": "constant", "wsd": "WSD"}
 """schema.LR_SCHEDULES -> OptimizerParamScheduler's lr_decay_style."""
 assert set(LR_STYLES) == set(LR_SCHEDULES)
-DDP_BUCKET_ELEMENTS = 40_000_000
-"""Megatron-LM's default DDP bucket size (--ddp-bucket-size is max(40M, 1M x DP) elements)."""
 
 
 def ddp_config(*, parallel: ParallelConfig, precision: PrecisionConfig, layout: Layout, on_gpu: bool):
@@ -32,8 +30,9 @@ def ddp_config(*, parallel: ParallelConfig, precision: PrecisionConfig, layout: 
         # FP8 primary weights are re-quantised by the distributed optimizer only under fp8_param_gather
         # (optimizer/distrib_optimizer.py); Megatron-LM sets the two together (training/argument_utils.py).
         fp8_param_gather=precision.fp8_param,
-        check_for_nan_in_grad=False,
-        bucket_size=max(DDP_BUCKET_ELEMENTS, 1_000_000 * layout.dp_cp) if on_gpu else None)
+        # bucket_size stays None: DDP then applies Megatron-LM's default, max(40M, 1M x DP) elements, and
+        # disables bucketing when the reduce is not overlapped (distributed_data_parallel.py)
+        check_for_nan_in_grad=False)
 
 
 def wrap_ddp(chunks: List[torch.nn.Module], *, parallel: ParallelConfig, precision: PrecisionConfig,
