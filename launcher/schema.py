@@ -185,6 +185,17 @@ class ParallelConfig:
     """Layers on the first pipeline stage for an uneven split; null means an even split."""
     last_stage_layers: Optional[int] = None
     """Layers on the last pipeline stage for an uneven split; null means an even split."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """Count the input embedding as one layer when splitting the pipeline (Megatron-Core's flag): the layers
+    + 1 split evenly over PP x VPP chunks and the first chunk holds one decoder layer fewer (NVIDIA's 405B,
+    Qwen3-235B layouts); not with first/last_stage_layers."""
+    account_for_loss_in_pipeline_split: bool = False
+    """Count the output layer + loss as one layer when splitting the pipeline: the last chunk of the last
+    stage holds one decoder layer fewer; not with first/last_stage_layers."""
+    pipeline_model_parallel_layout: Optional[str] = None
+    """Explicit layers per virtual pipeline stage, Megatron-Core's string: '|' between virtual stages (PP x VPP
+    of them, in virtual-stage order), E embedding, t decoder layer, m MTP layer, L loss, (..)*n repeats;
+    e.g. DeepSeek-V3 on PP8 x VPP4: 'Et|(tt|)*30mL'. Excludes the other split fields; null means none."""
 
 
 @dataclass

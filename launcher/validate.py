@@ -211,12 +211,74 @@ def _validate_overlap(c: _Checks, p: ParallelConfig, lay: Layout) -> None:
                "TP communication overlap uses Transformer Engine userbuffers (GPU only)", "parallel.tp_comm_overlap=false")
 
 
+def _validate_account_split(c: _Checks, p: ParallelConfig, model: ModelConfig, vp: int) -> None:
+    """Megatron-Core's account_for_embedding/loss_in_pipeline_split rules (transformer_config.py): not with the
+    first/last stage overrides; layers + the counted modules divide PP, and each rank's share divides VPP."""
+    name = ("parallel.account_for_embedding_in_pipeline_split" if p.account_for_embedding_in_pipeline_split
+            else "parallel.account_for_loss_in_pipeline_split")
+    if not c.need(p.first_stage_layers is None and p.last_stage_layers is None, name, True,
+                  "cannot be combined with parallel.first_stage_layers/last_stage_layers (Megatron-Core refuses it)",
+                  "parallel.first_stage_layers=null and parallel.last_stage_layers=null"):
+        return
+    if not c.need(p.pipeline > 1, name, True, "counting embedding/loss as layers needs parallel.pipeline > 1",
+                  f"{name}=false"):
+        return
+    total = model.num_layers + p.account_for_embedding_in_pipeline_split + p.account_for_loss_in_pipeline_split
+    chunks = p.pipeline * vp
+    c.need(total % chunks == 0, name, True,
+           f"model.num_layers={model.num_layers} + counted embedding/loss = {total} must be divisible by "
+           f"parallel.pipeline x parallel.virtual_pipeline = {p.pipeline}x{vp} = {chunks}",
+           f"parallel.pipeline={_divisor_near(total // vp, p.pipeline) if total % vp == 0 else p.pipeline}"
+           " or parallel.virtual_pipeline=null")
+
+
+def _validate_pipeline_layout(c: _Checks, p: ParallelConfig, model: ModelConfig) -> None:
+    """parallel.pipeline_model_parallel_layout, as Megatron-Core's PipelineParallelLayerLayout checks it (plus
+    the MTP placement our MTP block spec assumes: the last stage's last chunk)."""
+    from launcher.core.layout import parse_pipeline_layout
+
+    f, text = "parallel.pipeline_model_parallel_layout", p.pipeline_model_parallel_layout
+    others = [n for n in ("first_stage_layers", "last_stage_layers") if getattr(p, n) is not None]
+    others += [n for n in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+               if getattr(p, n)]
+    if not c.need(not others, f, text, f"cannot be combined with parallel.{others[0] if others else ''} "
+                  "(Megatron-Core refuses other split fields with a layout)", f"parallel.{others[0] if others else ''}=null"):
+        return
+    try:
+        chunks = parse_pipeline_layout(text)
+    except ValueError as exc:
+        c.need(False, f, text, str(exc), f"{f}=null")
+        return
+    n, pp = len(chunks), p.pipeline
+    if not c.need(n % pp == 0, f, text, f"has {n} virtual stages, not a multiple of parallel.pipeline={pp}", f"{f}=null"):
+        return
+    vp = n // pp
+    c.need((p.virtual_pipeline or 1) == vp, "parallel.virtual_pipeline", p.virtual_pipeline,
+           f"must equal the layout's virtual stages per rank ({n} / PP {pp} = {vp})",
+           f"parallel.virtual_pipeline={vp if vp > 1 else 'null'}")
+    flat = "".join(chunks)
+    c.need(flat.count("E") == 1 and flat.startswith("E") and flat.count("L") == 1 and flat.endswith("L"), f, text,
+           "must start with the embedding E and end with the loss L, each exactly once", f"{f}=null")
+    c.need(flat.count("t") == model.num_layers, f, text,
+           f"holds {flat.count('t')} decoder layers (t), model.num_layers={model.num_layers}", f"{f}=null")
+    mtp = model.mtp_num_layers or 0
+    ok = flat.count("m") == mtp and (not mtp or chunks[-1].count("m") == mtp)
+    c.need(ok, f, text, f"must hold model.mtp_num_layers={mtp} MTP layers (m), all in the last virtual stage",
+           f"{f}=null")
+
+
 def _validate_layer_split(c: _Checks, p: ParallelConfig, model: ModelConfig, lay: Layout) -> None:
     if p.virtual_pipeline is not None and not c.positive("parallel.virtual_pipeline", p.virtual_pipeline):
         return
     vp = lay.vpp
     c.need(vp == 1 or p.pipeline > 1, "parallel.virtual_pipeline", vp,
            "virtual pipeline stages need parallel.pipeline > 1", "parallel.virtual_pipeline=null")
+    if p.pipeline_model_parallel_layout is not None:
+        _validate_pipeline_layout(c, p, model)
+        return
+    if p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split:
+        _validate_account_split(c, p, model, vp)
+        return
     layers = model.num_layers
     first, last = p.first_stage_layers, p.last_stage_layers
     if first is None and last is None:

@@ -73,6 +73,9 @@ def transformer_config(*, model: ModelConfig, parallel: ParallelConfig, precisio
         tp_comm_overlap=parallel.tp_comm_overlap,
         num_layers_in_first_pipeline_stage=parallel.first_stage_layers,
         num_layers_in_last_pipeline_stage=parallel.last_stage_layers,
+        account_for_embedding_in_pipeline_split=parallel.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=parallel.account_for_loss_in_pipeline_split,
+        pipeline_model_parallel_layout=parallel.pipeline_model_parallel_layout,
         # numerics
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         # CPU: full-size init on the CPU generator (layout-independent); GPU: per-shard init on device

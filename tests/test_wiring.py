@@ -29,6 +29,18 @@ VARIANTS = {
                         "parallel.pipeline=1", "parallel.virtual_pipeline=null", "parallel.context=1",
                         "parallel.expert=64", "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=false",
                         "schedule.kind=1f1b", "train.global_batch_size=256", "force=true"],
+    # NVIDIA's layouts: 405B with embedding and loss counted as pipeline layers (126 + 2 on PP8 x VPP8);
+    # DeepSeek-V3 with an explicit per-chunk layout (PP8 x VPP4, MTP on the last chunk)
+    "llama405b_account_split": ["recipe=llama405b", "parallel.first_stage_layers=null",
+                                "parallel.last_stage_layers=null", "parallel.virtual_pipeline=8",
+                                "parallel.account_for_embedding_in_pipeline_split=true",
+                                "parallel.account_for_loss_in_pipeline_split=true", "schedule.kind=interleaved",
+                                "force=true"],
+    "deepseek_v3_layout": ["recipe=llama3_70b", "model=deepseek_v3", "nodes=128", "parallel.tensor=2",
+                           "parallel.pipeline=8", "parallel.virtual_pipeline=4", "parallel.context=1",
+                           "parallel.expert=64", "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=false",
+                           "parallel.pipeline_model_parallel_layout='Et|(tt|)*30mL'", "schedule.kind=interleaved",
+                           "train.global_batch_size=512", "force=true"],
 }
 MLA_FIELDS = {f"model.{n}" for n in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")}
 """Fields of MLATransformerConfig only: they reach Megatron only when model.multi_latent_attention is on."""
@@ -206,6 +218,8 @@ def _expected(field: str, target: str, attr: str, job, lay, built):
         ("train.lr_schedule", SCHED, "lr_decay_style"): {"wsd": "WSD"}.get(t.lr_schedule, t.lr_schedule),
         ("train.wsd_decay_steps", SCHED, "wsd_decay_steps"):
             (t.wsd_decay_steps or max(1, lay.steps // 10)) if t.lr_schedule == "wsd" else None,
+        ("parallel.pipeline_model_parallel_layout", TC, "pipeline_model_parallel_layout"):
+            _Repr(p.pipeline_model_parallel_layout) if p.pipeline_model_parallel_layout else None,
         ("train.recompute", TC, "recompute_granularity"): None if t.recompute == "none" else t.recompute,
         ("train.recompute_num_layers", TC, "recompute_num_layers"): (t.recompute_num_layers or 1) if t.recompute == "full" else SKIP,
     }
@@ -214,6 +228,23 @@ def _expected(field: str, target: str, attr: str, job, lay, built):
     if field == "precision.fp8" and (target, attr) == (TC, "fp8_recipe"):
         return pr.fp8 if pr.fp8 else SKIP  # without FP8, TransformerConfig.fp8 is None (checked above)
     return table[(field, target, attr)]
+
+
+class _Repr:
+    """Equal to an object whose repr is ``text`` (TransformerConfig turns the layout string into a
+    PipelineParallelLayerLayout, whose repr is the string it was parsed from)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __eq__(self, other):
+        return repr(other) == self.text
+
+    def __ne__(self, other):
+        return not self.__eq__(other)
+
+    def __repr__(self):
+        return f"layout {self.text!r}"
 
 
 def _moe_pattern(m) -> list[int]:

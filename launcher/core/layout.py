@@ -5,8 +5,9 @@ an invalid job (a TP x PP x CP that does not divide the world, a batch that does
 """
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
-from typing import Tuple
+from typing import List, Optional, Tuple
 
 from launcher.schema import ClusterConfig, JobConfig, ModelConfig, ParallelConfig, PrecisionConfig
 
@@ -78,11 +79,12 @@ def derive(job: JobConfig) -> Layout:
     par, model, train = job.parallel, job.model, job.train
     world = job.nodes * job.cluster.gpus_per_node
     tp, pp, cp, ep = par.tensor, par.pipeline, par.context, par.expert
-    vpp = par.virtual_pipeline or 1
+    vpp = par.virtual_pipeline or layout_virtual_size(par) or 1
     etp = par.expert_tensor or tp
     dp = _quotient(world, tp * pp * cp)
     per_step = train.micro_batch_size * dp
-    counts = stage_layer_counts(par, model.num_layers)
+    sizes = chunk_sizes(par, model.num_layers)
+    counts = [sum(row) for row in sizes]
     return Layout(
         world=world, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, dp=dp,
         expert_dp=_quotient(world, etp * ep * pp),
@@ -91,7 +93,7 @@ def derive(job: JobConfig) -> Layout:
         microbatch_group=job.schedule.microbatch_group_size or pp,
         steps=train_steps(job), tokens_per_step=train.global_batch_size * model.seq_length,
         padded_vocab=padded_vocab(model, tp), moe_pattern=tuple(moe_layer_pattern(model)),
-        stage_layers=tuple(counts), chunk_layers=_chunk_layers(counts, pp, vpp),
+        stage_layers=tuple(counts), chunk_layers=_chunk_layers(sizes),
         transformer_engine=uses_transformer_engine(job.precision, job.cluster),
     )
 
@@ -135,8 +137,88 @@ def moe_layer_pattern(model: ModelConfig) -> list[bool]:
 
 
 def stage_layer_counts(parallel: ParallelConfig, num_layers: int) -> list[int]:
-    """Decoder layers on each pipeline stage (even split, or first/last stage overrides)."""
+    """Decoder layers on each pipeline stage (even split, first/last stage overrides, embedding/loss counted
+    as layers, or an explicit per-chunk layout)."""
+    return [sum(row) for row in chunk_sizes(parallel, num_layers)]
+
+
+LAYOUT_CHARS = {"E": "embedding", "L": "loss", "t": "decoder", "m": "mtp"}
+"""Megatron-Core's pipeline-layout letters (``PipelineParallelLayerLayout.parse_str_to_list``)."""
+
+
+def parse_pipeline_layout(text: str) -> List[str]:
+    """Megatron-Core's ``pipeline_model_parallel_layout`` string -> one string of layer letters per virtual
+    stage, in virtual-stage order (chunk k*PP + r is stage r's k-th chunk). Same grammar as upstream: ``|``
+    separates virtual stages, ``(...)*n`` and ``x*n`` repeat, commas are cosmetic; e.g. ``"Et|(tt|)*30mL"``.
+    Raises ValueError on a letter outside E, L, t, m."""
+    s = text.replace(",", "")
+    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
+        s = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), s)
+    chunks = s.split("|")
+    bad = sorted({ch for ch in s.replace("|", "") if ch not in LAYOUT_CHARS})
+    if bad:
+        raise ValueError(f"unknown layer letter(s) {bad}; known: E (embedding), t (decoder), m (MTP), L (loss)")
+    return chunks
+
+
+def layout_virtual_size(parallel: ParallelConfig) -> Optional[int]:
+    """Virtual stages per pipeline rank implied by parallel.pipeline_model_parallel_layout (None without one,
+    or when it cannot be parsed / does not split over the pipeline)."""
+    text = parallel.pipeline_model_parallel_layout
+    if not text:
+        return None
+    try:
+        n = len(parse_pipeline_layout(text))
+    except ValueError:
+        return None
     p = max(1, parallel.pipeline)
+    return n // p if n % p == 0 and n >= p else None
+
+
+def chunk_sizes(parallel: ParallelConfig, num_layers: int) -> list[list[int]]:
+    """Decoder layers per [stage][virtual chunk], as Megatron-Core builds them (``get_num_layers_to_build``):
+
+    - an explicit ``pipeline_model_parallel_layout``: its ``t`` letters per virtual stage;
+    - ``account_for_embedding/loss_in_pipeline_split``: (layers + 1 per counted module) split evenly over
+      PP x VPP chunks, the first chunk of stage 0 one layer short for the embedding, the last chunk of the
+      last stage one short for the loss;
+    - first/last stage overrides, else an even split; each stage's layers split evenly over its chunks.
+    Never raises: an invalid split keeps the total right (validation reports it)."""
+    p = max(1, parallel.pipeline)
+    v = max(1, parallel.virtual_pipeline or layout_virtual_size(parallel) or 1)
+    if parallel.pipeline_model_parallel_layout and layout_virtual_size(parallel):
+        chunks = parse_pipeline_layout(parallel.pipeline_model_parallel_layout)
+        v = len(chunks) // p
+        return [[chunks[k * p + r].count("t") for k in range(v)] for r in range(p)]
+    emb = bool(parallel.account_for_embedding_in_pipeline_split)
+    loss = bool(parallel.account_for_loss_in_pipeline_split)
+    if p > 1 and (emb or loss):
+        total = num_layers + emb + loss
+        each = total // (p * v)
+        sizes = [[each] * v for _ in range(p)]
+        if emb:
+            sizes[0][0] -= 1
+        if loss:
+            sizes[-1][-1] -= 1
+        _fix_total(sizes, num_layers)
+        return sizes
+    counts = _stage_counts(parallel, num_layers, p)
+    sizes = []
+    for c in counts:
+        per = max(0, c // v)
+        sizes.append([per] * (v - 1) + [c - per * (v - 1)])
+    return sizes
+
+
+def _fix_total(sizes: list[list[int]], num_layers: int) -> None:
+    """Keep the layer total right for a split that does not divide (validation reports it)."""
+    diff = num_layers - sum(map(sum, sizes))
+    row = sizes[len(sizes) // 2]
+    row[-1] = max(0, row[-1] + diff)
+
+
+def _stage_counts(parallel: ParallelConfig, num_layers: int, p: int) -> list[int]:
+    """Decoder layers on each pipeline stage (even split, or first/last stage overrides)."""
     if p == 1:
         return [num_layers]
     first, last = parallel.first_stage_layers, parallel.last_stage_layers
@@ -154,16 +236,16 @@ def stage_layer_counts(parallel: ParallelConfig, num_layers: int) -> list[int]:
     return counts
 
 
-def _chunk_layers(counts: list[int], p: int, v: int) -> tuple:
-    """With VPP the model is cut into PP x VPP chunks, stage r holding chunks r, r + PP, r + 2 PP, ...
-    (Megatron's interleaved assignment); each stage's layers split evenly over its chunks."""
-    p, v = max(1, p), max(1, v)
-    per_chunk = [max(0, c // v) for c in counts]
+def _chunk_layers(sizes: list[list[int]]) -> tuple:
+    """Global decoder-layer indices per [stage][chunk]: with VPP the model is cut into PP x VPP chunks,
+    stage r holding chunks r, r + PP, r + 2 PP, ... (Megatron's interleaved assignment, layer ids in
+    virtual-stage order)."""
+    p, v = len(sizes), len(sizes[0]) if sizes else 1
     chunks: list[list[tuple]] = [[] for _ in range(p)]
     nxt = 0
     for k in range(v):
         for r in range(p):
-            size = per_chunk[r] if k < v - 1 else counts[r] - per_chunk[r] * (v - 1)
-            chunks[r].append(tuple(range(nxt, nxt + max(0, size))))
-            nxt += max(0, size)
+            size = max(0, sizes[r][k])
+            chunks[r].append(tuple(range(nxt, nxt + size)))
+            nxt += size
     return tuple(tuple(c) for c in chunks)

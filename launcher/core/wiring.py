@@ -109,6 +109,10 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
     "parallel.tp_comm_overlap": _tc("tp_comm_overlap") + _w(UB, "called", same=False),
     "parallel.first_stage_layers": _tc("num_layers_in_first_pipeline_stage"),
     "parallel.last_stage_layers": _tc("num_layers_in_last_pipeline_stage"),
+    "parallel.account_for_embedding_in_pipeline_split": _tc("account_for_embedding_in_pipeline_split"),
+    "parallel.account_for_loss_in_pipeline_split": _tc("account_for_loss_in_pipeline_split"),
+    # TransformerConfig parses the string into a PipelineParallelLayerLayout (its repr is the string)
+    "parallel.pipeline_model_parallel_layout": _tc("pipeline_model_parallel_layout", same=False),
     # ---- schedule
     "schedule.kind": _w(LOOP, "forward_backward_func"),
     "schedule.microbatch_group_size": _tc("microbatch_group_size_per_vp_stage", same=False),
