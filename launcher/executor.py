@@ -6,8 +6,11 @@ same launch.sh on this machine and tees its output into the bundle's logs. Login
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 from launcher.render import Bundle, atomic_write
@@ -47,16 +50,73 @@ class SlurmExecutor:
 
 @dataclass
 class LocalExecutor:
-    """Run a bundle's launch.sh here, streaming its output to the terminal and logs/local.log."""
+    """Run a bundle's launch.sh here, streaming its output to the terminal and logs/local.log.
+
+    Never hangs on orphans: launch.sh runs in its own session (process group); we wait for it to exit, then end
+    whatever is left of its group by the group's id (e.g. a checkpoint-writer process that outlived a killed
+    rank and still holds the output pipe), and drain the pipe for at most ``drain_s`` seconds."""
+
+    drain_s: float = 5.0
+    grace_s: float = 5.0
 
     def run(self, bundle: Bundle) -> int:
+        import threading
+
         log_path = bundle.path / "logs" / "local.log"
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(["bash", str(bundle.launch)], stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT)
+                                    stderr=subprocess.STDOUT, start_new_session=True)
             assert proc.stdout is not None
-            for chunk in iter(lambda: proc.stdout.readline(), b""):
-                sys.stdout.buffer.write(chunk)
-                sys.stdout.flush()
-                log.write(chunk)
-            return proc.wait()
+            pump = threading.Thread(target=_pump, args=(proc.stdout, log), daemon=True)
+            pump.start()
+            try:
+                code = proc.wait()
+            except KeyboardInterrupt:
+                _signal_group(proc.pid, signal.SIGINT)
+                code = _wait(proc, self.grace_s * 6)
+                code = 130 if code is None else code
+            finally:
+                end_group(proc.pid, grace_s=self.grace_s)
+                pump.join(self.drain_s)
+            if code is None:
+                code = proc.wait()
+            return code
+
+
+def _pump(stream, log) -> None:
+    """Copy the child's output to our stdout and the log until EOF (or until the pipe breaks)."""
+    try:
+        for chunk in iter(lambda: stream.read1(65536), b""):
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.flush()
+            log.write(chunk)
+            log.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def _wait(proc: subprocess.Popen, timeout: float):
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _signal_group(pgid: int, sig) -> bool:
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def end_group(pgid: int, grace_s: float = 5.0) -> None:
+    """SIGTERM the process group ``pgid`` (one we created), then SIGKILL what is still there after grace_s."""
+    if not _signal_group(pgid, signal.SIGTERM):
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if not _signal_group(pgid, 0):
+            return
+        time.sleep(0.1)
+    _signal_group(pgid, signal.SIGKILL)

@@ -85,6 +85,10 @@ def template_context(job: JobConfig, bundle_dir: Path) -> dict:
         "exclusive": slurm.exclusive,
         "requeue": slurm.requeue,
         "signal_lead_s": slurm.signal_lead_s,
+        "max_requeues": slurm.max_requeues,
+        # torchrun restarts after a rank dies: on by default where a node can fail under a long job.
+        "max_restarts": cluster.max_restarts if cluster.max_restarts is not None
+        else (3 if cluster.launcher == "slurm" else 0),
         "extra_args": list(slurm.extra_args),
         "bundle": str(bundle_dir),
         "workdir": cluster.workdir or str(ROOT),

@@ -34,6 +34,8 @@ LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
 RECOMPUTE = ("none", "selective", "full")
 DATA_KINDS = ("indexed", "mock")
 CHECKPOINT_FORMATS = ("torch_dist",)
+CHECKPOINT_VERIFY = ("sizes", "checksum")
+NONFINITE_POLICIES = ("stop", "skip")
 WANDB_MODES = ("offline", "online", "disabled")
 LAUNCHERS = ("slurm", "local")
 GPUS = ("H100", "H200", "GH200", "B200", "GB200", "A100", "cpu")
@@ -284,6 +286,14 @@ class TrainConfig:
     """Full recompute: layers per stage recomputed; null means all."""
     exit_after_minutes: Optional[float] = None
     """Stop cleanly (with a checkpoint) after this wall time; null means no limit."""
+    nonfinite: str = choice("stop", NONFINITE_POLICIES)
+    """A NaN/Inf loss or gradient norm: stop (exit non-zero at that step, no checkpoint saved after it) or
+    skip (drop that step's update: parameters, optimizer state and LR schedule stay as they were)."""
+    straggler_interval: int = 0
+    """Every n steps, gather each rank's step time and name the slowest rank when it is more than
+    straggler_margin slower than the median (0 disables)."""
+    straggler_margin: float = 0.2
+    """Relative margin over the median step time above which a rank is reported as a straggler."""
 
 
 @dataclass
@@ -320,6 +330,13 @@ class CheckpointConfig:
     """Keep only the newest n checkpoints; null keeps all."""
     format: str = choice("torch_dist", CHECKPOINT_FORMATS)
     """dist_checkpointing backend format."""
+    load: Optional[str] = None
+    """Start from this checkpoint (an iter_* directory, or a checkpoint dir whose newest complete checkpoint
+    is used) even if it belongs to another run or layout (fine-tune, changed TP/PP/DP); this run's own
+    checkpoints in dir, once it has some, take precedence."""
+    verify: str = choice("sizes", CHECKPOINT_VERIFY)
+    """Check a checkpoint before loading it: sizes (every file has the size recorded at save) or checksum
+    (also its CRC32, spread over the ranks)."""
     async_save: bool = False
     """Write checkpoints asynchronously (GPU clusters)."""
 
@@ -387,6 +404,9 @@ class ClusterConfig:
     """Directory the job starts in on the nodes; null means the launcher checkout."""
     python: str = "python"
     """Python interpreter on the nodes."""
+    max_restarts: Optional[int] = None
+    """torchrun --max-restarts: restart all ranks of a node this many times after a rank dies (each restart
+    resumes from the newest complete checkpoint); null means 3 on Slurm, 0 locally."""
     env: Dict[str, str] = field(default_factory=dict)
     """Environment variables exported in the job (NCCL, CUDA_DEVICE_MAX_CONNECTIONS, ...)."""
     secret_env: List[str] = field(default_factory=lambda: ["WANDB_API_KEY", "HF_TOKEN"])
@@ -405,6 +425,8 @@ class SlurmConfig:
     """Seconds before the time limit at which SIGUSR1 asks the job to checkpoint and exit."""
     requeue: bool = True
     """Requeue the job after preemption or a clean time-limit exit."""
+    max_requeues: int = 3
+    """Requeue at most this many times (a run that ends without DONE and did not fail is requeued)."""
     exclusive: bool = True
     """Request whole nodes."""
     extra_args: List[str] = field(default_factory=list)

@@ -108,7 +108,7 @@ def render(tmp_path: Path, *overrides: str) -> Bundle:
     assert cross_check(job, render_texts(job, tmp_path / "bundle")) == []
     bundle = write_bundle(job, argv=["test_slurm_localhost", *overrides])
     assert "#SBATCH --gpus-per-node" not in bundle.sbatch.read_text()  # cpu profile: no GPU request
-    assert f"exec {shlex.quote(sys.executable)} -m torch.distributed.run" in bundle.launch.read_text()
+    assert f"\n{shlex.quote(sys.executable)} -m torch.distributed.run" in bundle.launch.read_text()
     return bundle
 
 
@@ -180,7 +180,7 @@ echo "probe: no STOP file within 110 s"; exit 3
     assert f"launcher: job {job.id} restart 0 on " in first, log
     assert "launcher: SIGUSR1 received, asking training to checkpoint and stop" in first, log
     assert "probe: STOP file seen after" in first, log
-    assert f"launcher: stopped before the time limit; requeueing job {job.id}" in first, log
+    assert "launcher: stopped before the time limit (" in first and f"requeueing job {job.id} (requeue 1 of 3" in first, log
     assert "probe: SLURM_RESTART_COUNT=1" in second, log
     assert "probe: requeued run, nothing left to do" in second, log
     assert "requeueing" not in second, log
@@ -201,7 +201,7 @@ def test_smoke_training_through_slurm(slurm, tmp_path):
     (bundle_dir,) = [p.parent for p in tmp_path.glob("*/submission.json")]
     bundle, job_id = Bundle(bundle_dir), submitted.group(1)
     assert json.loads((bundle.path / "submission.json").read_text()) == {"job_id": job_id}
-    assert f"exec {shlex.quote(sys.executable)} -m torch.distributed.run" in bundle.launch.read_text()
+    assert f"\n{shlex.quote(sys.executable)} -m torch.distributed.run" in bundle.launch.read_text()
     with Job(bundle, job_id) as job:
         info = job.wait(240)
     log = log_of(bundle, job.id)

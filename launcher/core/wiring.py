@@ -144,6 +144,8 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
     "train.recompute": _tc("recompute_granularity", same=False),
     "train.recompute_num_layers": _tc("recompute_num_layers", same=False),
     "train.exit_after_minutes": _w(LOOP, "deadline"),
+    "train.nonfinite": _w(LOOP, "nonfinite"), "train.straggler_interval": _w(LOOP, "straggler_interval"),
+    "train.straggler_margin": _w(LOOP, "straggler_margin"),
     # ---- data
     "data.kind": _w(DATA, "dataset class"), "data.blend": _w(DATA, "blend"), "data.split": _w(DATA, "split"),
     "data.tokenizer": _w(DATA, "tokenizer"), "data.cache_dir": _w(DATA, "path_to_cache"),
@@ -152,7 +154,8 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
     "checkpoint.dir": _w(CKPT, "dir"), "checkpoint.save_interval": _w(CKPT, "save_interval"),
     "checkpoint.save_at_end": _w(CKPT, "save_at_end"), "checkpoint.resume": _w(CKPT, "resume"),
     "checkpoint.keep_last": _w(CKPT, "keep_last"), "checkpoint.format": _w(CKPT, "backend"),
-    "checkpoint.async_save": _w(CKPT, "async_save"),
+    "checkpoint.async_save": _w(CKPT, "async_save"), "checkpoint.load": _w(CKPT, "load"),
+    "checkpoint.verify": _w(CKPT, "verify"),
     # ---- logging
     "logging.log_interval": _w(METRICS, "log_interval"), "logging.tensorboard": _w(METRICS, "SummaryWriter"),
     "logging.wandb_project": _w(METRICS, "wandb.init"), "logging.wandb_entity": _w(METRICS, "wandb.init"),
@@ -164,9 +167,9 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
         "name", "launcher", "gpu", "gpus_per_node", "gpu_memory_gb", "peak_tflops_fp8", "hbm_bandwidth_gbps",
         "nvlink_bandwidth_gbps", "network_bandwidth_gbps", "gemm_efficiency", "fp8_gemm_efficiency",
         "comm_efficiency", "memory_reserve_gb", "partition", "account", "container_image", "container_mounts",
-        "workdir", "python", "env", "secret_env")},
+        "workdir", "python", "env", "secret_env", "max_restarts")},
     # ---- slurm
     **{f"slurm.{name}": _w(LOGIN) for name in (
-        "time", "job_name", "signal_lead_s", "requeue", "exclusive", "extra_args")},
+        "time", "job_name", "signal_lead_s", "requeue", "exclusive", "extra_args", "max_requeues")},
 }
 """Schema field (dotted path) -> its destinations."""

@@ -1,24 +1,49 @@
-"""Distributed checkpoints (megatron.core.dist_checkpointing) with crash-safe publication.
+"""Distributed checkpoints (megatron.core.dist_checkpointing) you can trust: complete-only, verified, owned.
 
 Layout under the checkpoint dir::
 
-    iter_0000010/        a complete checkpoint (model, optimizer, scheduler, step, RNG, data position)
-    latest               text file: the name of the newest complete checkpoint
+    iter_0000010/        a complete checkpoint: dist_checkpointing files + launcher.json (written last)
+    latest               text file: the name of the newest complete checkpoint (informational; resume scans)
+    LOCK                 the run that uses this dir now (host, pid, Slurm job, run hash); refreshed while training
 
-A save writes into ``iter_XXXXXXX.tmp``, renames it to ``iter_XXXXXXX`` once every rank has finished, then
-replaces ``latest`` atomically (write ``latest.tmp`` + ``os.replace``). A crash at any point leaves
-``latest`` naming a complete checkpoint (or absent), never a partial one.
+A save writes into ``iter_XXXXXXX.tmp``; once every rank has finished, rank 0 writes ``launcher.json`` (step,
+the run's identity and hash, every file's size and optionally CRC32), renames the directory to
+``iter_XXXXXXX`` and replaces ``latest`` atomically. Only a directory with ``launcher.json`` counts as a
+checkpoint, so a crash at any point leaves at most an ignored partial directory.
+
+Resume (``resume``): rank 0 lists this run's complete checkpoints newest first and broadcasts the list; every
+rank verifies its share of the files, then all load together; on any failure every rank warns naming the
+directory and falls back to the previous one. Existing checkpoints that cannot be loaded, or that belong to a
+different run (another config hash), stop the run with one line instead of being overwritten, unless
+``checkpoint.resume=false`` (start fresh: this run's old checkpoints are moved aside) or ``checkpoint.load=``.
 """
 from __future__ import annotations
 
+import datetime
+import errno
+import hashlib
+import json
 import os
 import shutil
+import socket
+import time
+import zlib
+from dataclasses import asdict
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
 LATEST = "latest"
+MANIFEST = "launcher.json"
+LOCK = "LOCK"
+LOCK_STALE_S = 600
+"""A lock whose owner is on another host and has not refreshed it for this long is stale (its node died)."""
+LOCK_REFRESH_S = 30
+
+
+class CheckpointError(Exception):
+    """A checkpoint problem every rank agrees on: the run stops with this one line (no traceback)."""
 
 
 # Distributed-optimizer state layout. 0.19.2's default (fully_sharded_model_space) builds ShardedTensors
@@ -40,13 +65,282 @@ def _name(step: int) -> str:
     return f"iter_{step:07d}"
 
 
-def latest_checkpoint(ckpt_dir: Path) -> Optional[Path]:
-    """The checkpoint named by ``latest``, if it exists and is complete."""
-    marker = Path(ckpt_dir) / LATEST
-    if not marker.is_file():
+# ---- run identity ------------------------------------------------------------------------------------------
+
+# Fields that do not change what a checkpoint holds or how training continues from it: where and how the job
+# is launched, logged and checkpointed, and how long it runs.
+_NOT_IDENTITY = {"name", "action", "output_dir", "force", "logging", "slurm", "checkpoint",
+                 "train.train_steps", "train.train_tokens", "train.exit_after_minutes", "train.eval_interval",
+                 "train.eval_iters", "train.nonfinite", "train.straggler_interval", "train.straggler_margin",
+                 "data.cache_dir", "data.num_workers"}
+_CLUSTER_IDENTITY = ("gpus_per_node", "backend")
+
+
+def run_identity(job) -> dict:
+    """The config values that make two runs the same run (flattened 'section.field' -> value)."""
+    flat = {}
+
+    def walk(prefix, value):
+        if prefix in _NOT_IDENTITY:
+            return
+        if isinstance(value, dict) and prefix != "cluster.env":
+            for key, sub in value.items():
+                walk(f"{prefix}.{key}" if prefix else key, sub)
+        else:
+            flat[prefix] = value
+
+    raw = asdict(job)
+    raw["cluster"] = {k: raw["cluster"][k] for k in _CLUSTER_IDENTITY}
+    walk("", raw)
+    return json.loads(json.dumps(flat, default=str))
+
+
+def run_hash(identity: dict) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def identity_diff(theirs: dict, ours: dict, limit: int = 3) -> str:
+    keys = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+    shown = ", ".join(f"{k}={theirs.get(k)!r} there, {ours.get(k)!r} here" for k in keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+# ---- listing and verifying ---------------------------------------------------------------------------------
+
+def read_manifest(path: Path) -> Optional[dict]:
+    try:
+        return json.loads((Path(path) / MANIFEST).read_text())
+    except (OSError, ValueError):
         return None
-    path = Path(ckpt_dir) / marker.read_text().strip()
-    return path if (path / "metadata.json").is_file() else None
+
+
+def complete_checkpoints(ckpt_dir: Path) -> List[Tuple[Path, dict]]:
+    """(path, manifest) of every complete checkpoint under ckpt_dir, newest (highest step) first."""
+    found = []
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return found
+    for path in root.glob("iter_*"):
+        if path.name.endswith(".tmp") or not path.is_dir():
+            continue
+        manifest = read_manifest(path)
+        if manifest is not None and isinstance(manifest.get("files"), dict) and "step" in manifest:
+            found.append((path, manifest))
+    return sorted(found, key=lambda pm: int(pm[1]["step"]), reverse=True)
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Optional[Path]:
+    """The newest complete checkpoint (by step; ``latest`` is only a hint written after each save)."""
+    found = complete_checkpoints(ckpt_dir)
+    return found[0][0] if found else None
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _files_of(path: Path) -> List[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def verify_files(path: Path, manifest: dict, *, checksum: bool, rank: int = 0, world: int = 1) -> List[str]:
+    """This rank's share (every world-th file) of the checks: present, recorded size, CRC32 if asked."""
+    problems = []
+    for i, (rel, rec) in enumerate(sorted(manifest["files"].items())):
+        if i % world != rank:
+            continue
+        file = Path(path) / rel
+        try:
+            size = file.stat().st_size
+        except OSError:
+            problems.append(f"{rel} is missing")
+            continue
+        if size != rec["size"]:
+            problems.append(f"{rel} has {size} bytes, {rec['size']} were written")
+        elif checksum and rec.get("crc32") is not None and _crc32(file) != rec["crc32"]:
+            problems.append(f"{rel} fails its CRC32 check")
+    return problems
+
+
+# ---- collectives -------------------------------------------------------------------------------------------
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _world() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def _broadcast(obj):
+    """rank 0's object on every rank."""
+    if _world() == 1:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather(obj) -> list:
+    """Every rank's object, on every rank."""
+    if _world() == 1:
+        return [obj]
+    out = [None] * _world()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def agree_or_raise(message: Optional[str]) -> None:
+    """Collective: if any rank has a message, every rank raises CheckpointError with the first one."""
+    messages = [m for m in _gather(message) if m]
+    if messages:
+        raise CheckpointError(messages[0])
+
+
+# ---- lock --------------------------------------------------------------------------------------------------
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _lock_owner(bundle: Path, run: str) -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID", ""),
+            "bundle": str(bundle), "run": run,
+            "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def lock_is_stale(owner: dict, age_s: float) -> bool:
+    """Ours to take: its process is gone (same host), it is this Slurm job (a requeue or torchrun restart), or
+    it was not refreshed for LOCK_STALE_S (its node is gone)."""
+    if owner.get("job") and owner.get("job") == os.environ.get("SLURM_JOB_ID"):
+        return True
+    if owner.get("host") == socket.gethostname():
+        return not _pid_alive(int(owner.get("pid", 0))) or int(owner.get("pid", 0)) == os.getpid()
+    return age_s > LOCK_STALE_S
+
+
+class DirLock:
+    """Exclusive use of a checkpoint dir by one run (rank 0 holds it; ``acquire`` is collective)."""
+
+    def __init__(self, ckpt_dir: Path, *, bundle: Path, run: str):
+        self.path, self.owner = Path(ckpt_dir) / LOCK, _lock_owner(bundle, run)
+        self.held, self._touched = False, 0.0
+
+    def _try(self) -> Optional[str]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    owner = json.loads(self.path.read_text())
+                    age = time.time() - self.path.stat().st_mtime
+                except (OSError, ValueError):
+                    owner, age = {}, LOCK_STALE_S + 1  # unreadable: a writer died half-way
+                if not lock_is_stale(owner, age):
+                    where = f"job {owner['job']}" if owner.get("job") else f"pid {owner.get('pid')} on {owner.get('host')}"
+                    return (f"checkpoint.dir={self.path.parent} is in use by another run ({where}, bundle "
+                            f"{owner.get('bundle')}, since {owner.get('since')}); use another checkpoint.dir")
+                self.path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as fh:
+                fh.write(json.dumps(self.owner) + "\n")
+            self.held, self._touched = True, time.time()
+            return None
+        return f"checkpoint.dir={self.path.parent}: could not take {self.path}"
+
+    def acquire(self) -> None:
+        message = None
+        if _rank() == 0:
+            try:
+                message = self._try()
+            except OSError as exc:
+                message = dir_error(self.path.parent, exc)
+        agree_or_raise(message)
+
+    def refresh(self) -> None:
+        if self.held and time.time() - self._touched > LOCK_REFRESH_S:
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass
+            self._touched = time.time()
+
+    def release(self) -> None:
+        if self.held:
+            try:
+                if json.loads(self.path.read_text()).get("pid") == os.getpid():
+                    self.path.unlink()
+            except (OSError, ValueError):
+                pass
+            self.held = False
+
+
+# ---- space -------------------------------------------------------------------------------------------------
+
+def dir_error(ckpt_dir: Path, exc: BaseException) -> str:
+    if getattr(exc, "errno", None) == errno.ENOSPC:
+        return f"checkpoint.dir={ckpt_dir}: no space left on device"
+    return f"checkpoint.dir={ckpt_dir} is not writable: {exc.strerror or exc}" if isinstance(exc, OSError) \
+        else f"checkpoint.dir={ckpt_dir}: {exc}"
+
+
+def checkpoint_bytes(model, *, distributed_optimizer: bool) -> int:
+    """About how many bytes one checkpoint takes (collective): each parameter once (DP rank 0 of its group),
+    in its dtype, plus fp32 Adam moments and, for non-fp32 parameters, the fp32 main copy."""
+    from megatron.core import parallel_state
+
+    local = 0
+    if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
+        for chunk in model:
+            for param in chunk.parameters():
+                local += param.numel() * (param.element_size() + 8 + (0 if param.dtype == torch.float32 else 4))
+    total = torch.tensor([float(local)], dtype=torch.float64)
+    if _world() > 1:
+        torch.distributed.all_reduce(total)
+    return int(total.item())
+
+
+def preflight_dir(ckpt_dir: Path, need_bytes: int) -> None:
+    """Collective, before step 1: rank 0 writes and removes a probe file in ckpt_dir and checks free space
+    for one more checkpoint (disk full or read-only fails now, not at the first save hours later)."""
+    message = None
+    if _rank() == 0:
+        try:
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            probe = ckpt_dir / f".write-probe-{os.getpid()}"
+            with open(probe, "wb") as fh:
+                fh.write(b"\0" * 4096)
+                fh.flush()
+                os.fsync(fh.fileno())
+            probe.unlink()
+            free = shutil.disk_usage(ckpt_dir).free
+            if free < need_bytes:
+                message = (f"checkpoint.dir={ckpt_dir}: not enough space for a checkpoint: {free / 1e9:.3g} GB "
+                           f"free, one needs about {need_bytes / 1e9:.3g} GB")
+        except OSError as exc:
+            message = dir_error(ckpt_dir, exc)
+    agree_or_raise(message)
+
+
+def _mentions_enospc(exc: BaseException) -> bool:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if getattr(exc, "errno", None) == errno.ENOSPC or "No space left on device" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _rng_state():
@@ -98,41 +392,114 @@ def sync_params_before_save(model: List[torch.nn.Module]) -> bool:
     return deferred
 
 
-def save(ckpt_dir: Path, *, model, optimizer, scheduler, step: int, consumed: int, keep_last=None) -> Path:
-    """Save collectively (every rank calls), then publish atomically from rank 0."""
+def _own_crcs(tmp: Path, checksum: bool) -> dict:
+    """CRC32 of the files this rank wrote (torch_dist names them __<rank>_<n>.distcp); rank 0 adds the rest."""
+    if not checksum:
+        return {}
+    rank = _rank()
+    out = {}
+    for rel in _files_of(tmp):
+        name = Path(rel).name
+        mine = name.startswith(f"__{rank}_") if name.endswith(".distcp") else rank == 0
+        if mine:
+            out[rel] = _crc32(tmp / rel)
+    return out
+
+
+def save(ckpt_dir: Path, *, model, optimizer, scheduler, step: int, consumed: int, keep_last=None,
+         identity: Optional[dict] = None, checksum: bool = False) -> Path:
+    """Save collectively (every rank calls), then publish atomically from rank 0; returns the checkpoint.
+
+    Never replaces a complete checkpoint of another run. A failed write (disk full, I/O error) raises
+    CheckpointError on every rank and publishes nothing."""
     from megatron.core import dist_checkpointing
 
+    identity = identity or {}
     sync_params_before_save(model)
     ckpt_dir = Path(ckpt_dir)
     final, tmp = ckpt_dir / _name(step), ckpt_dir / (_name(step) + ".tmp")
-    rank = torch.distributed.get_rank()
+    rank, message = _rank(), None
     if rank == 0:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    torch.distributed.barrier()
+        theirs = read_manifest(final)
+        if theirs is not None and theirs.get("run") != run_hash(identity):
+            message = (f"{final} is a checkpoint of another run ({identity_diff(theirs.get('identity', {}), identity)});"
+                       " not overwriting it: use another checkpoint.dir")
+        else:
+            try:
+                ckpt_dir.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+            except OSError as exc:
+                message = dir_error(ckpt_dir, exc)
+    agree_or_raise(message)
+    start = time.perf_counter()
     state = _sharded_state(model, optimizer, scheduler, step, consumed, is_loading=False)
-    dist_checkpointing.save(state, str(tmp))
-    torch.distributed.barrier()
-    if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        marker_tmp = ckpt_dir / (LATEST + ".tmp")
-        marker_tmp.write_text(final.name + "\n")
-        with open(marker_tmp) as fh:
-            os.fsync(fh.fileno())
-        os.replace(marker_tmp, ckpt_dir / LATEST)
-        _prune(ckpt_dir, keep_last)
-    torch.distributed.barrier()
+    try:
+        dist_checkpointing.save(state, str(tmp))
+        message, crcs = None, _own_crcs(tmp, checksum)
+    except Exception as exc:  # every rank reaches the agreement below; dist_checkpointing reports collectively
+        message, crcs = f"saving {final} failed: {type(exc).__name__}: {exc}", {}
+        if _mentions_enospc(exc) or (rank == 0 and shutil.disk_usage(ckpt_dir).free < 1 << 20):
+            message = f"saving {final} failed: no space left on device (checkpoint.dir={ckpt_dir})"
+    all_crcs = _gather(crcs)
+    if message is None and rank == 0:
+        try:
+            _publish(ckpt_dir, tmp, final, step=step, identity=identity, crcs=all_crcs,
+                     seconds=time.perf_counter() - start)
+            _prune(ckpt_dir, keep_last, run_hash(identity))
+        except OSError as exc:
+            message = (f"publishing {final} failed: no space left on device" if exc.errno == errno.ENOSPC
+                       else f"publishing {final} failed: {exc}")
+    if message is not None and rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    agree_or_raise(message)
     return final
 
 
-def _prune(ckpt_dir: Path, keep_last: Optional[int]) -> None:
+def _publish(ckpt_dir: Path, tmp: Path, final: Path, *, step: int, identity: dict, crcs: list,
+             seconds: float) -> None:
+    """Rank 0: the manifest last (it makes the directory a checkpoint), then the rename, then ``latest``."""
+    merged = {k: v for part in crcs for k, v in part.items()}
+    files = {rel: {"size": (tmp / rel).stat().st_size, "crc32": merged.get(rel)} for rel in _files_of(tmp)}
+    manifest = {"step": step, "run": run_hash(identity), "identity": identity, "files": files,
+                "saved_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "save_seconds": round(seconds, 3)}
+    _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    shutil.rmtree(final, ignore_errors=True)  # only ever one of this run's own (checked by the caller)
+    os.replace(tmp, final)
+    _write_synced(ckpt_dir / (LATEST + ".tmp"), final.name + "\n")
+    os.replace(ckpt_dir / (LATEST + ".tmp"), ckpt_dir / LATEST)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _prune(ckpt_dir: Path, keep_last: Optional[int], run: str) -> None:
+    """Delete this run's oldest complete checkpoints beyond keep_last; never the newest, never another run's,
+    never a partial directory (those are not counted either)."""
     if not keep_last:
         return
-    done = sorted(p for p in ckpt_dir.glob("iter_*") if p.is_dir() and not p.name.endswith(".tmp"))
-    for old in done[:-keep_last]:
+    own = [path for path, manifest in complete_checkpoints(ckpt_dir) if manifest.get("run") == run]
+    for old in own[max(1, keep_last):]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def set_aside(ckpt_dir: Path, run: str) -> List[Path]:
+    """checkpoint.resume=false: move this run's existing checkpoints out of the way (renamed, not deleted), so
+    that a later resume cannot pick an old, higher-step checkpoint over the new run's."""
+    moved = []
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    for path, manifest in complete_checkpoints(ckpt_dir):
+        if manifest.get("run") == run:
+            target = path.with_name(f"superseded-{stamp}-{path.name}")
+            os.replace(path, target)
+            moved.append(target)
+    (Path(ckpt_dir) / LATEST).unlink(missing_ok=True)
+    return moved
 
 
 def _materialize_optimizer_state(optimizer) -> None:
@@ -176,6 +543,69 @@ def _restore_adam_steps(optimizer, loaded: dict) -> None:
         for st in opt.optimizer.state.values():
             if torch.is_tensor(st.get("step")):
                 st["step"] = torch.tensor(step, dtype=st["step"].dtype, device=st["step"].device)
+
+
+def _plan_resume(ckpt_dir: Path, identity: dict, load_from: Optional[str]) -> dict:
+    """Rank 0: the checkpoints to try, newest first, or the one-line reason to stop."""
+    run = run_hash(identity)
+    found = complete_checkpoints(ckpt_dir)
+    own = [(str(p), m) for p, m in found if m.get("run") == run]
+    if own:
+        return {"candidates": own, "source": "dir"}
+    if load_from:
+        src = Path(load_from)
+        if read_manifest(src) is not None:
+            return {"candidates": [(str(src), read_manifest(src))], "source": "load"}
+        listed = [(str(p), m) for p, m in complete_checkpoints(src)]
+        if not listed:
+            return {"error": f"checkpoint.load={load_from}: no complete checkpoint there (a directory with "
+                             f"{MANIFEST}, or a checkpoint dir holding some)"}
+        return {"candidates": listed, "source": "load"}
+    if found:
+        path, manifest = found[0]
+        return {"error": f"checkpoint.dir={ckpt_dir} holds checkpoints of another run ({path.name}: "
+                         f"{identity_diff(manifest.get('identity', {}), identity)}); use checkpoint.load={path} to "
+                         "start from it, or another checkpoint.dir"}
+    legacy = [p for p in Path(ckpt_dir).glob("iter_*") if (p / "metadata.json").is_file() and not p.name.endswith(".tmp")
+              and read_manifest(p) is None] if Path(ckpt_dir).is_dir() else []
+    if legacy:
+        return {"error": f"checkpoint.dir={ckpt_dir} holds checkpoints without {MANIFEST} (incomplete, or written "
+                         f"by another tool), e.g. {sorted(legacy)[-1].name}; use checkpoint.load=<one of them> to "
+                         "start from it, or checkpoint.resume=false to start fresh"}
+    return {"candidates": [], "source": "dir"}
+
+
+def resume(ckpt_dir: Path, *, identity: dict, load_from: Optional[str], checksum: bool, model, optimizer,
+           scheduler, warn: Callable[[str], None]) -> Tuple[int, int, Optional[Path]]:
+    """Collective: load the newest loadable checkpoint; returns (step, consumed samples, its path or None).
+
+    Each candidate is verified (every rank checks its share of the files), then loaded by all ranks; a failure
+    anywhere makes every rank warn and try the previous one. Existing checkpoints of which none loads stop the
+    run (CheckpointError) rather than letting it start fresh over them."""
+    plan = _broadcast(_plan_resume(Path(ckpt_dir), identity, load_from) if _rank() == 0 else None)
+    if "error" in plan:
+        raise CheckpointError(plan["error"])
+    tried = []
+    for path_s, manifest in plan["candidates"]:
+        path = Path(path_s)
+        problems = [p for share in _gather(verify_files(path, manifest, checksum=checksum, rank=_rank(),
+                                                        world=_world())) for p in share]
+        error = f"{len(problems)} damaged file(s): {'; '.join(problems[:3])}" if problems else None
+        if error is None:
+            try:
+                step, consumed = load(path, model=model, optimizer=optimizer, scheduler=scheduler)
+            except Exception as exc:  # noqa: BLE001 - any load failure means: try the previous checkpoint
+                error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+            errors = [e for e in _gather(error) if e]
+            error = errors[0] if errors else None
+        if error is None:
+            return step, consumed, path
+        tried.append(path.name)
+        warn(f"warning: checkpoint {path} could not be loaded ({error}); falling back to the previous one")
+    if tried:
+        raise CheckpointError(f"no checkpoint in {Path(plan['candidates'][0][0]).parent} could be loaded (tried "
+                              f"{', '.join(tried)}); fix or remove them, or set checkpoint.resume=false to start fresh")
+    return 0, 0, None
 
 
 def load(path: Path, *, model, optimizer, scheduler) -> tuple:

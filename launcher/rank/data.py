@@ -46,9 +46,15 @@ def _batches(dataset, *, start: int, train: TrainConfig, dp_rank: int, dp_size: 
     """Micro-batches through a torch DataLoader: with workers, sample assembly overlaps the training step."""
     sampler = MicroBatchSampler(len(dataset), start=start, micro_batch_size=train.micro_batch_size,
                                 dp_rank=dp_rank, dp_size=dp_size)
+    # Its own generator: iter(DataLoader) draws the workers' base seed from it. Without one it draws from the
+    # global torch RNG, shifting the dropout stream by one draw per iterator (evaluations included), so a
+    # resumed run (RNG restored, then iterators built) diverged from the uninterrupted one. The batches do not
+    # depend on the base seed (the sampler fixes the order), so a constant seed is exact across resumes.
+    generator = torch.Generator()
+    generator.manual_seed(train.seed)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=_collate,
                                          num_workers=num_workers, pin_memory=torch.cuda.is_available(),
-                                         persistent_workers=False)
+                                         persistent_workers=False, generator=generator)
     return iter(loader)
 
 

@@ -20,16 +20,30 @@ def main(argv=None) -> int:
     bundle = Path(args.bundle)
     from launcher.rank.console import open_rank_log, quiet_known_warnings
 
-    console, log_path = open_rank_log(bundle, int(os.environ.get("RANK", "0")))
+    rank = int(os.environ.get("RANK", "0"))
+    console, log_path = open_rank_log(bundle, rank)
     quiet_known_warnings()
     try:
+        failed = (bundle / "FAILED").read_text().strip() if (bundle / "FAILED").is_file() else None
+        if failed:  # a torchrun restart after a refusal every rank agreed on: it would only fail the same way
+            console.line(f"error: {failed} (not retried)")
+            return 1
         return train(bundle, console)
+    except RunRefused as exc:  # every rank agrees (checkpoint dir, lock, other run, NaN): one line, exit 1
+        console.line(f"error: {exc}")
+        if rank == 0:
+            (bundle / "FAILED").write_text(f"{exc}\n")
+        return 1
     except Exception as exc:  # a clean non-zero exit: the traceback in the rank log, one line on the console
         import traceback
 
         traceback.print_exc()
         console.failure(exc, log_path)
         return 1
+
+
+class RunRefused(Exception):
+    """A reason to stop that every rank agrees on; printed as one line by rank 0, not retried by torchrun."""
 
 
 def train(bundle: Path, console) -> int:
@@ -59,12 +73,41 @@ def train(bundle: Path, console) -> int:
                    num_microbatches=layout.microbatches, kind=job.schedule.kind, dp_size=layout.dp)
     ckpt.check_options(job.checkpoint)
     ckpt_dir = Path(job.checkpoint.dir) if job.checkpoint.dir else bundle / "checkpoints"
-    latest = ckpt.latest_checkpoint(ckpt_dir) if job.checkpoint.resume else None
-    saved_at = 0
-    if latest is not None:
-        lp.step, lp.consumed = ckpt.load(latest, model=model, optimizer=optimizer, scheduler=scheduler)
-        saved_at = lp.step
-        console.line(f"resumed from {latest} at step {lp.step} ({lp.consumed} samples consumed)")
+    identity = ckpt.run_identity(job)
+    lock = ckpt.DirLock(ckpt_dir, bundle=bundle, run=ckpt.run_hash(identity))
+    try:
+        return _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp, ckpt_dir, identity,
+                             lock)
+    except ckpt.CheckpointError as exc:
+        raise RunRefused(str(exc)) from None
+    finally:
+        lock.release()
+
+
+def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp, ckpt_dir, identity, lock) -> int:
+    from launcher.core.flops import flops_per_token
+    from launcher.rank import checkpoint as ckpt, data, loop, metrics, setup
+    from megatron.core import parallel_state as ps
+
+    import torch
+
+    tr, rank = job.train, torch.distributed.get_rank()
+    lock.acquire()
+    checksum = job.checkpoint.verify == "checksum"
+    if not job.checkpoint.resume:
+        moved = ckpt.set_aside(ckpt_dir, ckpt.run_hash(identity)) if rank == 0 else []
+        if moved:
+            console.line(f"checkpoint.resume=false: moved {len(moved)} earlier checkpoint(s) of this run aside "
+                         f"(e.g. {moved[0].name})")
+        torch.distributed.barrier()
+    else:
+        lp.step, lp.consumed, latest = ckpt.resume(ckpt_dir, identity=identity, load_from=job.checkpoint.load,
+                                                   checksum=checksum, model=model, optimizer=optimizer,
+                                                   scheduler=scheduler, warn=console.line)
+        if latest is not None:
+            console.line(f"resumed from {latest} at step {lp.step} ({lp.consumed} samples consumed)")
+    saved_at = lp.step
+    ckpt.preflight_dir(ckpt_dir, ckpt.checkpoint_bytes(model, distributed_optimizer=job.parallel.distributed_optimizer))
     train_iters, valid_iters = data.build_train_valid_iterators(
         data=job.data, model=job.model, train=tr, steps=layout.steps, consumed_samples=lp.consumed,
         dp_rank=ps.get_data_parallel_rank(), dp_size=layout.dp, num_chunks=len(model),
@@ -79,22 +122,36 @@ def train(bundle: Path, console) -> int:
         nonlocal saved_at
         saved_at = lp.step
         path = ckpt.save(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler, step=lp.step,
-                         consumed=lp.consumed, keep_last=job.checkpoint.keep_last)
+                         consumed=lp.consumed, keep_last=job.checkpoint.keep_last, identity=identity,
+                         checksum=checksum)
         console.line(f"saved checkpoint {path}")
 
     minutes = tr.exit_after_minutes
     fpt = flops_per_token(job.model)
-    why = lp.run(iterators=train_iters, valid_iters=valid_iters, steps=layout.steps, on_step=log.step,
+
+    def on_step(record):
+        log.step(record)
+        lock.refresh()
+
+    why = lp.run(iterators=train_iters, valid_iters=valid_iters, steps=layout.steps, on_step=on_step,
                  on_eval=log.eval, on_checkpoint=save, save_interval=job.checkpoint.save_interval,
                  flops_per_token=fpt, tokens_per_step=layout.tokens_per_step, world=layout.world,
                  deadline=time.time() + minutes * 60 if minutes else None,
-                 stop_file=bundle / "STOP")
+                 stop_file=bundle / "STOP", on_note=console.line)
+    if why == "nonfinite":
+        log.close(metrics.summary(log.history, log.evals, status="failed", steps=lp.step, world=layout.world,
+                                  flops_per_token=fpt, peak_tflops=peak, util_label=label))
+        last = f"the last checkpoint is from step {saved_at}" if saved_at else "no checkpoint was saved"
+        raise ckpt.CheckpointError(f"{lp.stop_reason}: stopping without saving a checkpoint ({last}); "
+                                   "lower train.lr, or set train.nonfinite=skip")
     if (job.checkpoint.save_at_end or why == "stopped") and lp.step > saved_at:
         save()
     log.close(metrics.summary(log.history, log.evals, status=why, steps=lp.step, world=layout.world,
                               flops_per_token=fpt, peak_tflops=peak, util_label=label))
     if why == "done" and rank == 0:
         (bundle / "DONE").write_text(f"{lp.step}\n")  # the job script requeues only runs without DONE
+    elif rank == 0:  # launch.sh's final line says why
+        (bundle / "STOPPED").write_text(f"at step {lp.step} of {layout.steps}: {lp.stop_reason}\n")
     console.line(f"{'finished' if why == 'done' else 'stopped'} at step {lp.step} of {layout.steps}"
                  f"{' (DONE written)' if why == 'done' else ' (checkpointed; a requeued run resumes)'}")
     setup.close()

@@ -1,7 +1,9 @@
 """One training step, evaluation and the step loop (pipeline schedules from megatron.core)."""
 from __future__ import annotations
 
+import math
 import signal
+import statistics
 import time
 from functools import partial
 from pathlib import Path
@@ -53,6 +55,41 @@ def reduce_report(local_loss: float, stop: bool) -> tuple:
     return float(t[0] / t[1].clamp(min=1)), bool(t[2] > 0)
 
 
+def any_rank(flag: bool) -> bool:
+    """World all-reduce of one flag: True when it is set on any rank."""
+    t = torch.tensor([float(flag)], dtype=torch.float64,
+                     device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
+    torch.distributed.all_reduce(t)
+    return bool(t[0] > 0)
+
+
+def local_grads_nonfinite(model) -> bool:
+    """Any NaN/Inf in this rank's gradient buffers (Megatron DDP's contiguous grad_data), after the reduce."""
+    for chunk in model:
+        buffers = list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", []))
+        for buf in buffers:
+            if not bool(torch.isfinite(buf.grad_data).all()):
+                return True
+        if not buffers:
+            for param in chunk.parameters():
+                grad = getattr(param, "main_grad", None)
+                grad = param.grad if grad is None else grad
+                if grad is not None and not bool(torch.isfinite(grad).all()):
+                    return True
+    return False
+
+
+def straggler_report(times_ms: List[float], margin: float) -> str:
+    """One line: every rank's step time and, when one is more than ``margin`` slower than the median, its name."""
+    median = statistics.median(times_ms)
+    slowest = max(range(len(times_ms)), key=lambda r: times_ms[r])
+    text = "step ms per rank: " + " ".join(f"{r}:{t:.0f}" for r, t in enumerate(times_ms))
+    if median > 0 and times_ms[slowest] > median * (1 + margin):
+        text += (f" | straggler: rank {slowest} at {times_ms[slowest]:.0f} ms is "
+                 f"{times_ms[slowest] / median - 1:.0%} slower than the median {median:.0f} ms")
+    return text
+
+
 class Loop:
     """Step loop state: what a checkpoint restores (step, consumed samples) and the stop flag."""
 
@@ -63,6 +100,8 @@ class Loop:
         self.fwd_bwd = schedule_func(kind)
         self.step, self.consumed = 0, 0
         self.stop_requested = False
+        self.stop_reason: Optional[str] = None
+        """Why run() returned 'stopped' or 'nonfinite' (for the final line)."""
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._request_stop)
 
@@ -81,11 +120,20 @@ class Loop:
                               model=self.model, num_microbatches=self.num_microbatches,
                               seq_length=self.seq_length, micro_batch_size=self.train.micro_batch_size,
                               forward_only=False)
-        _, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
+        local_loss = _mean_lm_loss(losses)
+        bad = None
+        # Without a grad norm (clip_grad=0) a NaN gradient would only show in the next step's loss, after a
+        # checkpoint may have saved the NaN weights; skipping needs the verdict before the update.
+        if self.train.nonfinite == "skip" or not self.train.clip_grad:
+            bad = any_rank(not math.isfinite(local_loss) or local_grads_nonfinite(self.model))
         self.step += 1
         self.consumed += self.train.global_batch_size
-        return {"local_loss": _mean_lm_loss(losses), "lr": lr,
+        if bad and self.train.nonfinite == "skip":  # no update: weights, Adam state and LR schedule unchanged
+            return {"local_loss": local_loss, "lr": lr, "grad_norm": float("nan"), "nonfinite": True,
+                    "skipped": True}
+        _, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        return {"local_loss": local_loss, "lr": lr, "nonfinite": bool(bad),
                 "grad_norm": float(grad_norm) if grad_norm is not None else 0.0}
 
     @torch.no_grad()
@@ -107,17 +155,20 @@ class Loop:
     def run(self, *, iterators, valid_iters: Callable, steps: int, on_step: Callable,
             on_eval: Callable, on_checkpoint: Callable, save_interval: int,
             flops_per_token: float, tokens_per_step: int, world: int, deadline: Optional[float],
-            stop_file: Optional[Path] = None) -> str:
-        """Train to ``steps``; returns why it stopped: 'done' or 'stopped' (STOP file, SIGUSR1 or time
-        limit; the caller then checkpoints). Any rank's reason stops all ranks at the same step."""
+            stop_file: Optional[Path] = None, on_note: Optional[Callable[[str], None]] = None) -> str:
+        """Train to ``steps``; returns why it stopped: 'done', 'stopped' (STOP file, SIGUSR1 or time
+        limit; the caller then checkpoints) or 'nonfinite' (NaN/Inf loss or grad norm with
+        train.nonfinite=stop; the caller must not checkpoint). Any rank's reason stops all ranks at the same
+        step; ``stop_reason`` says which."""
         from launcher.rank.metrics import memory_gib
 
         while self.step < steps:
             start = time.perf_counter()
             out = self.train_step(iterators)
-            wanted_stop = (self.stop_requested or (deadline is not None and time.time() > deadline)
-                           or (stop_file is not None and stop_file.exists()))
-            loss, stop = reduce_report(out["local_loss"], wanted_stop)
+            why = ("SIGUSR1" if self.stop_requested
+                   else "train.exit_after_minutes reached" if deadline is not None and time.time() > deadline
+                   else "STOP file" if stop_file is not None and stop_file.exists() else None)
+            loss, stop = reduce_report(out["local_loss"], why is not None)
             elapsed = time.perf_counter() - start
             tflops = flops_per_token * tokens_per_step / elapsed / world / 1e12
             on_step({"step": self.step, "loss": loss, "lr": out["lr"], "grad_norm": out["grad_norm"],
@@ -128,7 +179,22 @@ class Loop:
                 vi = valid_iters()
                 if vi is not None:
                     on_eval(self.step, self.evaluate(vi))
+            if out.get("nonfinite") or not (math.isfinite(loss) and math.isfinite(out["grad_norm"])):
+                what = f"loss {loss}, grad norm {out['grad_norm']}"
+                if out.get("skipped"):
+                    if on_note:
+                        on_note(f"warning: non-finite {what} at step {self.step}: update skipped "
+                                "(train.nonfinite=skip)")
+                else:
+                    self.stop_reason = f"non-finite {what} at step {self.step}"
+                    return "nonfinite"
+            if self.train.straggler_interval and self.step % self.train.straggler_interval == 0:
+                times = [None] * torch.distributed.get_world_size()
+                torch.distributed.all_gather_object(times, elapsed * 1e3)
+                if on_note:
+                    on_note(straggler_report(times, self.train.straggler_margin))
             if stop:
+                self.stop_reason = why or "another rank asked to stop"
                 return "stopped"
             if save_interval and self.step % save_interval == 0:
                 on_checkpoint()

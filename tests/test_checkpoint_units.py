@@ -1,0 +1,160 @@
+"""Checkpoint bookkeeping without training (one process, no process group): what counts as a checkpoint,
+newest-first listing, pruning, verification, the directory lock, run identity and the resume decision."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from launcher.config import compose_job
+from launcher.rank import checkpoint as ckpt
+from launcher.rank.loop import straggler_report
+
+
+def _fake(root, step, run="r1", files=None, manifest=True, identity=None):
+    path = root / f"iter_{step:07d}"
+    path.mkdir(parents=True)
+    files = files or {"__0_0.distcp": b"x" * 10, "metadata.json": b"{}"}
+    for name, data in files.items():
+        (path / name).write_bytes(data)
+    if manifest:
+        rec = {n: {"size": len(d), "crc32": __import__("zlib").crc32(d)} for n, d in files.items()}
+        (path / ckpt.MANIFEST).write_text(json.dumps({"step": step, "run": run, "identity": identity or {},
+                                                      "files": rec}))
+    return path
+
+
+def test_only_directories_with_a_manifest_count_newest_first(tmp_path):
+    _fake(tmp_path, 2)
+    _fake(tmp_path, 10)
+    _fake(tmp_path, 4)
+    _fake(tmp_path, 12, manifest=False)           # a partial directory (crash before publication)
+    (tmp_path / "iter_0000014.tmp").mkdir()        # a save in progress
+    (tmp_path / "latest").write_text("iter_0000012\n")  # a stale or lying `latest` is only a hint
+    assert [p.name for p, _ in ckpt.complete_checkpoints(tmp_path)] == ["iter_0000010", "iter_0000004",
+                                                                        "iter_0000002"]
+    assert ckpt.latest_checkpoint(tmp_path).name == "iter_0000010"
+    assert ckpt.complete_checkpoints(tmp_path / "absent") == []
+
+
+def test_prune_keeps_the_newest_and_ignores_partial_and_foreign(tmp_path):
+    for step in (1, 2, 3):
+        _fake(tmp_path, step)
+    _fake(tmp_path, 4, manifest=False)   # stray partial dir: neither counted nor deleted
+    _fake(tmp_path, 5, run="other")      # another run's checkpoint: never deleted
+    ckpt._prune(tmp_path, 1, "r1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000003", "iter_0000004", "iter_0000005"]
+    ckpt._prune(tmp_path, 0, "r1")  # keep_last unset/0: keep all
+    assert (tmp_path / "iter_0000003").exists()
+
+
+def test_verify_catches_truncation_missing_files_and_bit_flips(tmp_path):
+    path = _fake(tmp_path, 1, files={"__0_0.distcp": b"a" * 100, "__1_0.distcp": b"b" * 100,
+                                     "metadata.json": b"{}"})
+    manifest = ckpt.read_manifest(path)
+    assert ckpt.verify_files(path, manifest, checksum=True) == []
+    (path / "__0_0.distcp").write_bytes(b"a" * 50)
+    (path / "metadata.json").unlink()
+    (path / "__1_0.distcp").write_bytes(b"c" * 100)  # same size, other bytes
+    sizes = ckpt.verify_files(path, manifest, checksum=False)
+    assert sizes == ["__0_0.distcp has 50 bytes, 100 were written", "metadata.json is missing"]
+    assert "__1_0.distcp fails its CRC32 check" in ckpt.verify_files(path, manifest, checksum=True)
+    # spread over ranks: the shares partition the files
+    shares = [ckpt.verify_files(path, manifest, checksum=True, rank=r, world=2) for r in range(2)]
+    assert sorted(shares[0] + shares[1]) == sorted(ckpt.verify_files(path, manifest, checksum=True))
+
+
+def test_lock_refuses_a_live_owner_and_takes_a_dead_ones(tmp_path):
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / ckpt.LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": other.pid, "job": "",
+                                                      "bundle": "/runs/a", "since": "t"}))
+        lock = ckpt.DirLock(tmp_path, bundle=tmp_path / "b", run="r2")
+        with pytest.raises(ckpt.CheckpointError, match=r"is in use by another run \(pid \d+ on .*bundle /runs/a"):
+            lock.acquire()
+    finally:
+        other.kill()
+        other.wait()
+    lock.acquire()  # its owner is gone: stale, taken over
+    assert json.loads((tmp_path / ckpt.LOCK).read_text())["pid"] == os.getpid()
+    lock.release()
+    assert not (tmp_path / ckpt.LOCK).exists()
+
+
+def test_lock_staleness_rules(monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    assert ckpt.lock_is_stale({"host": "elsewhere", "pid": 1, "job": "77"}, 0)       # this job, requeued
+    assert not ckpt.lock_is_stale({"host": "elsewhere", "pid": 1, "job": "78"}, 10)  # another node, fresh
+    assert ckpt.lock_is_stale({"host": "elsewhere", "pid": 1, "job": "78"}, ckpt.LOCK_STALE_S + 1)
+    assert not ckpt.lock_is_stale({"host": socket.gethostname(), "pid": 1, "job": ""}, 0)  # pid 1 lives
+
+
+def test_identity_ignores_launch_details_but_not_the_run():
+    base = ckpt.run_identity(compose_job(["recipe=smoke"]))
+    same = ckpt.run_identity(compose_job(["recipe=smoke", "train.train_steps=99", "checkpoint.save_interval=5",
+                                          "output_dir=/elsewhere", "logging.tensorboard=false",
+                                          "data.num_workers=0", "slurm.time=01:00:00"]))
+    assert ckpt.run_hash(base) == ckpt.run_hash(same)
+    other = ckpt.run_identity(compose_job(["recipe=smoke", "train.seed=7"]))
+    assert ckpt.run_hash(base) != ckpt.run_hash(other)
+    assert ckpt.identity_diff(other, base) == "train.seed=7 there, 1234 here"
+    layout = ckpt.run_identity(compose_job(["recipe=smoke", "parallel.tensor=1"]))
+    assert ckpt.run_hash(layout) != ckpt.run_hash(base)  # a layout change needs checkpoint.load=
+
+
+def test_resume_plan_refuses_other_runs_and_unmanifested_dirs(tmp_path):
+    ours = {"train.seed": 1}
+    assert ckpt._plan_resume(tmp_path, ours, None) == {"candidates": [], "source": "dir"}  # empty: fresh
+    foreign = _fake(tmp_path, 5, run=ckpt.run_hash({"train.seed": 2}), identity={"train.seed": 2})
+    plan = ckpt._plan_resume(tmp_path, ours, None)
+    assert plan["error"] == (f"checkpoint.dir={tmp_path} holds checkpoints of another run (iter_0000005: "
+                             f"train.seed=2 there, 1 here); use checkpoint.load={foreign} to start from it, "
+                             "or another checkpoint.dir")
+    assert [p for p, _ in ckpt._plan_resume(tmp_path, ours, str(foreign))["candidates"]] == [str(foreign)]
+    assert [p for p, _ in ckpt._plan_resume(tmp_path / "x", ours, str(tmp_path))["candidates"]] == [str(foreign)]
+    assert "no complete checkpoint there" in ckpt._plan_resume(tmp_path / "x", ours, str(tmp_path / "y"))["error"]
+    own = _fake(tmp_path, 3, run=ckpt.run_hash(ours))  # this run's own checkpoints win over checkpoint.load
+    assert [p for p, _ in ckpt._plan_resume(tmp_path, ours, str(foreign))["candidates"]] == [str(own)]
+    legacy = tmp_path / "legacy"
+    _fake(legacy, 9, manifest=False)
+    assert "without launcher.json" in ckpt._plan_resume(legacy, ours, None)["error"]
+
+
+def test_set_aside_moves_only_this_runs_checkpoints(tmp_path):
+    _fake(tmp_path, 4, run="r1")
+    _fake(tmp_path, 8, run="r2")
+    (tmp_path / "latest").write_text("iter_0000004\n")
+    moved = ckpt.set_aside(tmp_path, "r1")
+    assert [p.name.endswith("-iter_0000004") for p in moved] == [True]
+    assert [p.name for p, _ in ckpt.complete_checkpoints(tmp_path)] == ["iter_0000008"]
+    assert not (tmp_path / "latest").exists()
+
+
+def test_preflight_reports_unwritable_and_full_dirs(tmp_path):
+    with pytest.raises(ckpt.CheckpointError, match=r"checkpoint.dir=/proc/x is not writable"):
+        ckpt.preflight_dir(__import__("pathlib").Path("/proc/x"), 1)
+    with pytest.raises(ckpt.CheckpointError, match=r"not enough space for a checkpoint: .* GB free, one needs about"):
+        ckpt.preflight_dir(tmp_path, 1 << 60)
+    ckpt.preflight_dir(tmp_path / "new", 1)
+    assert list((tmp_path / "new").iterdir()) == []  # the probe is removed
+
+
+def test_enospc_is_found_through_wrapped_errors():
+    try:
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError as inner:
+            raise RuntimeError("worker failed") from inner
+    except RuntimeError as exc:
+        assert ckpt._mentions_enospc(exc)
+    assert not ckpt._mentions_enospc(RuntimeError("other"))
+
+
+def test_straggler_report_names_the_slow_rank():
+    assert straggler_report([100, 101, 99, 100], 0.2) == "step ms per rank: 0:100 1:101 2:99 3:100"
+    line = straggler_report([100, 100, 180, 100], 0.2)
+    assert line.endswith("straggler: rank 2 at 180 ms is 80% slower than the median 100 ms"), line
