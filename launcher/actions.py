@@ -5,7 +5,7 @@ import json
 import sys
 
 from launcher.core import derive
-from launcher.problems import EXIT_USAGE, Problem, errors, report
+from launcher.problems import EXIT_USAGE, Problem
 from launcher.schema import JobConfig
 
 
@@ -97,7 +97,8 @@ def preflight_data(job: JobConfig) -> list[Problem]:
 
 
 def prepare_bundle(job: JobConfig, args):
-    """Plan (refusing a predicted OOM unless force), pre-flight the data, render and write the bundle."""
+    """Plan (refusing a predicted OOM unless force), render and write the bundle. The data pre-flight has run
+    already, with validation (``launcher.cli.main``), for every action that renders."""
     from launcher.plan import oom_message, plan_job
     from launcher.render import RenderError, write_bundle
 
@@ -106,10 +107,6 @@ def prepare_bundle(job: JobConfig, args):
         print(oom_message(plan), file=sys.stderr)
         print("error: predicted out of memory; change the layout (try action=search) or set force=true",
               file=sys.stderr)
-        return None
-    problems = preflight_data(job)
-    report(problems)
-    if errors(problems):
         return None
     try:
         bundle = write_bundle(job, argv=args.overrides, plan=plan.to_dict())

@@ -8,11 +8,11 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from launcher.config import ConfigError, compose_dict, to_job
+from launcher.config import ConfigError, compose_dict, secret_problems, to_job
 from launcher.overrides import check_override
 from launcher.problems import EXIT_USAGE, errors, report
 from launcher.schema import JobConfig
-from launcher.validate import validate
+from launcher.validate import validate, verified_hint
 
 
 @dataclass
@@ -61,19 +61,31 @@ def main(argv: list[str] | None = None) -> int:
             report(bad)
             return EXIT_USAGE
         cfg = compose_dict(args.overrides)
+        leaks = secret_problems(cfg)
+        if leaks:
+            report(leaks)
+            return EXIT_USAGE
         if args.cfg_job:
             from omegaconf import OmegaConf
             print(OmegaConf.to_yaml(cfg), end="")
             return 0
         job = to_job(cfg)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        if exc.problem is not None:
+            report([exc.problem])
+        else:
+            print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     problems = validate(job)
+    action = resolve_action(job)
+    if not errors(problems) and action not in ("plan", "search"):
+        # One pipeline for every action that checks or starts a run: validate's data pre-flight is render's.
+        from launcher.actions import preflight_data
+        problems += [verified_hint(job, p, problems) for p in preflight_data(job)]
     report(problems)
     if errors(problems):
         return EXIT_USAGE
-    return run_action(job, resolve_action(job), args)
+    return run_action(job, action, args)
 
 
 def run_action(job: JobConfig, action: str, args: Args) -> int:

@@ -1,17 +1,25 @@
 """Compose a JobConfig from recipes + CLI overrides (Hydra compose API), and load one back from a bundle."""
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+import re
+from typing import Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
 from launcher import RECIPES_DIR
+from launcher.problems import Problem
 from launcher.core.jobfile import job_to_yaml, load_job  # noqa: F401  (re-exported for login-side callers)
 from launcher.schema import JobConfig, register
 
 
 class ConfigError(Exception):
-    """A recipe or override that cannot be composed (unknown key, wrong type, missing recipe)."""
+    """A recipe or override that cannot be composed (unknown key, wrong type, missing recipe). ``problem`` is
+    the one-line form when the error names a schema field (a value Hydra cannot convert to the field's type)."""
+
+    def __init__(self, message: str, problem: Optional[Problem] = None):
+        super().__init__(message)
+        self.problem = problem
 
 
 def compose_dict(overrides: Sequence[str] = ()) -> DictConfig:
@@ -25,7 +33,75 @@ def compose_dict(overrides: Sequence[str] = ()) -> DictConfig:
         with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base=None):
             return compose(config_name="config", overrides=list(overrides))
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
-        raise ConfigError(_one_line(exc)) from None
+        raise ConfigError(_one_line(exc), _type_problem(exc, list(overrides))) from None
+
+
+def _type_problem(exc: Exception, overrides: list[str]) -> Optional[Problem]:
+    """Hydra's "Value 'two' of type 'str' could not be converted to Integer" as our one line: the field, the
+    value typed, the field's type and range, and the value the job had without that override."""
+    from omegaconf.errors import ValidationError
+
+    cause = exc.__cause__ if isinstance(exc.__cause__, ValidationError) else exc
+    key = getattr(cause, "full_key", None)
+    if not isinstance(cause, ValidationError) or not key:
+        return None
+    from launcher.validate import _FIELD_TYPES, field_rule, raw_problems, verified_hint
+
+    field = key if key in _FIELD_TYPES else ".".join(str(key).split(".")[:2])
+    if field not in _FIELD_TYPES:
+        return None
+    typed = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in (key, field)]
+    value = typed[-1].split("=", 1)[1] if typed else getattr(cause, "msg", str(cause))
+    problem = Problem(field, value, f"must be {field_rule(field)}", f"{field}=<{field_rule(field)}>")
+    try:  # the job without the offending override: its value for the field, verified like any hint
+        job = compose_job([o for o in overrides if o not in typed])
+    except ConfigError:
+        return problem
+    current = job
+    for part in field.split("."):
+        current = getattr(current, part)
+    if isinstance(current, (dict, list)):
+        return problem
+    shown = "null" if current is None else str(current).lower() if isinstance(current, bool) else str(current)
+    hinted = dataclasses.replace(problem, hint=f"{field}={shown}")
+    return verified_hint(job, hinted, raw_problems(job))
+
+
+SECRET_REF = re.compile(r"\boc\.env\s*:\s*(\$\{|[A-Za-z_][A-Za-z0-9_]*)")
+"""The variable an ``${oc.env:NAME}`` interpolation reads (or ``${`` when its name is itself interpolated)."""
+
+
+def secret_problems(cfg: DictConfig) -> list[Problem]:
+    """Interpolations that would write a secret's value into the bundle: ``${oc.env:NAME}`` anywhere in the
+    job, where NAME is in cluster.secret_env or looks like a secret (or is computed by another interpolation).
+    Checked on the unresolved config, before anything reads the value."""
+    from launcher.validate import SECRET_NAME
+
+    tree = OmegaConf.to_container(cfg, resolve=False)
+    secret_env = (tree.get("cluster") or {}).get("secret_env") or []
+    listed = {str(n) for n in secret_env} if isinstance(secret_env, list) else set()
+    problems = []
+    for path, text in _strings(tree):
+        for name in SECRET_REF.findall(text):
+            if name == "${" or name in listed or SECRET_NAME.search(name):
+                shown = "a computed variable name" if name == "${" else f"the secret variable {name}"
+                problems.append(Problem(path, text, f"reads {shown} through an interpolation, so its value would be "
+                                        "written into the run bundle (config.yaml, env.sh)",
+                                        "pass it by name only: list it in cluster.secret_env and export it in your shell"))
+                break
+    return problems
+
+
+def _strings(node, path: str = ""):
+    """(dotted path, text) of every string in a container tree."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _strings(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _strings(value, f"{path}[{i}]")
+    elif isinstance(node, str) and "${" in node:
+        yield path, node
 
 
 def to_job(cfg: DictConfig) -> JobConfig:

@@ -11,6 +11,7 @@ Login-node code: no torch, no megatron.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -29,6 +30,7 @@ HOPPER_OR_NEWER = ("H100", "H200", "GH200", "B200", "GB200")
 BLACKWELL = ("B200", "GB200")
 SBATCH_WORD = re.compile(r"[A-Za-z0-9_.,-]+")
 SBATCH_PATH = re.compile(r"[A-Za-z0-9_./+:@=-]+")
+WANDB_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 SECRET_NAME = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.IGNORECASE)
 MAX_LAYERS = 100_000
 """Deeper than any published decoder (a few hundred layers): a larger value is a typo."""
@@ -50,6 +52,131 @@ class _Checks:
     def positive(self, field: str, value) -> bool:
         return self.need(value is not None and value >= 1, field, value, "must be a positive integer",
                          f"{field}=1")
+
+
+# ----------------------------------------------------------------------------------------------- bounds
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """The range of one numeric field: ``lo <= value`` (``lo < value`` when lo_open), likewise for hi."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    why: str = ""
+
+    def holds(self, value) -> bool:
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
+            return False
+        return self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
+
+    def describe(self, integer: bool) -> str:
+        if integer and self.lo == 1 and self.hi is None:
+            text = "a positive integer"
+        elif integer and self.lo == 0 and self.hi is None:
+            text = "an integer >= 0"
+        elif self.hi is None:
+            text = f"{'an integer' if integer else 'a number'} {'>' if self.lo_open else '>='} {self.lo:g}"
+        else:
+            text = (f"{'an integer' if integer else 'a number'} in {'(' if self.lo_open else '['}{self.lo:g}, "
+                    f"{self.hi:g}{')' if self.hi_open else ']'}")
+        return text + (f" ({self.why})" if self.why else "")
+
+
+POSITIVE, NON_NEGATIVE, FRACTION = Bound(1), Bound(0), Bound(0, 1, lo_open=True)
+POSITIVE_NUMBER, PROBABILITY = Bound(0, lo_open=True), Bound(0, 1, hi_open=True)
+BOUNDS: dict[str, Bound] = {
+    **{f"model.{n}": POSITIVE for n in (
+        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+        "vocab_size", "make_vocab_size_divisible_by", "seq_length", "max_position_embeddings", "num_experts",
+        "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+        "qk_pos_emb_head_dim", "v_head_dim")},
+    # transformer_config.py: "moe_shared_expert_intermediate_size must be num_shared_experts * ffn_size..."
+    "model.moe_shared_expert_intermediate_size": POSITIVE,
+    "model.norm_epsilon": POSITIVE_NUMBER, "model.rotary_base": POSITIVE_NUMBER, "model.rotary_percent": FRACTION,
+    "model.rope_scaling_factor": POSITIVE_NUMBER, "model.attention_dropout": PROBABILITY,
+    "model.hidden_dropout": PROBABILITY, "model.moe_first_k_dense": NON_NEGATIVE,
+    "model.moe_aux_loss_coeff": Bound(0), "model.mtp_num_layers": NON_NEGATIVE,
+    # torch.nn.init.normal_ refuses a negative std; 0 would start every weight equal (no symmetry breaking)
+    "model.init_method_std": Bound(0, lo_open=True, why="0 starts every weight equal"),
+    **{f"parallel.{n}": POSITIVE for n in ("tensor", "pipeline", "context", "expert", "virtual_pipeline",
+                                           "expert_tensor", "data", "first_stage_layers", "last_stage_layers")},
+    "schedule.microbatch_group_size": POSITIVE, "precision.fp8_amax_history_len": POSITIVE,
+    **{f"train.{n}": POSITIVE for n in ("micro_batch_size", "global_batch_size", "train_steps", "train_tokens",
+                                        "wsd_decay_steps", "eval_iters", "recompute_num_layers")},
+    "train.warmup_steps": NON_NEGATIVE, "train.eval_interval": Bound(0, why="0 disables"),
+    # torch.optim.Adam: "Invalid learning rate / epsilon / beta parameter / weight_decay value"
+    "train.lr": POSITIVE_NUMBER, "train.min_lr": Bound(0), "train.weight_decay": Bound(0),
+    "train.adam_beta1": PROBABILITY, "train.adam_beta2": PROBABILITY,
+    "train.adam_eps": Bound(0, lo_open=True, why="Adam divides by sqrt(v) + eps"),
+    "train.clip_grad": Bound(0, why="0 disables clipping"), "train.exit_after_minutes": POSITIVE_NUMBER,
+    # torch.manual_seed takes 64 bits; the ranks offset the seed per layer (x 1000003) and per rank
+    "train.seed": Bound(0, 2**31 - 1),
+    "data.num_workers": NON_NEGATIVE, "checkpoint.save_interval": Bound(0, why="0: only at the end"),
+    "checkpoint.keep_last": POSITIVE, "logging.log_interval": POSITIVE,
+    "cluster.gpus_per_node": POSITIVE, "cluster.memory_reserve_gb": Bound(0),
+    **{f"cluster.{n}": POSITIVE_NUMBER for n in ("gpu_memory_gb", "peak_tflops_bf16", "peak_tflops_fp8",
+                                                 "hbm_bandwidth_gbps", "nvlink_bandwidth_gbps",
+                                                 "network_bandwidth_gbps")},
+    **{f"cluster.{n}": FRACTION for n in ("gemm_efficiency", "fp8_gemm_efficiency", "comm_efficiency")},
+    "slurm.signal_lead_s": NON_NEGATIVE, "nodes": POSITIVE,
+}
+"""Every numeric field's range, declared once: checked by ``validate_bounds`` and quoted when Hydra cannot
+even convert a value (``field_rule``). Cross-field rules live in the sections below."""
+
+
+def _get(job: JobConfig, name: str):
+    section, _, attr = name.rpartition(".")
+    return getattr(getattr(job, section) if section else job, attr)
+
+
+def in_bounds(job: JobConfig, *names: str) -> bool:
+    """All the named fields hold a usable value (set, and inside their declared range)."""
+    for name in names:
+        value = _get(job, name)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        if not (math.isfinite(value) and BOUNDS.get(name, Bound()).holds(value)):
+            return False
+    return True
+
+
+def field_rule(name: str) -> str:
+    """A field's type and range in words, e.g. ``a positive integer (or null)``."""
+    kind = _FIELD_TYPES[name][1] if name in _FIELD_TYPES else ""
+    nullable = " (or null)" if kind.startswith("Optional") else ""
+    section, _, attr = name.rpartition(".")
+    cls = SECTIONS[section] if section else JobConfig
+    meta = cls.__dataclass_fields__[attr].metadata if attr in cls.__dataclass_fields__ else {}
+    if "choices" in meta:
+        return "one of " + ", ".join(map(str, meta["choices"])) + nullable
+    integer = "int" in kind
+    if name in BOUNDS:
+        return BOUNDS[name].describe(integer) + nullable
+    for word, text in (("bool", "true or false"), ("int", "an integer"), ("float", "a number"),
+                       ("List", "a list such as [a,b]"), ("Dict", "a mapping"), ("str", "a string")):
+        if word in kind:
+            return text + nullable
+    return "a value of the schema's type" + nullable
+
+
+def validate_bounds(job: JobConfig) -> list[Problem]:
+    """Every numeric field inside its declared range (``BOUNDS``); nulls are left to the rules that need a value."""
+    c = _Checks()
+    for name, bound in BOUNDS.items():
+        value = _get(job, name)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            continue  # null is allowed where the schema allows it; non-finite is reported by validate_finite
+        integer = "int" in _FIELD_TYPES[name][1]
+        c.need(bound.holds(value), name, value, f"must be {bound.describe(integer)}", f"{name}={_bound_hint(name, bound)}")
+    return c.problems
+
+
+def _bound_hint(name: str, bound: Bound) -> str:
+    default = _default_text(name)
+    if default not in (None, "null") and bound.holds(float(default)):
+        return default
+    return f"{bound.lo:g}" if bound.lo is not None and not bound.lo_open else "1"
 
 
 # ---------------------------------------------------------------------------------------------- choices
@@ -91,89 +218,103 @@ def _closest(value, allowed: tuple) -> str:
 
 # ------------------------------------------------------------------------------------------------ model
 def validate_model(model: ModelConfig) -> list[Problem]:
+    """Architecture rules (ranges are in ``BOUNDS``); TransformerConfig.__post_init__ and the layer modules
+    of megatron/core/transformer are the upstream checks mirrored here."""
     c = _Checks()
-    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size",
-                 "seq_length"):
-        c.positive(f"model.{name}", getattr(model, name))
-    heads = model.num_attention_heads or 1
-    if model.kv_channels is None and not model.multi_latent_attention and model.hidden_size:
-        c.need(model.hidden_size % heads == 0, "model.num_attention_heads", heads,
-               f"must divide hidden_size={model.hidden_size} (or set model.kv_channels)",
-               f"model.kv_channels={max(1, model.hidden_size // heads)}")
-    if model.num_query_groups is not None:
-        c.need(model.num_query_groups >= 1 and heads % model.num_query_groups == 0,
-               "model.num_query_groups", model.num_query_groups,
-               f"must divide num_attention_heads={heads}", f"model.num_query_groups={_divisor_near(heads, 8)}")
+    heads = model.num_attention_heads if model.num_attention_heads >= 1 else 1
+    if model.kv_channels is None and not model.multi_latent_attention and model.hidden_size >= 1:
+        # transformer_config.py: kv_channels = hidden_size // num_attention_heads
+        c.need(model.hidden_size % heads == 0, "model.num_attention_heads", model.num_attention_heads,
+               f"must divide model.hidden_size={model.hidden_size} (or set model.kv_channels)",
+               f"model.num_attention_heads={_divisor_near(model.hidden_size, heads)}")
+    if model.num_query_groups is not None and model.num_query_groups >= 1:
+        c.need(heads % model.num_query_groups == 0, "model.num_query_groups", model.num_query_groups,
+               f"must divide model.num_attention_heads={heads}", f"model.num_query_groups={_divisor_near(heads, 8)}")
     max_pos = model.max_position_embeddings
-    if max_pos is not None:
+    if max_pos is not None and max_pos >= 1:
+        # Megatron-LM arguments.py: "max_position_embeddings >= seq_length"
         c.need(model.seq_length <= max_pos, "model.seq_length", model.seq_length,
-               f"must not exceed max_position_embeddings={max_pos}", f"model.seq_length={max_pos}")
-    c.need(0.0 < model.rotary_percent <= 1.0, "model.rotary_percent", model.rotary_percent,
-           "must be in (0, 1]", "model.rotary_percent=1.0")
-    c.need(0.0 <= model.attention_dropout < 1.0 and 0.0 <= model.hidden_dropout < 1.0,
-           "model.hidden_dropout", model.hidden_dropout, "dropouts must be in [0, 1)", "model.hidden_dropout=0.0")
-    c.need(model.mtp_num_layers >= 0, "model.mtp_num_layers", model.mtp_num_layers, "must be >= 0",
-           "model.mtp_num_layers=0")
-    if model.num_experts is not None:
+               f"must not exceed model.max_position_embeddings={max_pos}", f"model.seq_length={max_pos}")
+    if model.mtp_num_layers:
+        # Megatron-LM arguments.py ("MTP validation"): MTP supports rope and none position embeddings only
+        c.need(model.position_embedding in ("rope", "none"), "model.position_embedding", model.position_embedding,
+               "multi-token prediction (model.mtp_num_layers > 0) works with rope or none positions only "
+               "(Megatron-LM)", "model.position_embedding=rope")
+    if model.num_experts is not None and model.num_experts >= 1:
         _validate_moe(c, model)
     if model.multi_latent_attention:
         c.need(model.position_embedding == "rope", "model.position_embedding", model.position_embedding,
                "multi-latent attention uses decoupled RoPE", "model.position_embedding=rope")
+        # Megatron-LM arguments.py: "Group query attention is mutually exclusive with multi latent attention."
+        c.need(model.num_query_groups is None, "model.num_query_groups", model.num_query_groups,
+               "grouped-query attention is mutually exclusive with multi-latent attention", "model.num_query_groups=null")
     return c.problems
 
 
 def _validate_moe(c: _Checks, model: ModelConfig) -> None:
-    if not c.positive("model.num_experts", model.num_experts):
-        return
-    c.need(1 <= model.moe_router_topk <= model.num_experts, "model.moe_router_topk", model.moe_router_topk,
-           f"must be between 1 and num_experts={model.num_experts}", "model.moe_router_topk=2")
-    c.need(0 <= model.moe_first_k_dense < model.num_layers, "model.moe_first_k_dense", model.moe_first_k_dense,
-           f"must leave at least one MoE layer of num_layers={model.num_layers}", "model.moe_first_k_dense=0")
-    c.positive("model.moe_layer_freq", model.moe_layer_freq)
+    if model.moe_router_topk >= 1:
+        c.need(model.moe_router_topk <= model.num_experts, "model.moe_router_topk", model.moe_router_topk,
+               f"must be at most model.num_experts={model.num_experts}",
+               f"model.moe_router_topk={min(2, model.num_experts)}")
+    if model.num_layers >= 1 and model.moe_first_k_dense >= 0:
+        c.need(model.moe_first_k_dense < model.num_layers, "model.moe_first_k_dense", model.moe_first_k_dense,
+               f"must leave at least one MoE layer of model.num_layers={model.num_layers}", "model.moe_first_k_dense=0")
+    # transformer_config.py: "Please use --moe-router-pre-softmax when topk is 1" (softmax over one expert has a
+    # zero gradient); the schema has no pre-softmax switch, so top-1 needs sigmoid scores or sinkhorn.
+    c.need(not (model.moe_router_topk == 1 and model.moe_router_score_function == "softmax"
+                and model.moe_router_load_balancing_type != "sinkhorn"), "model.moe_router_topk", 1,
+           "top-1 routing with softmax scores has a zero router gradient (Megatron-Core asks for pre-softmax, "
+           "which this schema does not expose)", "model.moe_router_topk=2 or model.moe_router_score_function=sigmoid")
+    # moe/router.py SinkhornRouter: "Sinkhorn routing does not support aux loss."
+    c.need(model.moe_router_load_balancing_type != "sinkhorn" or model.moe_aux_loss_coeff == 0,
+           "model.moe_aux_loss_coeff", model.moe_aux_loss_coeff,
+           "sinkhorn load balancing does not take an auxiliary loss", "model.moe_aux_loss_coeff=0.0")
+    # moe/shared_experts.py: "bias is not supported in the shared experts"
+    c.need(model.moe_shared_expert_intermediate_size is None or not model.add_bias_linear,
+           "model.moe_shared_expert_intermediate_size", model.moe_shared_expert_intermediate_size,
+           "shared experts do not support model.add_bias_linear=true (Megatron-Core)",
+           "model.moe_shared_expert_intermediate_size=null or model.add_bias_linear=false")
 
 
 # --------------------------------------------------------------------------------------------- parallel
+SIZES = ("parallel.tensor", "parallel.pipeline", "parallel.context", "parallel.expert", "nodes", "cluster.gpus_per_node")
+
+
 def validate_parallel(job: JobConfig, lay: Layout) -> list[Problem]:
+    """Layout rules: parallel_state.initialize_model_parallel, TransformerConfig/ModelParallelConfig and the
+    tensor-parallel layers (megatron/core/tensor_parallel/layers.py ``divide``)."""
     c = _Checks()
     p, model, cluster = job.parallel, job.model, job.cluster
-    sizes_ok = all([c.positive(f"parallel.{n}", getattr(p, n)) for n in ("tensor", "pipeline", "context", "expert")])
-    # Without a positive world (nodes / cluster.gpus_per_node, reported by their own sections) no layout rule
-    # can be stated.
-    if p.expert_tensor is not None:
-        sizes_ok = c.positive("parallel.expert_tensor", p.expert_tensor) and sizes_ok
-    if not sizes_ok or min(job.nodes, cluster.gpus_per_node) < 1:
+    # Without usable sizes (each reported by validate_bounds) no layout rule can be stated.
+    if not in_bounds(job, *SIZES) or (p.expert_tensor is not None and not in_bounds(job, "parallel.expert_tensor")):
         return c.problems
     world, mp = lay.world, lay.model_parallel
-    if c.need(lay.dp > 0, "parallel.tensor", p.tensor,
-              f"TP x PP x CP = {p.tensor}x{p.pipeline}x{p.context} = {mp} must divide the world size "
-              f"{job.nodes} nodes x {cluster.gpus_per_node} = {world}", _world_fix(job, lay)):
+    # parallel_state.py: "world_size (W) is not divisible by TP x PP x CP"
+    if c.need(lay.dp > 0, _world_culprit(job, lay), _get(job, _world_culprit(job, lay)),
+              f"parallel.tensor x parallel.pipeline x parallel.context = {p.tensor}x{p.pipeline}x{p.context} = {mp} "
+              f"must divide the world size nodes x cluster.gpus_per_node = {job.nodes}x{cluster.gpus_per_node} = {world}",
+              _world_fix(job, lay)):
         if p.data is not None:
             c.need(p.data == lay.dp, "parallel.data", p.data,
-                   f"is derived: world {world} / (TP x PP x CP = {mp}) = {lay.dp}", f"parallel.data={lay.dp} (or null)")
+                   f"is derived: world {world} / (TP x PP x CP = {mp}) = {lay.dp}", f"parallel.data={lay.dp} or parallel.data=null")
     c.need(p.tensor <= cluster.gpus_per_node, "parallel.tensor", p.tensor,
-           f"tensor parallelism must stay inside one node ({cluster.gpus_per_node} GPUs per node)",
-           f"parallel.tensor={cluster.gpus_per_node}")
-    c.need(model.num_attention_heads % p.tensor == 0, "parallel.tensor", p.tensor,
-           f"must divide model.num_attention_heads={model.num_attention_heads}",
-           f"parallel.tensor={_divisor_near(model.num_attention_heads, p.tensor)}")
-    groups = model.num_query_groups or model.num_attention_heads
-    c.need(groups % p.tensor == 0, "parallel.tensor", p.tensor,
-           f"must divide the query groups (GQA kv heads) model.num_query_groups={groups}",
-           f"parallel.tensor={_divisor_near(groups, p.tensor)}")
-    c.need(model.ffn_hidden_size % p.tensor == 0, "parallel.tensor", p.tensor,
-           f"must divide model.ffn_hidden_size={model.ffn_hidden_size} (column-parallel MLP)",
-           f"parallel.tensor={_divisor_near(model.ffn_hidden_size, p.tensor)}")
-    if lay.sequence_parallel:
+           f"tensor parallelism must stay inside one node (cluster.gpus_per_node={cluster.gpus_per_node})",
+           f"parallel.tensor={_divisor_near(cluster.gpus_per_node, p.tensor)}")
+    _validate_tensor_widths(c, p, model)
+    if lay.sequence_parallel and in_bounds(job, "model.seq_length"):
         shards = lay.tp * (2 * lay.cp if lay.cp > 1 else 1)
         c.need(model.seq_length % shards == 0, "parallel.sequence_parallel", True,
                f"model.seq_length={model.seq_length} must be divisible by TP{' x 2CP' if lay.cp > 1 else ''} = {shards}",
-               f"model.seq_length={_round_up(model.seq_length, shards)}")
+               f"model.seq_length={_round_up(model.seq_length, shards)} or parallel.sequence_parallel=false")
     _validate_overlap(c, p, lay)
-    _validate_layer_split(c, p, model, lay)
+    if in_bounds(job, "model.num_layers"):
+        _validate_layer_split(c, p, model, lay)
     if p.context > 1:
-        c.need(model.seq_length % (2 * p.context) == 0, "parallel.context", p.context,
-               f"model.seq_length={model.seq_length} must be divisible by 2 x CP (load-balanced causal split)",
-               f"parallel.context={_divisor_near(model.seq_length // 2, p.context)}")
+        if in_bounds(job, "model.seq_length"):
+            # Megatron-LM arguments.py: "seq-length should be a multiple of 2 * context-parallel-size"
+            c.need(model.seq_length % (2 * p.context) == 0, "parallel.context", p.context,
+                   f"model.seq_length={model.seq_length} must be divisible by 2 x CP (load-balanced causal split)",
+                   f"parallel.context={_divisor_near(max(1, model.seq_length // 2), p.context)}")
         c.need(lay.transformer_engine, "parallel.context", p.context,
                "context parallelism needs Transformer Engine attention (GPU only)", "parallel.context=1")
     _validate_experts(c, p, model, lay)
@@ -181,16 +322,56 @@ def validate_parallel(job: JobConfig, lay: Layout) -> list[Problem]:
         c.need(False, "parallel.sequence_parallel", True, "has no effect with parallel.tensor=1 (Megatron turns it off)",
                "parallel.sequence_parallel=false", severity="warning")
     c.need(p.first_stage_layers is None and p.last_stage_layers is None or p.pipeline > 1,
-           "parallel.first_stage_layers", p.first_stage_layers, "an uneven split needs parallel.pipeline > 1",
-           "parallel.first_stage_layers=null")
+           "parallel.first_stage_layers" if p.first_stage_layers is not None else "parallel.last_stage_layers",
+           p.first_stage_layers if p.first_stage_layers is not None else p.last_stage_layers,
+           "an uneven split needs parallel.pipeline > 1",
+           "parallel.first_stage_layers=null parallel.last_stage_layers=null")
     return c.problems
 
 
+def _validate_tensor_widths(c: _Checks, p: ParallelConfig, model: ModelConfig) -> None:
+    """What TP shards must split evenly (TransformerConfig.__post_init__, attention.py, layers.py ``divide``)."""
+    tp = p.tensor
+    if model.num_attention_heads >= 1:
+        c.need(model.num_attention_heads % tp == 0, "parallel.tensor", tp,
+               f"must divide model.num_attention_heads={model.num_attention_heads}",
+               f"parallel.tensor={_divisor_near(model.num_attention_heads, tp)}")
+    groups = model.num_query_groups or model.num_attention_heads
+    if groups >= 1 and not model.multi_latent_attention:
+        # Stricter than Megatron-Core, which also accepts a TP that is a multiple of the groups and replicates
+        # KV heads: the planner's memory and the checkpoints assume KV heads are split over TP.
+        c.need(groups % tp == 0, "parallel.tensor", tp,
+               f"must divide the query groups model.num_query_groups={groups} (KV-head replication, which "
+               "Megatron-Core allows when TP is a multiple of the groups, is not planned here)",
+               f"parallel.tensor={_divisor_near(groups, tp)}")
+    if model.ffn_hidden_size >= 1:
+        c.need(model.ffn_hidden_size % tp == 0, "parallel.tensor", tp,
+               f"must divide model.ffn_hidden_size={model.ffn_hidden_size} (column-parallel MLP)",
+               f"parallel.tensor={_divisor_near(model.ffn_hidden_size, tp)}")
+
+
+def _world_culprit(job: JobConfig, lay: Layout) -> str:
+    """The size to name when TP x PP x CP does not divide the world: one that alone does not divide it
+    (context first: it is the rarest to set), else the largest."""
+    sizes = {"parallel.context": lay.cp, "parallel.pipeline": lay.pp, "parallel.tensor": lay.tp}
+    for name, size in sizes.items():
+        if lay.world % size:
+            return name
+    return max(sizes, key=sizes.get)
+
+
 def _world_fix(job: JobConfig, lay: Layout) -> str:
-    """Two ways to make TP x PP x CP divide the world: the fewest nodes whose ranks it divides, or the
-    pipeline size nearest to the current one that divides the ranks TP x CP leave."""
+    """Ways to make TP x PP x CP divide the world: the fewest nodes whose ranks it divides, or the size named
+    by the rule (or the pipeline) moved to the nearest value that divides what the other two leave."""
     nodes = lay.model_parallel // math.gcd(lay.model_parallel, job.cluster.gpus_per_node)
-    return f"nodes={nodes} or parallel.pipeline={_divisor_near(lay.world // (lay.tp * lay.cp), lay.pp)}"
+    sizes = {"parallel.tensor": lay.tp, "parallel.pipeline": lay.pp, "parallel.context": lay.cp}
+    culprit = _world_culprit(job, lay)
+    hints = [f"nodes={nodes}"]
+    for name in dict.fromkeys([culprit, "parallel.pipeline"]):
+        others = lay.model_parallel // sizes[name]
+        if lay.world % others == 0:
+            hints.append(f"{name}={_divisor_near(lay.world // others, sizes[name])}")
+    return " or ".join(hints)
 
 
 def _validate_overlap(c: _Checks, p: ParallelConfig, lay: Layout) -> None:
@@ -268,8 +449,10 @@ def _validate_pipeline_layout(c: _Checks, p: ParallelConfig, model: ModelConfig)
 
 
 def _validate_layer_split(c: _Checks, p: ParallelConfig, model: ModelConfig, lay: Layout) -> None:
-    if p.virtual_pipeline is not None and not c.positive("parallel.virtual_pipeline", p.virtual_pipeline):
-        return
+    """transformer_config.py "Uneven PP" checks and parallel_state's "pipeline-model-parallel size should be
+    greater than 1 with interleaved schedule"."""
+    if p.virtual_pipeline is not None and p.virtual_pipeline < 1:
+        return  # reported by validate_bounds
     vp = lay.vpp
     c.need(vp == 1 or p.pipeline > 1, "parallel.virtual_pipeline", vp,
            "virtual pipeline stages need parallel.pipeline > 1", "parallel.virtual_pipeline=null")
@@ -284,38 +467,72 @@ def _validate_layer_split(c: _Checks, p: ParallelConfig, model: ModelConfig, lay
     if first is None and last is None:
         chunks = lay.pp * vp
         c.need(layers % chunks == 0, "model.num_layers", layers,
-               f"must be divisible by PP x VPP = {p.pipeline}x{vp} = {chunks} "
+               f"must be divisible by parallel.pipeline x parallel.virtual_pipeline = {p.pipeline}x{vp} = {chunks} "
                "(or set parallel.first_stage_layers/last_stage_layers for an uneven split)",
-               f"parallel.pipeline={_divisor_near(layers, p.pipeline)}")
+               f"parallel.pipeline={_divisor_near(max(1, layers // vp), p.pipeline)} or "
+               f"model.num_layers={_round_up(layers, chunks)}")
         return
+    if (first is not None and first < 1) or (last is not None and last < 1):
+        return  # reported by validate_bounds
     middle_stages = p.pipeline - (first is not None) - (last is not None)
     rest = layers - (first or 0) - (last or 0)
     for name, value in (("first_stage_layers", first), ("last_stage_layers", last)):
         if value is not None:
-            c.need(value >= 1 and value % vp == 0, f"parallel.{name}", value,
-                   f"must be a positive multiple of the virtual pipeline size {vp}", f"parallel.{name}={vp}")
+            c.need(value % vp == 0, f"parallel.{name}", value,
+                   f"must be a multiple of parallel.virtual_pipeline={vp}", f"parallel.{name}={_round_up(value, vp)}")
     if middle_stages <= 0:
-        c.need(rest == 0, "parallel.first_stage_layers", first,
-               f"first + last stage layers must equal model.num_layers={layers}", f"parallel.last_stage_layers={layers - (first or 0)}")
+        c.need(rest == 0, "parallel.first_stage_layers" if first is not None else "parallel.last_stage_layers",
+               first if first is not None else last,
+               f"with no middle stages, first + last stage layers must equal model.num_layers={layers}",
+               f"parallel.last_stage_layers={layers - (first or 0)}" if first is not None and last is not None
+               else "parallel.first_stage_layers=null parallel.last_stage_layers=null")
         return
-    c.need(rest > 0 and rest % (middle_stages * vp) == 0, "parallel.first_stage_layers", first,
-           f"the remaining {rest} layers must split evenly over {middle_stages} middle stages x VPP {vp}",
-           "parallel.first_stage_layers=null and parallel.last_stage_layers=null")
+    c.need(rest > 0 and rest % (middle_stages * vp) == 0,
+           "parallel.first_stage_layers" if first is not None else "parallel.last_stage_layers",
+           first if first is not None else last,
+           f"the remaining {rest} of model.num_layers={layers} must split evenly over {middle_stages} middle "
+           f"stages x parallel.virtual_pipeline={vp}", "parallel.first_stage_layers=null parallel.last_stage_layers=null")
 
 
 def _validate_experts(c: _Checks, p: ParallelConfig, model: ModelConfig, lay: Layout) -> None:
+    per_stage = lay.world // lay.pp
+    # parallel_state.py builds the expert groups for every model: "world_size is not divisible by
+    # expert_tensor_model_pipeline_parallel size" (ETP x EP x PP).
+    etp_named = p.expert_tensor is not None and per_stage % lay.etp != 0
+    c.need(lay.expert_dp > 0, "parallel.expert_tensor" if etp_named else "parallel.expert",
+           p.expert_tensor if etp_named else p.expert,
+           f"parallel.expert_tensor x parallel.expert = {lay.etp}x{lay.ep} must divide the ranks per pipeline "
+           f"stage ({per_stage})",
+           f"parallel.expert_tensor={_divisor_near(per_stage, lay.etp)}" if etp_named else
+           f"parallel.expert={_divisor_near(max(1, per_stage // lay.etp), lay.ep)}")
     if model.num_experts is None:
+        # transformer_config.py: "num_moe_experts must be non None to use expert-parallel."
         c.need(p.expert == 1, "parallel.expert", p.expert, "expert parallelism needs an MoE model (model.num_experts)",
                "parallel.expert=1")
         return
+    if model.num_experts < 1:
+        return  # reported by validate_bounds
+    # moe_layer.py: "assert self.config.num_moe_experts % ep_size == 0"
     c.need(model.num_experts % p.expert == 0, "parallel.expert", p.expert,
            f"must divide model.num_experts={model.num_experts}", f"parallel.expert={_divisor_near(model.num_experts, p.expert)}")
-    # Expert DP = world / (ETP x EP x PP) is 0 exactly when ETP x EP does not divide the ranks of a stage.
-    c.need(lay.expert_dp > 0, "parallel.expert", p.expert,
-           f"ETP x EP = {lay.etp}x{lay.ep} must divide the ranks per pipeline stage ({lay.world // lay.pp})",
-           "parallel.expert=1")
+    # moe_layer.py refuses MoE with TP but without SP ("... tensor parallelism ... sequence parallelism")
     c.need(p.tensor == 1 or p.sequence_parallel, "parallel.sequence_parallel", p.sequence_parallel,
            "MoE with tensor parallelism requires sequence parallelism", "parallel.sequence_parallel=true")
+    expert_ffn = model.moe_ffn_hidden_size or model.ffn_hidden_size
+    if expert_ffn >= 1:
+        # experts are column/row-parallel over the expert-TP group (layers.py ``divide``)
+        c.need(expert_ffn % lay.etp == 0, "parallel.expert_tensor" if p.expert_tensor else "parallel.tensor",
+               lay.etp, f"expert tensor parallelism must divide the expert width "
+               f"model.moe_ffn_hidden_size={expert_ffn}", f"model.moe_ffn_hidden_size={_round_up(expert_ffn, lay.etp)}")
+    shared = model.moe_shared_expert_intermediate_size
+    if shared is not None and shared >= 1:
+        c.need(shared % lay.tp == 0, "model.moe_shared_expert_intermediate_size", shared,
+               f"the shared experts are tensor-parallel: must be divisible by parallel.tensor={lay.tp}",
+               f"model.moe_shared_expert_intermediate_size={_round_up(shared, lay.tp)}")
+    # transformer_config.py: "Bias in Moe is only supported when ETP==1"
+    c.need(not model.add_bias_linear or lay.etp == 1, "model.add_bias_linear", True,
+           f"MoE with linear biases needs expert tensor parallelism 1 (parallel.expert_tensor is {lay.etp})",
+           "parallel.expert_tensor=1 or model.add_bias_linear=false")
 
 
 # --------------------------------------------------------------------------------------------- schedule
@@ -325,13 +542,24 @@ def validate_schedule(job: JobConfig, lay: Layout) -> list[Problem]:
     if not _allowed(s, "kind"):
         return c.problems  # reported by validate_choices
     vp, m = lay.vpp, lay.microbatches
-    if s.kind == "zb_h1" and job.action not in ("plan", "search", "validate"):
-        c.need(False, "schedule.kind", s.kind, "zero-bubble is planned and simulated (action=plan) but cannot "
-               "train yet: its schedule lands with the zero-bubble issue", "schedule.kind=1f1b")
+    if s.kind == "zb_h1" and job.action not in ("plan", "search"):  # what the ZB-H1 executor supports
+        zb = "zb_h1 (launcher/rank/zero_bubble.py)"
+        c.need(p.pipeline > 1, "schedule.kind", s.kind, "zb_h1 needs parallel.pipeline > 1",
+               "parallel.pipeline=2 (or schedule.kind=1f1b)")
+        c.need(not p.overlap_grad_reduce, "parallel.overlap_grad_reduce", True, f"{zb} reduces gradients once "
+               "after the last W pass (a weight's gradient is complete only then)", "parallel.overlap_grad_reduce=false")
+        c.need(not job.model.num_experts, "model.num_experts", job.model.num_experts,
+               f"{zb} does not split the backward of MoE expert layers yet", "schedule.kind=1f1b")
+        c.need(job.train.recompute == "none", "train.recompute", job.train.recompute,
+               f"{zb} does not support activation recompute yet", "train.recompute=none")
+        c.need(not job.model.mtp_num_layers, "model.mtp_num_layers", job.model.mtp_num_layers,
+               f"{zb} does not support multi-token prediction yet", "model.mtp_num_layers=0")
+        c.need(not p.tp_comm_overlap, "parallel.tp_comm_overlap", True,
+               f"{zb} does not support TE userbuffer TP overlap yet", "parallel.tp_comm_overlap=false")
     if s.kind == "interleaved":
         c.need(vp > 1 and p.pipeline > 1, "schedule.kind", s.kind,
                "interleaved needs parallel.pipeline > 1 and parallel.virtual_pipeline > 1",
-               "parallel.virtual_pipeline=2 (or schedule.kind=1f1b)")
+               "parallel.virtual_pipeline=2 or schedule.kind=1f1b")
         c.need(not (p.pipeline == 2 and s.batch_p2p_comm and not s.overlap_p2p_comm), "schedule.batch_p2p_comm",
                s.batch_p2p_comm, "interleaved with PP=2 and batched p2p trains silently wrong (Megatron-LM #750, #1450)",
                "schedule.batch_p2p_comm=false or schedule.overlap_p2p_comm=true")
@@ -378,6 +606,12 @@ def validate_precision(job: JobConfig, lay: Layout) -> list[Problem]:
            "take MLA's head sizes)", "a GPU cluster profile (cluster=h100) or model.multi_latent_attention=false")
     c.need(not pr.fp8_param or pr.fp8 is not None, "precision.fp8_param", pr.fp8_param,
            "FP8 parameters need an FP8 recipe", "precision.fp8=delayed or precision.fp8_param=false")
+    # Megatron-LM arguments.py refused "Expert parallelism is not supported with fp16 training." until
+    # Megatron-LM #2495 (core 0.16) lifted it; stricter here: fp16 MoE with EP (loss scaling of the router's
+    # aux loss across expert groups) has not been run by this launcher, bf16 has.
+    c.need(not (pr.dtype == "fp16" and job.model.num_experts and job.parallel.expert > 1), "precision.dtype",
+           pr.dtype, "expert parallelism (parallel.expert > 1) is not run in fp16 here (Megatron-LM refused it "
+           "before #2495)", "precision.dtype=bf16 or parallel.expert=1")
     # Megatron-LM arguments.py: "--fp8-param-gather only supported with distributed optimizer" (the rank wing
     # maps fp8_param to fp8_param_gather); without it the FP8 weights would never be updated.
     c.need(not pr.fp8_param or job.parallel.distributed_optimizer, "precision.fp8_param", pr.fp8_param,
@@ -389,37 +623,40 @@ def validate_precision(job: JobConfig, lay: Layout) -> list[Problem]:
 
 # ------------------------------------------------------------------------------------------------ train
 def validate_train(job: JobConfig, lay: Layout) -> list[Problem]:
+    """Batch, length and optimizer rules (ranges are in ``BOUNDS``; Megatron-LM arguments.py for the rest)."""
     c = _Checks()
     t = job.train
-    c.positive("train.micro_batch_size", t.micro_batch_size)
-    c.positive("train.global_batch_size", t.global_batch_size)
     dp = lay.dp
-    if dp and t.micro_batch_size >= 1:
+    if dp and in_bounds(job, "train.micro_batch_size", "train.global_batch_size"):
         unit = t.micro_batch_size * dp
         c.need(t.global_batch_size % unit == 0, "train.global_batch_size", t.global_batch_size,
-               f"must be divisible by micro_batch_size x DP = {t.micro_batch_size}x{dp} = {unit}",
+               f"must be divisible by train.micro_batch_size x DP = {t.micro_batch_size}x{dp} = {unit}",
                f"train.global_batch_size={_round_up(max(t.global_batch_size, unit), unit)}")
-    c.need((t.train_steps is None) != (t.train_tokens is None), "train.train_steps", t.train_steps,
-           "set exactly one of train.train_steps and train.train_tokens", "train.train_tokens=null")
-    if t.train_steps is not None:
-        c.positive("train.train_steps", t.train_steps)
-        c.need(t.warmup_steps < t.train_steps or t.train_steps < 1, "train.warmup_steps", t.warmup_steps,
+    c.need((t.train_steps is None) != (t.train_tokens is None),
+           "train.train_steps" if t.train_steps is not None else "train.train_tokens",
+           t.train_steps if t.train_steps is not None else t.train_tokens,
+           "set exactly one of train.train_steps and train.train_tokens",
+           "train.train_tokens=null" if t.train_steps is not None else "train.train_steps=1000")
+    if t.train_steps is not None and in_bounds(job, "train.train_steps", "train.warmup_steps"):
+        c.need(t.warmup_steps < t.train_steps, "train.warmup_steps", t.warmup_steps,
                f"must be shorter than train.train_steps={t.train_steps}", f"train.warmup_steps={t.train_steps // 10}")
-    if t.train_tokens is not None:
-        c.positive("train.train_tokens", t.train_tokens)
-    c.need(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "must be >= 0", "train.warmup_steps=0")
-    c.need(t.lr > 0, "train.lr", t.lr, "must be positive", "train.lr=3e-4")
-    c.need(0 <= t.min_lr <= t.lr, "train.min_lr", t.min_lr, f"must be in [0, train.lr={t.lr}]", f"train.min_lr={t.lr / 10:g}")
-    c.need(t.clip_grad >= 0, "train.clip_grad", t.clip_grad, "must be >= 0 (0 disables clipping)", "train.clip_grad=1.0")
-    c.need(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0", "train.weight_decay=0.1")
-    c.need(0 <= t.adam_beta1 < 1 and 0 <= t.adam_beta2 < 1, "train.adam_beta2", t.adam_beta2,
-           "Adam betas must be in [0, 1)", "train.adam_beta2=0.95")
-    if t.eval_interval:
-        c.positive("train.eval_iters", t.eval_iters)
-    c.need(t.eval_interval >= 0, "train.eval_interval", t.eval_interval, "must be >= 0 (0 disables)", "train.eval_interval=0")
-    if t.wsd_decay_steps is not None and t.train_steps is not None:
-        c.need(0 < t.wsd_decay_steps <= t.train_steps, "train.wsd_decay_steps", t.wsd_decay_steps,
-               f"must be in (0, train.train_steps={t.train_steps}]", f"train.wsd_decay_steps={max(1, t.train_steps // 10)}")
+    if in_bounds(job, "train.lr", "train.min_lr"):
+        # Megatron-LM arguments.py: "assert args.min_lr <= args.lr"
+        c.need(t.min_lr <= t.lr, "train.min_lr", t.min_lr, f"must not exceed train.lr={t.lr:g}",
+               f"train.min_lr={t.lr / 10:g}")
+    if t.wsd_decay_steps is not None and t.train_steps is not None and in_bounds(job, "train.train_steps"):
+        c.need(t.wsd_decay_steps <= t.train_steps, "train.wsd_decay_steps", t.wsd_decay_steps,
+               f"must not exceed train.train_steps={t.train_steps}", f"train.wsd_decay_steps={max(1, t.train_steps // 10)}")
+    if t.recompute_num_layers is not None and t.recompute_num_layers >= 1 and _allowed(t, "recompute"):
+        # transformer_config.py: with full recompute "recompute_num_layers must be between 1 and
+        # num_layers_per_pipeline_rank"; with selective "recompute_num_layers must be None".
+        c.need(t.recompute == "full", "train.recompute_num_layers", t.recompute_num_layers,
+               f"is only used with train.recompute=full (got {t.recompute})",
+               "train.recompute_num_layers=null or train.recompute=full")
+        per_chunk = min((len(chunk) for stage in lay.chunk_layers for chunk in stage), default=0)
+        c.need(t.recompute != "full" or t.recompute_num_layers <= max(per_chunk, 1), "train.recompute_num_layers",
+               t.recompute_num_layers, f"must be at most the layers of one pipeline chunk ({per_chunk})",
+               f"train.recompute_num_layers={max(per_chunk, 1)} or train.recompute_num_layers=null")
     return c.problems
 
 
@@ -429,19 +666,19 @@ def validate_data(data: DataConfig) -> list[Problem]:
     if not _allowed(data, "kind"):
         return c.problems  # reported by validate_choices
     parts = [s.strip() for s in str(data.split).split(",")]
-    c.need(len(parts) == 3 and all(is_number(s) and float(s) >= 0 for s in parts) and any(float(s) > 0 for s in parts if is_number(s)),
+    c.need(len(parts) == 3 and all(is_number(s) and 0 <= float(s) < math.inf for s in parts) and any(float(s) > 0 for s in parts if is_number(s)),
            "data.split", data.split, "must be three non-negative weights train,valid,test", "data.split=969,30,1")
     c.need(data.kind != "mock" or not data.blend, "data.kind", data.kind,
-           "mock data ignores data.blend: a blend was given but would never be read", "data.kind=indexed")
+           "mock data ignores data.blend: a blend was given but would never be read",
+           "data.blend=[] or data.kind=indexed")
     if data.kind == "indexed":
         c.need(len(data.blend) > 0, "data.blend", list(data.blend), "indexed data needs at least one dataset prefix",
-               "data.blend=[path/to/prefix] or data=mock")
+               "list your dataset prefixes in data.blend or data=mock")
         c.need(bool(data.tokenizer), "data.tokenizer", data.tokenizer, "indexed data needs a tokenizer.json path",
                "data.tokenizer=data/assets/tokenizer.json")
         problem = blend_structure_problem(list(data.blend))
         if problem:
             c.problems.append(problem)
-    c.need(data.num_workers >= 0, "data.num_workers", data.num_workers, "must be >= 0", "data.num_workers=1")
     return c.problems
 
 
@@ -451,9 +688,9 @@ def blend_structure_problem(blend: list) -> Problem | None:
     except ValueError:
         return Problem("data.blend", blend, "must be [prefix, ...] or [weight, prefix, weight, prefix, ...]",
                        "data.blend=[0.3,path/a,0.7,path/b]")
-    bad = [w for w, _ in pairs if w <= 0]
+    bad = [w for w, _ in pairs if not (w > 0 and math.isfinite(w))]
     if bad:
-        return Problem("data.blend", blend, f"weights must be positive (got {bad[0]:g})",
+        return Problem("data.blend", blend, f"weights must be positive finite numbers (got {bad[0]:g})",
                        "remove the dataset from the blend or give it a positive weight")
     return None
 
@@ -461,36 +698,40 @@ def blend_structure_problem(blend: list) -> Problem | None:
 # ---------------------------------------------------------------------------------------- run, cluster
 def validate_checkpoint(ckpt: CheckpointConfig) -> list[Problem]:
     c = _Checks()
-    c.need(ckpt.save_interval >= 0, "checkpoint.save_interval", ckpt.save_interval, "must be >= 0 (0: only at the end)",
-           "checkpoint.save_interval=1000")
+    # The rank wing refuses async_save (its saves are synchronous): refuse it here, before any GPU is spent.
     c.need(not ckpt.async_save, "checkpoint.async_save", True,
-           "asynchronous saving is not implemented yet: checkpoints are written synchronously",
-           "checkpoint.async_save=false", severity="warning")
-    if ckpt.keep_last is not None:
-        c.positive("checkpoint.keep_last", ckpt.keep_last)
+           "asynchronous saving is not implemented: the ranks write checkpoints synchronously and refuse it",
+           "checkpoint.async_save=false")
     return c.problems
 
 
 def validate_logging(logging: LoggingConfig) -> list[Problem]:
     c = _Checks()
-    c.positive("logging.log_interval", logging.log_interval)
+    # wandb refuses project and entity names with '/', '\\', '#', '?', '%', ':' (every rank would fail in
+    # wandb.init); ';' and spaces are refused too so the names stay shell- and path-safe.
+    for name, value in (("logging.wandb_project", logging.wandb_project), ("logging.wandb_entity", logging.wandb_entity)):
+        if value is not None:
+            c.need(WANDB_NAME.fullmatch(str(value)) is not None, name, value,
+                   "wandb names are 1-128 letters, digits, '.', '_' and '-'", f"{name}=my_project")
     return c.problems
 
 
 def validate_cluster(job: JobConfig) -> list[Problem]:
     c = _Checks()
     cl = job.cluster
-    c.positive("cluster.gpus_per_node", cl.gpus_per_node)
+    if in_bounds(job, "cluster.gpu_memory_gb", "cluster.memory_reserve_gb"):
+        c.need(cl.memory_reserve_gb < cl.gpu_memory_gb, "cluster.memory_reserve_gb", cl.memory_reserve_gb,
+               f"must be less than cluster.gpu_memory_gb={cl.gpu_memory_gb:g}", "cluster.memory_reserve_gb=4.0")
     c.need(not (cl.gpu == "cpu" and cl.backend == "nccl"), "cluster.backend", cl.backend,
            "NCCL needs GPUs; a cpu cluster uses gloo", "cluster.backend=gloo")
     c.need(cl.launcher != "local" or job.nodes == 1, "nodes", job.nodes,
-           "a local cluster runs on this one machine", "nodes=1 (or cluster=h200 to submit with Slurm)")
+           "a local cluster runs on this one machine", "nodes=1 or cluster=h200 (to submit with Slurm)")
     c.need(job.action != "run" or cl.launcher == "local", "action", job.action,
            f"action=run starts torchrun on this machine; cluster {cl.name} launches through Slurm",
-           "action=submit (or cluster=local)")
+           "action=submit or cluster=local")
     c.need(job.action != "submit" or cl.launcher == "slurm", "action", job.action,
            f"action=submit needs a Slurm cluster profile; cluster {cl.name} runs locally",
-           "action=run (or a Slurm profile such as cluster=h200)")
+           "action=run or a Slurm profile such as cluster=h200")
     for name, value in cl.env.items():
         c.need(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(name)) is not None, f"cluster.env.{name}", value,
                "environment variable names are letters, digits and _", "cluster.env.MY_VAR=value")
@@ -561,7 +802,6 @@ def validate_slurm(job: JobConfig) -> list[Problem]:
 
 def validate_job(job: JobConfig) -> list[Problem]:
     c = _Checks()
-    c.positive("nodes", job.nodes)
     c.need(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", job.name or "") is not None, "name", job.name,
            "run names are letters, digits, '.', '_' and '-'", "name=my_run")
     return c.problems
@@ -575,6 +815,20 @@ def validate_sizes(job: JobConfig) -> list[Problem]:
                               ("parallel.pipeline", job.parallel.pipeline, MAX_PIPELINE),
                               ("parallel.virtual_pipeline", job.parallel.virtual_pipeline, MAX_PIPELINE)):
         c.need(value is None or value <= most, name, value, f"must be at most {most} (a typo?)", f"{name}=1")
+    return c.problems
+
+
+def validate_finite(job: JobConfig) -> list[Problem]:
+    """No float field may be inf or nan (Hydra reads ``train.lr=inf`` as a float; every rank would train on
+    it). Checked before anything is derived, like the sizes."""
+    c = _Checks()
+    for name, (cls, kind) in _FIELD_TYPES.items():
+        if "float" not in kind:
+            continue
+        section, _, attr = name.rpartition(".")
+        value = getattr(getattr(job, section) if section else job, attr)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            c.need(math.isfinite(value), name, value, "must be a finite number", f"{name}={_default_text(name)}")
     return c.problems
 
 
@@ -596,14 +850,140 @@ SECTION_CHECKS: tuple[Callable[[JobConfig, Layout], list[Problem]], ...] = (
 
 
 def validate(job: JobConfig) -> list[Problem]:
-    """Every problem of every section (errors and warnings), in section order."""
-    problems = validate_sizes(job)
+    """Every problem of every section (errors and warnings), in section order, each hint verified: an
+    alternative is printed only when the job with it applied no longer has that problem and has no new error
+    (see ``verified_hint``)."""
+    problems = raw_problems(job)
+    return [verified_hint(job, p, problems) for p in problems]
+
+
+def raw_problems(job: JobConfig) -> list[Problem]:
+    """The problems as the rules state them, hints unchecked."""
+    problems = validate_sizes(job) + validate_finite(job)
     if errors(problems):
         return problems
+    problems += validate_bounds(job)
     lay = derive(job)
     for check in SECTION_CHECKS:
-        problems.extend(check(job, lay))
+        try:
+            problems.extend(check(job, lay))
+        except Exception as exc:  # noqa: BLE001  -- a rule that cannot be stated is reported, never a traceback
+            problems.append(Problem("config", f"{type(exc).__name__}: {exc}",
+                                    "a validation rule could not be evaluated (a bug in launcher/validate.py)",
+                                    "fix the other reported problems first"))
     return problems
+
+
+# ------------------------------------------------------------------------------------- verified hints
+OVERRIDE = re.compile(r"([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)?)=(\S+)")
+"""One ``section.field=value`` (or top-level ``field=value``) override in a hint."""
+
+
+def _key(p: Problem) -> tuple[str, str]:
+    """What identifies a problem across re-validation: its field and its rule without the numbers in it."""
+    return p.field.split("[")[0], re.sub(r"\d+(?:\.\d+)?(?:e[-+]?\d+)?", "#", p.rule)
+
+
+def verified_hint(job: JobConfig, problem: Problem, problems: list[Problem]) -> Problem:
+    """The problem with only those alternatives of its hint that fix it without a new error; alternatives
+    that are not plain overrides (prose, group options such as cluster=h100) are kept as written. When every
+    override alternative fails, the schema default of the field it set is tried; failing that, the hint
+    names what to change without a number."""
+    alternatives = [a.strip() for a in re.split(r"\s+or\s+", problem.hint) if a.strip()]
+    parsed = [(a, _overrides(a)) for a in alternatives]
+    if all(ov is None for _, ov in parsed):
+        return problem
+    before = {_key(p) for p in errors(problems)}
+    kept = [a for a, ov in parsed if ov is None or _fixes(job, ov, problem, before)]
+    tried = [ov for _, ov in parsed if ov]
+    if not any(ov for a, ov in parsed if a in kept):
+        for ov in tried:  # the schema's default for the same field(s)
+            default = [(k, _default_text(k)) for k, _ in ov]
+            if all(t is not None for _, t in default) and default != ov and _fixes(job, default, problem, before):
+                kept.insert(0, " ".join(f"{k}={t}" for k, t in default))
+                break
+    if not any(_overrides(a) for a in kept):
+        names = sorted({k for ov in tried for k, _ in ov} | ({problem.field} if problem.field in _FIELD_TYPES else set()))
+        kept = [a for a in kept if _overrides(a) is None]
+        kept.insert(0, f"a different value of {' or '.join(names)}")
+    return dataclasses.replace(problem, hint=" or ".join(dict.fromkeys(kept)))
+
+
+def _overrides(text: str) -> list[tuple[str, str]] | None:
+    """[(field, value)] when ``text`` is one or more schema-field overrides separated by spaces, else None."""
+    tokens = text.split()
+    pairs = [OVERRIDE.fullmatch(t) for t in tokens]
+    if not tokens or not all(pairs) or not all(m[1] in _FIELD_TYPES for m in pairs):
+        return None
+    return [(m[1], m[2]) for m in pairs]
+
+
+def _fixes(job: JobConfig, overrides: list[tuple[str, str]], problem: Problem, before: set) -> bool:
+    fixed = copy.deepcopy(job)
+    try:
+        for key, text in overrides:
+            _set(fixed, key, text)
+        after = raw_problems(fixed)
+    except Exception:  # noqa: BLE001  -- a hint the job cannot even take is not printed
+        return False
+    keys = {_key(p) for p in after if p.severity == "error" or p.severity == problem.severity}
+    new_errors = {_key(p) for p in errors(after)} - before
+    return _key(problem) not in keys and not new_errors
+
+
+def _schema_fields() -> dict[str, tuple[type, str]]:
+    """dotted name -> (section class, annotation text) of every field (top-level ones as ``nodes``...)."""
+    out = {}
+    for f in dataclasses.fields(JobConfig):
+        section = SECTIONS.get(f.name)
+        if section is None:
+            out[f.name] = (JobConfig, str(f.type))
+        else:
+            out.update({f"{f.name}.{g.name}": (section, str(g.type)) for g in dataclasses.fields(section)})
+    return out
+
+
+_FIELD_TYPES = _schema_fields()
+
+
+def parse_value(key: str, text: str):
+    """``text`` as the value of field ``key`` (the subset of Hydra's override grammar that hints use)."""
+    kind = _FIELD_TYPES[key][1]
+    text = text.strip("'\"")
+    if text == "null":
+        if not kind.startswith("Optional"):
+            raise ValueError(f"{key} is not nullable")
+        return None
+    if "List" in kind:
+        inner = text.strip("[]")
+        return [s.strip() for s in inner.split(",") if s.strip()] if inner else []
+    if "Dict" in kind:
+        raise ValueError("dict fields are not set by hints")
+    if "bool" in kind:
+        if text.lower() not in ("true", "false"):
+            raise ValueError(text)
+        return text.lower() == "true"
+    if "int" in kind:
+        return int(text)
+    if "float" in kind:
+        return float(text)
+    return text
+
+
+def _set(job: JobConfig, key: str, text: str) -> None:
+    section, _, name = key.rpartition(".")
+    setattr(getattr(job, section) if section else job, name, parse_value(key, text))
+
+
+def _default_text(key: str) -> str | None:
+    """The schema default of a field, spelt as an override value (None: no simple default)."""
+    section, _, name = key.rpartition(".")
+    cls = SECTIONS[section] if section else JobConfig
+    f = cls.__dataclass_fields__[name]
+    if f.default is dataclasses.MISSING:
+        return None
+    value = f.default
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 # -------------------------------------------------------------------------------------------- helpers

@@ -14,7 +14,7 @@ L8 = ["recipe=llama3_8b"]
 
 # (case id, overrides, field the message must name)
 CASES = [
-    ("world-size", L8 + ["nodes=1", "parallel.context=3"], "parallel.tensor="),
+    ("world-size", L8 + ["nodes=1", "parallel.context=3"], "parallel.context="),
     ("tp-over-node", L405 + ["parallel.tensor=16", "nodes=128"], "parallel.tensor=16"),
     ("heads-tp", L8 + ["parallel.tensor=3", "nodes=3", "parallel.context=1"], "parallel.tensor=3"),
     ("gqa-groups-tp", L8 + ["model.num_query_groups=2", "parallel.tensor=4", "parallel.context=1"], "parallel.tensor=4"),
@@ -73,7 +73,8 @@ CASES = [
      "parallel.sequence_parallel="),
     ("param-gather-needs-distopt", L8 + ["parallel.distributed_optimizer=false"], "parallel.overlap_param_gather="),
     ("tp-overlap-needs-sp", L8 + ["parallel.tp_comm_overlap=true"], "parallel.tp_comm_overlap="),
-    ("zb-h1-cannot-train-yet", ["recipe=smoke", "schedule.kind=zb_h1"], "schedule.kind="),
+    ("zb-h1-needs-pp", ["recipe=smoke", "schedule.kind=zb_h1", "parallel.pipeline=1", "parallel.tensor=4"],
+     "schedule.kind="),
     ("mla-needs-te", ["recipe=smoke", "model.multi_latent_attention=true"], "model.multi_latent_attention="),
     ("blend-with-mock", L8 + ["data.blend=[/lustre/a]"], "data.kind="),
     ("blend-missing-files", L8 + ["data.kind=indexed", "data.blend=[/nonexistent/a_text_document]",
