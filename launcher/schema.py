@@ -212,6 +212,9 @@ class ScheduleConfig:
     """Batch pipeline send/recv into one call. Interleaved with PP=2 needs false (upstream bug)."""
     overlap_p2p_comm: bool = False
     """Overlap pipeline send/recv with compute (interleaved only)."""
+    record_timeline: bool = False
+    """Record what each rank executed in the last training step (wall-clock start/end of every F, B, W, send
+    and recv) into the bundle's timeline/ as a Chrome/Perfetto trace JSON and a PNG (1f1b and zb_h1)."""
 
 
 @dataclass

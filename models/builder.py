@@ -223,6 +223,7 @@ def build_model(*, model: ModelConfig, parallel: ParallelConfig, precision: Prec
     from megatron.core.models.gpt import GPTModel
 
     from models.mtp import mtp_block_spec
+    from models import zero_bubble as zb
 
     layout = layout or layout_of(model=model, parallel=parallel, precision=precision, schedule=schedule)
     te = backend.use_transformer_engine(precision)
@@ -235,6 +236,9 @@ def build_model(*, model: ModelConfig, parallel: ParallelConfig, precision: Prec
         torch.manual_seed(seed)  # embeddings: the same draw on every rank that builds them
         vp = vp_stage if layout.vpp > 1 else None
         spec = _seed_layers(backend.decoder_block_spec(config, te, vp_stage=vp, pp_rank=pp_rank), seed)
+        zero_bubble = schedule is not None and schedule.kind == "zb_h1"
+        if zero_bubble:  # split backward: weight gradients deferred into W slots (models/zero_bubble.py)
+            spec = zb.defer_wgrad_spec(spec, te)
         chunk = GPTModel(**gpt_model_kwargs(
             model=model, layout=layout, config=config, spec=spec, vp_stage=vp,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
@@ -242,5 +246,7 @@ def build_model(*, model: ModelConfig, parallel: ParallelConfig, precision: Prec
             mtp_block_spec=mtp_block_spec(config, spec, te=te, vp_stage=vp, pp_rank=pp_rank, seed=seed)))
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
+        if zero_bubble:
+            zb.defer_output_layer(chunk)
         chunks.append(chunk)
     return chunks

@@ -70,7 +70,8 @@ def train(bundle: Path, console) -> int:
     scheduler = optim.build_scheduler(optimizer, train=tr, steps=layout.steps)
     optim.hook_model_config(model, optimizer, parallel=job.parallel)
     lp = loop.Loop(model=model, optimizer=optimizer, scheduler=scheduler, train=tr, seq_length=job.model.seq_length,
-                   num_microbatches=layout.microbatches, kind=job.schedule.kind, dp_size=layout.dp)
+                   num_microbatches=layout.microbatches, kind=job.schedule.kind, dp_size=layout.dp,
+                   record_timeline=job.schedule.record_timeline)
     ckpt.check_options(job.checkpoint)
     ckpt_dir = Path(job.checkpoint.dir) if job.checkpoint.dir else bundle / "checkpoints"
     identity = ckpt.run_identity(job)
@@ -138,6 +139,12 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
                  flops_per_token=fpt, tokens_per_step=layout.tokens_per_step, world=layout.world,
                  deadline=time.time() + minutes * 60 if minutes else None,
                  stop_file=bundle / "STOP", on_note=console.line)
+    if lp.recorder is not None and lp.recorder.spans:  # schedule.record_timeline: the last step, drawn
+        from launcher.rank.zero_bubble import write_timeline
+
+        drawn = write_timeline(lp.recorder, bundle / "timeline", job.schedule.kind)
+        if drawn is not None:
+            console.line(f"executed timeline of step {lp.step}: {drawn}")
     if why == "nonfinite":
         log.close(metrics.summary(log.history, log.evals, status="failed", steps=lp.step, world=layout.world,
                                   flops_per_token=fpt, peak_tflops=peak, util_label=label))

@@ -1,6 +1,7 @@
 """One training step, evaluation and the step loop (pipeline schedules from megatron.core)."""
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import statistics
@@ -32,9 +33,13 @@ def forward_step(data_iterator, model):
 def schedule_func(kind: str) -> Callable:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    if kind == "zb_h1":  # no upstream zero-bubble schedule: ours, on Megatron's p2p and step functions
+        from launcher.rank.zero_bubble import forward_backward_zb_h1
+
+        return forward_backward_zb_h1
     if kind not in ("1f1b", "interleaved"):
         raise NotImplementedError(f"schedule.kind={kind!r} is not available on the rank side; "
-                                  "use 1f1b or interleaved")
+                                  "use 1f1b, interleaved or zb_h1")
     return get_forward_backward_func()  # picks interleaved when virtual_pipeline > 1
 
 
@@ -94,10 +99,15 @@ class Loop:
     """Step loop state: what a checkpoint restores (step, consumed samples) and the stop flag."""
 
     def __init__(self, *, model, optimizer, scheduler, train, seq_length: int, num_microbatches: int,
-                 kind: str, dp_size: int):
+                 kind: str, dp_size: int, record_timeline: bool = False):
         self.model, self.optimizer, self.scheduler, self.train = model, optimizer, scheduler, train
         self.seq_length, self.num_microbatches, self.dp_size = seq_length, num_microbatches, dp_size
-        self.fwd_bwd = schedule_func(kind)
+        self.kind, self.fwd_bwd = kind, schedule_func(kind)
+        self.recorder = None  # schedule.record_timeline: spans of the last training step (zero_bubble.Recorder)
+        if record_timeline:
+            from launcher.rank.zero_bubble import Recorder
+
+            self.recorder = Recorder()
         self.step, self.consumed = 0, 0
         self.stop_requested = False
         self.stop_reason: Optional[str] = None
@@ -116,10 +126,11 @@ class Loop:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         lr = self.optimizer.param_groups[0]["lr"]
-        losses = self.fwd_bwd(forward_step_func=forward_step, data_iterator=self._iter_arg(iterators),
-                              model=self.model, num_microbatches=self.num_microbatches,
-                              seq_length=self.seq_length, micro_batch_size=self.train.micro_batch_size,
-                              forward_only=False)
+        with self._recording() as (fwd_bwd, step_func):
+            losses = fwd_bwd(forward_step_func=step_func, data_iterator=self._iter_arg(iterators),
+                             model=self.model, num_microbatches=self.num_microbatches,
+                             seq_length=self.seq_length, micro_batch_size=self.train.micro_batch_size,
+                             forward_only=False)
         local_loss = _mean_lm_loss(losses)
         bad = None
         # Without a grad norm (clip_grad=0) a NaN gradient would only show in the next step's loss, after a
@@ -135,6 +146,23 @@ class Loop:
         self.scheduler.step(increment=1)
         return {"local_loss": local_loss, "lr": lr, "nonfinite": bool(bad),
                 "grad_norm": float(grad_norm) if grad_norm is not None else 0.0}
+
+    @contextlib.contextmanager
+    def _recording(self):
+        """(schedule function, forward step) for this step, timed when the timeline is recorded."""
+        if self.recorder is None:
+            yield self.fwd_bwd, forward_step
+            return
+        from launcher.rank import zero_bubble as zb
+
+        self.recorder.start_step()
+        if self.kind == "zb_h1":
+            yield partial(self.fwd_bwd, recorder=self.recorder), forward_step
+        elif self.kind == "1f1b":
+            with zb.recording_megatron_1f1b(self.recorder):
+                yield self.fwd_bwd, zb.recorded_forward(forward_step, self.recorder)
+        else:  # interleaved: not recorded
+            yield self.fwd_bwd, forward_step
 
     @torch.no_grad()
     def evaluate(self, iterators) -> float:

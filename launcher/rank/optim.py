@@ -41,7 +41,11 @@ def wrap_ddp(chunks: List[torch.nn.Module], *, parallel: ParallelConfig, precisi
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.utils import get_model_config
 
+    from models.zero_bubble import te_modules
+
     config = ddp_config(parallel=parallel, precision=precision, layout=layout, on_gpu=torch.cuda.is_available())
+    # zb_h1 on TE: weights with delayed wgrad get DDP's grad hook through their module's backward_dw
+    config.delay_wgrad_compute = any(te_modules(chunk) for chunk in chunks)
     model_config = get_model_config(chunks[0])
     return [DistributedDataParallel(config=model_config, ddp_config=config, module=chunk,
                                     disable_bucketing=i > 0)  # only the first chunk overlaps (Megatron)

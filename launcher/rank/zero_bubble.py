@@ -1,0 +1,252 @@
+"""ZB-H1 (Qi et al., ICLR 2024) on Megatron-Core: the pipeline executor, and the executed-timeline recorder.
+
+Megatron-Core has no zero-bubble schedule, so this module runs one with Megatron's own pieces: its
+``forward_step`` / ``backward_step`` (loss scaling, CP factor, MoE/MTP loss hooks, input-grad retention),
+its ``P2PCommunicator`` for every pipeline send/recv, and its ``finalize_model_grads`` at the end. The op
+order is ``launcher.core.schedules.schedule_zb_h1`` — the list the planner simulates — executed literally:
+
+* F: receive the activation (blocking), forward, post the send to the next stage (non-blocking);
+* B: receive the output gradient (blocking), backward with the weight-gradient GEMMs of the parallel linear
+  layers deferred (``models/zero_bubble.py``), post the input gradient upstream at once;
+* W: run one microbatch's deferred weight-gradient GEMMs (oldest first), accumulating into DDP's
+  ``main_grad`` buffers.
+
+Only receives block, and every send is posted as soon as its tensor exists, so a rank waits exactly when the
+simulator's dependency rule says it must (no send/recv pairing deadlock, whatever the op order). Sends are
+waited at B of the same microbatch (forward sends) or at the end of the step.
+
+Gradient reduction: a parameter's gradient is complete only after its last W, so the DP reduce (and the
+embedding/SP all-reduces) run once, in ``finalize_model_grads`` after the last W, as with 1F1B without
+``overlap_grad_reduce`` (validation refuses overlap_grad_reduce for zb_h1). The optimizer, clipping and the
+grad norm then see exactly 1F1B's gradients.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from typing import Callable, List, Optional
+
+import torch
+
+from launcher.core.schedules import schedule_1f1b, schedule_zb_h1
+
+
+class Recorder:
+    """Wall-clock spans of what this rank ran in the current step (opt-in: ``schedule.record_timeline``).
+    Times are seconds from the step's start; the step starts after a barrier so ranks share an origin."""
+
+    def __init__(self) -> None:
+        self.spans: List[tuple] = []
+        self.t0 = time.perf_counter()
+
+    def start_step(self) -> None:
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        self.spans, self.t0 = [], time.perf_counter()
+
+    @contextlib.contextmanager
+    def span(self, kind: str, microbatch: int, chunk: int = 0):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.spans.append((kind, microbatch, chunk, start - self.t0, time.perf_counter() - self.t0))
+
+
+def _span(recorder: Optional[Recorder], kind: str, mb: int):
+    return recorder.span(kind, mb) if recorder is not None else contextlib.nullcontext()
+
+
+def forward_backward_zb_h1(*, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int,
+                           micro_batch_size: int, decoder_seq_length: Optional[int] = None,
+                           forward_only: bool = False, collect_non_loss_data: bool = False,
+                           first_val_step: Optional[bool] = None, recorder: Optional[Recorder] = None,
+                           order: Callable = schedule_zb_h1):
+    """Megatron's forward_backward_func interface, running the ZB-H1 order. ``forward_only`` (evaluation)
+    runs Megatron's 1F1B function: forwards are the same in both schedules. ``order`` is exchangeable for
+    tests (``schedule_1f1b`` runs 1F1B's order through this executor)."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import schedules as S
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from megatron.core.utils import get_model_config
+
+    from models.zero_bubble import STORE, te_modules
+
+    if forward_only:
+        return S.forward_backward_pipelining_without_interleaving(
+            forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+            num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+            decoder_seq_length=decoder_seq_length, forward_only=True, collect_non_loss_data=collect_non_loss_data,
+            first_val_step=first_val_step)
+    model = model[0] if isinstance(model, list) else model
+    data_iterator = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
+    config = get_model_config(model)
+    if config.no_sync_func is not None or config.grad_sync_func is not None:
+        raise ValueError("zb_h1 reduces gradients once after the last W; overlap_grad_reduce is not supported")
+    comm_config = copy.copy(config)
+    comm_config.batch_p2p_comm = False  # sends stay in flight (batched p2p waits on every call)
+    comm = P2PCommunicator(pp_group=parallel_state.get_pipeline_model_parallel_group(), config=comm_config)
+    pg = S._build_default_pg_collection()
+    first, last = comm.is_pp_first_stage, comm.is_pp_last_stage
+    shape = S.get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size,
+                                decoder_seq_length=decoder_seq_length, config=config, tp_group=pg.tp,
+                                cp_group=pg.cp)[0]
+    ops = order(comm.total_stages, num_microbatches)[comm.current_stage]
+    te_dw = te_modules(model)
+    inputs, outputs, fwd_sends, other_sends = {}, {}, {}, []
+    forward_data_store: list = []
+    total_num_tokens = torch.zeros([], dtype=torch.int, device=_device())
+    STORE.clear()
+    with STORE.capture():
+        for op in ops:
+            mb = op.microbatch
+            if op.kind == "F":
+                x = None
+                if not first:
+                    with _span(recorder, "recv_fwd", mb):
+                        x, _, _ = comm._communicate(tensor_send_next=None, tensor_send_prev=None, recv_prev=True,
+                                                    recv_next=False, tensor_shape=shape)
+                with _span(recorder, "F", mb):
+                    out, tokens = S.forward_step(
+                        forward_step_func, data_iterator, model, num_microbatches, x, forward_data_store, config,
+                        cp_group_size=pg.cp.size(), collect_non_loss_data=collect_non_loss_data,
+                        is_first_microbatch=S.check_first_val_step(first_val_step, False, mb == 0),
+                        current_microbatch=mb, is_last_stage=last)
+                total_num_tokens += tokens
+                if not last:
+                    with _span(recorder, "send_fwd", mb):
+                        fwd_sends[mb] = _post_send(comm, next_=out)
+                inputs[mb], outputs[mb] = x, out
+            elif op.kind in ("B", "BW"):
+                grad = None
+                if not last:
+                    with _span(recorder, "recv_bwd", mb):
+                        _, grad, _ = comm._communicate(tensor_send_next=None, tensor_send_prev=None,
+                                                       recv_prev=False, recv_next=True, tensor_shape=shape)
+                _wait(fwd_sends.pop(mb, None))  # received downstream: its gradient came back
+                x, out = inputs.pop(mb), outputs.pop(mb)
+                S.deallocate_output_tensor(out, config.deallocate_pipeline_outputs)
+                with _span(recorder, op.kind, mb):
+                    grad_in = S.backward_step(x, out, grad, config)
+                    STORE.flush(mb, te_dw)
+                    if op.kind == "BW":
+                        STORE.pop(mb)
+                if not first:
+                    with _span(recorder, "send_bwd", mb):
+                        other_sends.append(_post_send(comm, prev=grad_in))
+            elif op.kind == "W":
+                with _span(recorder, "W", mb):
+                    STORE.pop(mb)
+            else:
+                raise ValueError(f"op {op} is not F, B, W or BW")
+    with _span(recorder, "wait", num_microbatches):
+        for reqs in list(fwd_sends.values()) + other_sends:
+            _wait(reqs)
+    if STORE.pending():
+        raise RuntimeError(f"{STORE.pending()} microbatches of weight gradients were never run")
+    if config.finalize_model_grads_func is not None:
+        config.finalize_model_grads_func([model], total_num_tokens if config.calculate_per_token_loss else None,
+                                         pg_collection=pg, force_all_reduce=False)
+    return forward_data_store
+
+
+def _device():
+    return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+
+
+def _post_send(comm, next_=None, prev=None):
+    """Megatron's p2p send, left in flight; returns its requests."""
+    _, _, reqs = comm._communicate(tensor_send_next=next_, tensor_send_prev=prev, recv_prev=False,
+                                   recv_next=False, tensor_shape=None, wait_on_reqs=False)
+    return reqs
+
+
+def _wait(reqs) -> None:
+    for req in (reqs.values() if isinstance(reqs, dict) else reqs or ()):
+        req.wait()
+
+
+# ------------------------------------------------------------------------------------ 1F1B, recorded
+@contextlib.contextmanager
+def recording_megatron_1f1b(recorder: Recorder):
+    """Record Megatron's own 1F1B: its backward_step (looked up in its module at call time) is timed as BW;
+    the forward step function is wrapped by :func:`recorded_forward`. Restored on exit."""
+    from megatron.core.pipeline_parallel import schedules as S
+
+    original = S.backward_step
+    counter = {"b": 0}
+
+    def timed_backward(*args, **kwargs):
+        with recorder.span("BW", counter["b"]):
+            out = original(*args, **kwargs)
+        counter["b"] += 1
+        return out
+
+    S.backward_step = timed_backward
+    try:
+        yield
+    finally:
+        S.backward_step = original
+
+
+def recorded_forward(forward_step_func, recorder: Recorder):
+    """forward_step_func whose calls (batch, model forward; the loss runs inside Megatron after it) are timed
+    as F spans, numbered in call order (1F1B's microbatch order)."""
+    counter = {"f": 0}
+
+    def wrapped(data_iterator, model, *args, **kwargs):
+        start = time.perf_counter()
+        out, loss_func = forward_step_func(data_iterator, model, *args, **kwargs)
+        mb = counter["f"]
+        counter["f"] += 1
+
+        def timed_loss(*a, **k):
+            result = loss_func(*a, **k)
+            recorder.spans.append(("F", mb, 0, start - recorder.t0, time.perf_counter() - recorder.t0))
+            return result
+
+        if _is_last_stage():
+            return out, timed_loss
+        recorder.spans.append(("F", mb, 0, start - recorder.t0, time.perf_counter() - recorder.t0))
+        return out, loss_func
+
+    return wrapped
+
+
+def _is_last_stage() -> bool:
+    from megatron.core import parallel_state
+
+    return parallel_state.is_pipeline_last_stage()
+
+
+# ------------------------------------------------------------------------------------ writing it out
+def write_timeline(recorder: Recorder, out_dir, kind: str):
+    """Gather every rank's spans of the recorded step; the first rank writes ``spans.json`` (all ranks),
+    ``executed.trace.json`` (Chrome/Perfetto) and ``executed.png`` for the pipeline of TP/DP/CP rank 0.
+    Collective: every rank calls it. Returns the PNG path on the first rank (None elsewhere)."""
+    import json
+    from pathlib import Path
+
+    from megatron.core import parallel_state as ps
+
+    from launcher.core import timeline
+
+    mine = {"rank": torch.distributed.get_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
+            "tp": ps.get_tensor_model_parallel_rank(), "dp": ps.get_data_parallel_rank(),
+            "cp": ps.get_context_parallel_rank(), "spans": recorder.spans}
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    if torch.distributed.get_rank() != 0:
+        return None
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "spans.json").write_text(json.dumps({"kind": kind, "ranks": everyone}))
+    pipe = sorted((r for r in everyone if r["tp"] == 0 and r["dp"] == 0 and r["cp"] == 0), key=lambda r: r["pp"])
+    timelines = [[tuple(s) for s in r["spans"]] for r in pipe]
+    title = f"{kind} executed (PP={len(pipe)})"
+    timeline.write_trace(out / "executed.trace.json", [(title, timelines)])
+    return timeline.draw(out / "executed.png", [(title, timelines)], time_label="seconds")
+
+
+__all__ = ["Recorder", "forward_backward_zb_h1", "recording_megatron_1f1b", "recorded_forward", "schedule_1f1b", "write_timeline"]

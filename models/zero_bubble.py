@@ -1,0 +1,234 @@
+"""Split backward for zero-bubble pipeline schedules: B (input gradient) now, W (weight gradient) later.
+
+Megatron-Core 0.19.2 has no such split for dense layers: its local ``ColumnParallelLinear`` /
+``RowParallelLinear.backward_dw`` are no-ops, and its own ``delay_wgrad_compute`` belongs to the MoE
+all-to-all overlap path (``TransformerConfig`` refuses it without ``overlap_moe_expert_parallel_comm``).
+So the split is ours, behind this module:
+
+* CPU / local spec: the parallel linear layers' backward computes the input gradient (and its TP all-reduce or
+  SP reduce-scatter) and the bias gradient as usual, and, while :data:`STORE` is capturing, queues the
+  weight-gradient GEMM ``grad_output^T @ input`` instead of running it. The queued step adds into
+  ``weight.main_grad`` exactly as Megatron DDP's backward hook adds ``param.grad`` there in 1F1B (same GEMM,
+  same addition, same per-microbatch order), so gradient accumulation and the DP reduce see what 1F1B gives
+  them. Outside capture (1F1B, evaluation, anything else) the layers behave exactly as Megatron's.
+* GPU / Transformer Engine: TE's linear modules take ``delay_wgrad_compute=True`` and compute W in
+  ``backward_dw()``. Megatron's TE wrappers read that flag from their config, so our spec classes hand them a
+  config copy with the flag set (the job's TransformerConfig stays valid for Megatron's checks); a W slot
+  calls ``backward_dw()`` on every such module, each popping its oldest queued microbatch (FIFO).
+
+The schedule (``launcher/rank/zero_bubble.py``) calls :meth:`WeightGradStore.flush` after each B and
+:meth:`WeightGradStore.pop` in each W slot.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import functools
+from typing import Callable, Deque, List, Optional, Tuple
+
+import torch
+
+ZB_ATTR = "zb_delayed_wgrad"
+"""Attribute set on modules whose weight gradient is deferred (local: queued in STORE; TE: backward_dw)."""
+
+
+class WeightGradStore:
+    """Pending weight-gradient work of this process, one entry per microbatch, first in first out."""
+
+    def __init__(self) -> None:
+        self.capturing = False
+        self._current: List[Callable[[], None]] = []
+        self._queue: Deque[Tuple[int, List[Callable[[], None]]]] = collections.deque()
+
+    @contextlib.contextmanager
+    def capture(self):
+        """While active, deferrable linear layers queue their W instead of running it."""
+        previous, self.capturing = self.capturing, True
+        try:
+            yield self
+        finally:
+            self.capturing = previous
+
+    def put(self, work: Callable[[], None]) -> None:
+        self._current.append(work)
+
+    def flush(self, microbatch: int, te_modules=()) -> None:
+        """Close the W work of one B (one microbatch); TE modules' backward_dw joins it."""
+        work = self._current + [module.backward_dw for module in te_modules]
+        self._queue.append((microbatch, work))
+        self._current = []
+
+    def pop(self, microbatch: Optional[int] = None) -> int:
+        """Run the oldest microbatch's W; returns its microbatch index."""
+        if not self._queue:
+            raise RuntimeError("W slot with no pending weight-gradient work (schedule order is wrong)")
+        mb, work = self._queue.popleft()
+        if microbatch is not None and mb != microbatch:
+            raise RuntimeError(f"W slot for microbatch {microbatch} but the oldest pending W is {mb}")
+        for step in work:
+            step()
+        return mb
+
+    def pending(self) -> int:
+        return len(self._queue) + (1 if self._current else 0)
+
+    def clear(self) -> None:
+        self._current, self._queue = [], collections.deque()
+
+
+STORE = WeightGradStore()
+"""The process's store (one schedule runs at a time per process)."""
+
+
+def _linear_autograd():
+    """The autograd Function: Megatron's forward, a backward that defers W while STORE captures."""
+    from megatron.core.tensor_parallel import layers
+    from megatron.core.tensor_parallel.layers import LinearWithGradAccumulationAndAsyncCommunication as Base
+    from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
+
+    class DeferredWgradLinear(Base):
+        @staticmethod
+        @layers.custom_bwd
+        def backward(ctx, grad_output):
+            if (not STORE.capturing or ctx.gtp_remat_size > 1 or ctx.grad_output_buffer is not None):
+                return Base.backward(ctx, grad_output)
+            input_, weight = ctx.saved_tensors
+            group = ctx.tp_group
+            if ctx.sequence_parallel:  # a fresh buffer: the shared "mpu" buffer is reused before W runs
+                size = list(input_.size())
+                size[0] *= group.size()
+                total_input = torch.empty(size, dtype=input_.dtype, device=input_.device)
+                layers.dist_all_gather_func(total_input, input_, group=group)
+            else:
+                total_input = input_
+            grad_input = grad_output.matmul(weight)
+            grad_output_2d, total_input_2d = prepare_input_tensors_for_wgrad_compute(grad_output, total_input)
+            if ctx.allreduce_dgrad:
+                torch.distributed.all_reduce(grad_input, group=group)
+            if ctx.sequence_parallel:
+                sub = torch.empty(list(input_.size()), dtype=input_.dtype, device=input_.device)
+                layers.dist_reduce_scatter_func(sub, grad_input, group=group)
+                grad_input = sub
+            grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None
+            STORE.put(_wgrad_step(weight, grad_output_2d, total_input_2d, ctx.main_grad))
+            return grad_input, None, grad_bias, None, None, None, None, None, None, None
+
+    return DeferredWgradLinear
+
+
+def _wgrad_step(weight, grad_output, total_input, fused_main_grad) -> Callable[[], None]:
+    """The deferred W of one linear layer and microbatch: 1F1B's GEMM, added where 1F1B adds it."""
+
+    @torch.no_grad()  # outside autograd's backward: no graph for the GEMM or the accumulation
+    def run() -> None:
+        grad_weight = grad_output.t().matmul(total_input)
+        main_grad = fused_main_grad if fused_main_grad is not None else getattr(weight, "main_grad", None)
+        if main_grad is not None:  # Megatron DDP: the hook's ``param.main_grad.add_(param.grad)``
+            main_grad.add_(grad_weight)
+        elif weight.grad is None:  # no DDP wrapper (unit tests): autograd's accumulation
+            weight.grad = grad_weight
+        else:
+            weight.grad.add_(grad_weight)
+
+    return run
+
+
+_AUTOGRAD = None
+
+
+def deferred_linear(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+                    grad_output_buffer=None, wgrad_deferral_limit=0, tp_group=None, gtp_remat_size=1):
+    """``linear_with_grad_accumulation_and_async_allreduce`` with a deferrable weight gradient."""
+    global _AUTOGRAD
+    from megatron.core.utils import get_tensor_model_parallel_group_if_none
+
+    if _AUTOGRAD is None:
+        _AUTOGRAD = _linear_autograd()
+    tp_group = get_tensor_model_parallel_group_if_none(tp_group)
+    return _AUTOGRAD.apply(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+                           sequence_parallel, grad_output_buffer, wgrad_deferral_limit, tp_group, gtp_remat_size)
+
+
+def _deferred_forward_impl(self, input, weight, *args, **kwargs):
+    if not weight.requires_grad:
+        return self._zb_base._forward_impl(self, input, weight, *args, **kwargs)
+    return deferred_linear(input, weight, *args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def local_classes():
+    """(ColumnParallelLinear, RowParallelLinear) subclasses whose W is deferrable."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    def subclass(base):
+        return type(f"ZB{base.__name__}", (base,), {
+            "_forward_impl": _deferred_forward_impl, ZB_ATTR: True, "_zb_base": base,
+            "__doc__": f"{base.__name__} whose weight-gradient GEMM is queued in STORE while it captures."})
+
+    return subclass(ColumnParallelLinear), subclass(RowParallelLinear)
+
+
+def defer_module(module) -> None:
+    """Make one already-built Column/RowParallelLinear deferrable (GPTModel builds its output layer itself,
+    outside the layer spec)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    column, row = local_classes()
+    if type(module) is ColumnParallelLinear:
+        module.__class__ = column
+    elif type(module) is RowParallelLinear:
+        module.__class__ = row
+
+
+def te_delayed_class(base):
+    """A Megatron TE linear wrapper built with TE's ``delay_wgrad_compute=True``: its config is a copy with
+    ``delay_wgrad_compute`` set, which Megatron's wrappers pass to TE and honour in ``backward_dw``."""
+
+    def __init__(self, *args, config, **kwargs):
+        own = copy.copy(config)
+        own.delay_wgrad_compute = True
+        base.__init__(self, *args, config=own, **kwargs)
+
+    return type(f"ZB{base.__name__}", (base,), {"__init__": __init__, ZB_ATTR: True,
+                                                  "__doc__": f"{base.__name__} with delay_wgrad_compute=True."})
+
+
+def spec_mapping(te: bool) -> dict:
+    """Class replacements for the decoder layer spec under a zero-bubble schedule."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    if not te:
+        column, row = local_classes()
+        return {ColumnParallelLinear: column, RowParallelLinear: row}
+    from megatron.core.extensions import transformer_engine as mte
+
+    names = ("TELayerNormColumnParallelLinear", "TEColumnParallelLinear", "TERowParallelLinear", "TELinear")
+    return {getattr(mte, n): _te_class(getattr(mte, n)) for n in names if getattr(mte, n, None) is not None}
+
+
+@functools.lru_cache(maxsize=None)
+def _te_class(base):
+    return te_delayed_class(base)
+
+
+def te_modules(chunk) -> list:
+    """The TE modules of a chunk whose W runs in ``backward_dw`` (in reverse build order, as backward runs)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    return [m for m in reversed(list(chunk.modules()))
+            if getattr(type(m), ZB_ATTR, False) and not isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+
+
+def defer_wgrad_spec(spec, te: bool):
+    """The decoder block spec with deferrable-W linear layers (local) or TE's delayed wgrad (GPU)."""
+    from models.backend import replace_in_spec
+
+    return replace_in_spec(spec, spec_mapping(te))
+
+
+def defer_output_layer(chunk) -> None:
+    """GPTModel's output layer (a Megatron ColumnParallelLinear on every backend) defers its W too."""
+    layer = getattr(chunk, "output_layer", None)
+    if layer is not None:
+        defer_module(layer)
