@@ -36,7 +36,12 @@ def parse_args(argv: list[str]) -> Args:
         elif token == "--json":
             args.json = True
         elif token.startswith("-"):
-            raise ConfigError(f"unknown flag {token}: flags are --help, --cfg job, --json; settings are key=value")
+            from launcher.megatron_lm import cli_flag_hint  # Megatron-LM's and neighbours' flags: a pointer
+            following = next(it, None) if "=" not in token else None
+            value = following if following is not None and not following.startswith("-") and "=" not in following \
+                else None
+            raise ConfigError(cli_flag_hint(token, value) or
+                              f"unknown flag {token}: flags are --help, --cfg job, --json; settings are key=value")
         else:
             args.overrides.append(token)
     return args
@@ -50,6 +55,9 @@ def resolve_action(job: JobConfig) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["import"]:  # python -m launcher import SCRIPT: a Megatron-LM job -> a recipe
+        from launcher.megatron_lm import import_main
+        return import_main(argv[1:])
     try:
         args = parse_args(argv)
         if args.help:
@@ -90,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_action(job: JobConfig, action: str, args: Args) -> int:
     from launcher import actions
+    if action == "megatron-args":
+        from launcher.megatron_lm import do_megatron_args
+        return do_megatron_args(job, args)
     handler = {"validate": actions.do_validate, "plan": actions.do_plan, "search": actions.do_search,
                "render": actions.do_render, "submit": actions.do_submit, "run": actions.do_run}[action]
     return handler(job, args)

@@ -40,7 +40,7 @@ WANDB_MODES = ("offline", "online", "disabled")
 LAUNCHERS = ("slurm", "local")
 GPUS = ("H100", "H200", "GH200", "B200", "GB200", "A100", "cpu")
 BACKENDS = ("nccl", "gloo")
-ACTIONS = ("default", "render", "submit", "run", "plan", "search", "validate")
+ACTIONS = ("default", "render", "submit", "run", "plan", "search", "validate", "megatron-args")
 
 
 def choice(default: Any, allowed: Tuple[Any, ...], *, nullable: bool = False):
@@ -443,7 +443,8 @@ class JobConfig:
     name: str = "smoke"
     """Run name (used for the bundle directory and the Slurm job name)."""
     action: str = choice("default", ACTIONS)
-    """render, submit, run, plan, search, validate, or default (render; and run when cluster is local)."""
+    """render, submit, run, plan, search, validate, megatron-args (print the job as Megatron-LM pretrain_gpt.py
+    arguments), or default (render; and run when cluster is local)."""
     nodes: int = 1
     """Number of nodes (top-level shorthand)."""
     output_dir: str = "runs"

@@ -395,12 +395,9 @@ def hint_for(name: str, value: Optional[str]) -> Optional[str]:
     key = _norm(name)
     flag = "--" + key.replace("_", "-")
     flag = _ARG_DESTS.get(key, flag)
-    if flag in FLAG_BY_NAME:
-        field, override = _flag_override(flag, value)
-        return f"{name} is Megatron's name for {field}; try {override}"
-    if flag in IGNORED:
+    if flag in IGNORED and flag not in FLAG_BY_NAME:
         return f"{name} is a Megatron-LM argument with no effect here ({IGNORED[flag]}); drop it"
-    if flag in UNSUPPORTED:
+    if flag in UNSUPPORTED and flag not in FLAG_BY_NAME:
         return f"{name} is a Megatron-LM argument with no equivalent here: {UNSUPPORTED[flag]}; try --help"
     target = _flag_override(flag, value)
     if target is None:
@@ -409,6 +406,8 @@ def hint_for(name: str, value: Optional[str]) -> Optional[str]:
             return None
         target = (core, f"{core}={value if value not in (None, '') else VALUE_NEEDED}")
     field, override = target
+    if field.rpartition(".")[2] == key:
+        return f"{name} is {field} here; try {override}"
     return f"{name} is Megatron's name for {field}; try {override}"
 
 
@@ -442,7 +441,8 @@ def _flag_override(flag: str, value: Optional[str]) -> Optional[tuple[str, str]]
         "--num-virtual-stages-per-pipeline-rank": (
             "parallel.virtual_pipeline", f"parallel.virtual_pipeline={shown or VALUE_NEEDED} schedule.kind=interleaved"),
         "--num-layers-per-virtual-pipeline-stage": (
-            "parallel.virtual_pipeline", "parallel.virtual_pipeline=LAYERS_PER_STAGE/N schedule.kind=interleaved"),
+            "parallel.virtual_pipeline",
+            f"parallel.virtual_pipeline=<layers per stage / {shown or 'N'}> schedule.kind=interleaved"),
         "--train-samples": ("train.train_steps", "train.train_steps=SAMPLES/GLOBAL_BATCH"),
         "--data-path": ("data.blend", f"data.kind=indexed 'data.blend=[{shown or 'PREFIX'}]'"),
         "--tokenizer-model": ("data.tokenizer", f"data.tokenizer={shown or 'PATH/tokenizer.json'}"),
