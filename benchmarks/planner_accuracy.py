@@ -59,6 +59,8 @@ class Row:
     split: str = ""
     """How NVIDIA splits the pipeline: '' even, 'account' (embedding + loss counted as layers), or a layout string."""
     note: str = ""
+    a2a_overlap: bool = False
+    """The recipe sets moe_a2a_overlap (Megatron-Core overlap_moe_expert_parallel_comm)."""
     extra: list = field(default_factory=list)
 
     @property
@@ -83,22 +85,22 @@ ROWS = [
     Row("25.09", "llama3_70b", 64, 128, 1, tp=4, pp=8, vp=5, tokens_per_gpu=1619),
     Row("25.09", "llama405b", 1024, 512, 1, tp=8, pp=8, cp=2, vp=8, split="account", tokens_per_gpu=302),
     Row("25.09", "deepseek_v3", 1024, 8192, 1, tp=2, pp=8, vp=4, ep=64, split=DSV3_LAYOUT, tokens_per_gpu=1297,
-        note="dropless"),
+        note="dropless; NVIDIA's hybridep dispatcher, not in the schema"),
     Row("25.09", "qwen3_30b", 16, 512, 2, pp=2, vp=24, ep=8, tokens_per_gpu=10494, note="tokendrop"),
     Row("25.09", "qwen3_235b", 256, 2048, 1, tp=2, pp=8, vp=4, ep=32, split="account", tokens_per_gpu=1204,
-        note="tokendrop"),
+        note="tokendrop", a2a_overlap=True),
     # ---- held out (later releases)
     Row("25.11", "llama3_8b", 8, 128, 1, fsdp=True, tokens_per_gpu=14451),
     Row("25.11", "llama3_70b", 64, 128, 1, tp=4, pp=8, vp=5, tokens_per_gpu=1602),
     Row("25.11", "llama405b", 1024, 512, 1, tp=8, pp=8, cp=2, vp=8, split="account", tokens_per_gpu=292),
     Row("25.11", "qwen3_30b", 16, 512, 2, pp=2, vp=24, ep=8, tokens_per_gpu=5275, note="dropless"),
     Row("25.11", "qwen3_235b", 256, 2048, 1, tp=2, pp=8, vp=4, ep=32, split="account", tokens_per_gpu=1575,
-        note="dropless"),
+        note="dropless", a2a_overlap=True),
     Row("26.02", "llama3_70b", 64, 256, 1, tp=4, pp=8, vp=5, tokens_per_gpu=1621),
     Row("26.02", "llama405b", 1024, 1536, 1, tp=8, pp=8, cp=2, vp=8, split="account", tokens_per_gpu=311),
     Row("26.02", "qwen3_30b", 16, 1024, 1, pp=2, vp=12, ep=8, tokens_per_gpu=5113, note="dropless"),
     Row("26.02", "qwen3_235b", 256, 8192, 1, tp=2, pp=8, vp=4, ep=32, split="account", tokens_per_gpu=1633,
-        note="dropless"),
+        note="dropless", a2a_overlap=True),
 ]
 
 
@@ -115,8 +117,10 @@ def _overrides(row: Row, cluster: str = "h100") -> list[str]:
            f"schedule.overlap_p2p_comm={'true' if row.vp > 1 else 'false'}",
            "precision.fp8=tensorwise" if row.release != "24.12" else "precision.fp8=delayed",
            "train.recompute=selective" if row.model == "deepseek_v3" else "train.recompute=none", "force=true"]
+    out += ["model.cross_entropy_loss_fusion=true"]  # Megatron-Bridge's performance recipes fuse the loss
     if moe:
-        out += ["parallel.expert_tensor=1", "model.moe_grouped_gemm=true"]
+        out += ["parallel.expert_tensor=1", "model.moe_grouped_gemm=true",
+                f"parallel.moe_a2a_overlap={'true' if row.a2a_overlap else 'false'}"]
     if row.split == "account":
         out += ["parallel.account_for_embedding_in_pipeline_split=true", "parallel.account_for_loss_in_pipeline_split=true"]
     elif row.split:

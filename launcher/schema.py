@@ -152,6 +152,9 @@ class ModelConfig:
     # --- Multi-token prediction ---------------------------------------------------------------------
     mtp_num_layers: int = 0
     """Multi-token-prediction layers (DeepSeek-V3 uses 1)."""
+    cross_entropy_loss_fusion: bool = False
+    """Megatron-Core's fused vocab-parallel cross entropy ('native' implementation): keeps the softmax in the
+    logits dtype (bf16) instead of fp32, halving the last stage's loss memory (NVIDIA's performance recipes)."""
 
 
 @dataclass
@@ -198,6 +201,10 @@ class ParallelConfig:
     """Explicit layers per virtual pipeline stage, Megatron-Core's string: '|' between virtual stages (PP x VPP
     of them, in virtual-stage order), E embedding, t decoder layer, m MTP layer, L loss, (..)*n repeats;
     e.g. DeepSeek-V3 on PP8 x VPP4: 'Et|(tt|)*30mL'. Excludes the other split fields; null means none."""
+    moe_a2a_overlap: bool = False
+    """Overlap the MoE expert-parallel all-to-all with another microbatch's computation (Megatron-Core's
+    overlap_moe_expert_parallel_comm, the combined 1F1B schedule; GPU only; needs EP > 1, virtual pipeline
+    stages when PP > 1, the alltoall dispatcher, no full recompute, at most one MTP layer)."""
 
 
 @dataclass
@@ -386,7 +393,7 @@ class ClusterConfig:
     """Inter-node bandwidth per GPU per direction in GB/s (InfiniBand / RoCE)."""
     gemm_efficiency: float = 0.7
     """Fraction of peak that large GEMMs reach (planner constant; see launcher/plan notes)."""
-    fp8_gemm_efficiency: float = 0.45
+    fp8_gemm_efficiency: float = 0.5
     """Fraction of the FP8 peak that FP8 layer GEMMs reach in training, Transformer Engine's scaling and
     amax bookkeeping included (planner constant, fitted once on Hopper; see launcher/plan/NOTES.md)."""
     comm_efficiency: float = 0.8

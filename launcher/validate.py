@@ -318,6 +318,7 @@ def validate_parallel(job: JobConfig, lay: Layout) -> list[Problem]:
         c.need(lay.transformer_engine, "parallel.context", p.context,
                "context parallelism needs Transformer Engine attention (GPU only)", "parallel.context=1")
     _validate_experts(c, p, model, lay)
+    _validate_moe_overlap(c, job, lay)
     if p.sequence_parallel and p.tensor == 1:
         c.need(False, "parallel.sequence_parallel", True, "has no effect with parallel.tensor=1 (Megatron turns it off)",
                "parallel.sequence_parallel=false", severity="warning")
@@ -390,6 +391,26 @@ def _validate_overlap(c: _Checks, p: ParallelConfig, lay: Layout) -> None:
                "parallel.tp_comm_overlap=false")
         c.need(lay.transformer_engine, "parallel.tp_comm_overlap", True,
                "TP communication overlap uses Transformer Engine userbuffers (GPU only)", "parallel.tp_comm_overlap=false")
+
+
+def _validate_moe_overlap(c: _Checks, job: JobConfig, lay: Layout) -> None:
+    """Megatron-Core's overlap_moe_expert_parallel_comm asserts (transformer_config.py), stated up front."""
+    p, model = job.parallel, job.model
+    if not p.moe_a2a_overlap:
+        return
+    f = "parallel.moe_a2a_overlap"
+    rules = [
+        (bool(model.num_experts) and p.expert > 1, "needs an MoE model with parallel.expert > 1"),
+        (lay.pp == 1 or lay.vpp > 1, "needs parallel.virtual_pipeline > 1 when parallel.pipeline > 1"),
+        (model.moe_token_dispatcher_type == "alltoall", "needs model.moe_token_dispatcher_type=alltoall"),
+        (job.train.recompute != "full", "cannot be combined with train.recompute=full"),
+        (job.precision.dtype in ("bf16", "fp16"), "needs precision.dtype bf16 or fp16"),
+        ((model.mtp_num_layers or 0) <= 1, "supports at most one MTP layer (model.mtp_num_layers <= 1)"),
+        (lay.transformer_engine, "runs on GPU streams with Transformer Engine layers (GPU clusters only)"),
+    ]
+    for ok, rule in rules:
+        if not c.need(ok, f, True, rule, f"{f}=false"):
+            return
 
 
 def _validate_account_split(c: _Checks, p: ParallelConfig, model: ModelConfig, vp: int) -> None:

@@ -76,6 +76,8 @@ def transformer_config(*, model: ModelConfig, parallel: ParallelConfig, precisio
         account_for_embedding_in_pipeline_split=parallel.account_for_embedding_in_pipeline_split,
         account_for_loss_in_pipeline_split=parallel.account_for_loss_in_pipeline_split,
         pipeline_model_parallel_layout=parallel.pipeline_model_parallel_layout,
+        overlap_moe_expert_parallel_comm=parallel.moe_a2a_overlap,
+        cross_entropy_loss_fusion=model.cross_entropy_loss_fusion, cross_entropy_fusion_impl="native",
         # numerics
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         # CPU: full-size init on the CPU generator (layout-independent); GPU: per-shard init on device

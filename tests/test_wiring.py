@@ -40,7 +40,8 @@ VARIANTS = {
                            "parallel.pipeline=8", "parallel.virtual_pipeline=4", "parallel.context=1",
                            "parallel.expert=64", "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=false",
                            "parallel.pipeline_model_parallel_layout='Et|(tt|)*30mL'", "schedule.kind=interleaved",
-                           "train.global_batch_size=512", "force=true"],
+                           "train.global_batch_size=512", "parallel.moe_a2a_overlap=true",
+                           "model.cross_entropy_loss_fusion=true", "force=true"],
 }
 MLA_FIELDS = {f"model.{n}" for n in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")}
 """Fields of MLATransformerConfig only: they reach Megatron only when model.multi_latent_attention is on."""

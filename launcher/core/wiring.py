@@ -89,6 +89,7 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
     "model.qk_head_dim": _tc("qk_head_dim"), "model.qk_pos_emb_head_dim": _tc("qk_pos_emb_head_dim"),
     "model.v_head_dim": _tc("v_head_dim"),
     "model.mtp_num_layers": _tc("mtp_num_layers", same=False) + _w(GPT, "mtp_block_spec", same=False),
+    "model.cross_entropy_loss_fusion": _tc("cross_entropy_loss_fusion"),
     # ---- parallel
     "parallel.tensor": _w(MPU, "tensor_model_parallel_size") + _tc("tensor_model_parallel_size")
     + _w(UB, "tp_size"),
@@ -113,6 +114,7 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
     "parallel.account_for_loss_in_pipeline_split": _tc("account_for_loss_in_pipeline_split"),
     # TransformerConfig parses the string into a PipelineParallelLayerLayout (its repr is the string)
     "parallel.pipeline_model_parallel_layout": _tc("pipeline_model_parallel_layout", same=False),
+    "parallel.moe_a2a_overlap": _tc("overlap_moe_expert_parallel_comm"),
     # ---- schedule
     "schedule.kind": _w(LOOP, "forward_backward_func"),
     "schedule.microbatch_group_size": _tc("microbatch_group_size_per_vp_stage", same=False),

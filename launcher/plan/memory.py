@@ -248,8 +248,12 @@ def layer_activation_bytes_per_token(job: JobConfig, lay: Layout, moe: bool, *, 
         e_ffn = model.moe_ffn_hidden_size or model.ffn_hidden_size
         etp = lay.etp
         k = model.moe_router_topk
-        # permuted tokens in, unpermute input out (gathered over ETP), expert fc1 out / fc2 in (sharded).
-        mlp_sp = k * (g * h + a * h) * etp + k * (a * m * e_ffn + g * e_ffn) + 4 * k
+        # What Megatron-Core's alltoall dispatcher + grouped MLP keep per routed token: the permuted expert
+        # input (gathered over ETP; FP8 under FP8), fc1 output (the probs are applied inside the weighted
+        # SwiGLU, so unpermute keeps no expert output) and the fc2 input, plus the fp32 routing probs. The
+        # router's input is the bf16 pre-MLP norm output (in place of a dense FC1's GEMM input).
+        sp_region += (a - g) * h
+        mlp_sp = k * g * h * etp + k * (a * m * e_ffn + g * e_ffn) + 4 * k
         shared = model.moe_shared_expert_intermediate_size or 0
         mlp_tp = a * m * shared + g * shared
         per = sp_region / sp + (attn_tp + core) / t + mlp_sp / sp + mlp_tp / t
@@ -258,6 +262,16 @@ def layer_activation_bytes_per_token(job: JobConfig, lay: Layout, moe: bool, *, 
         mlp_tp = a * m * f + g * f
         per = sp_region / sp + (attn_tp + core + mlp_tp) / t
     return per
+
+
+def logit_bytes(job: JobConfig, mtp: int) -> float:
+    """Bytes per token per local vocabulary entry that the loss holds at its peak on the last stage: the saved
+    softmax of every head (main + MTP) and one logits transient in the activation dtype. Megatron's unfused
+    vocab-parallel cross entropy keeps an fp32 softmax (4 bytes); the fused one
+    (model.cross_entropy_loss_fusion) keeps it in the logits dtype."""
+    a = DTYPE_BYTES.get(job.precision.dtype, 2)
+    soft = a if job.model.cross_entropy_loss_fusion else 4
+    return soft * (1 + mtp) + a
 
 
 def recompute_fraction(job: JobConfig, lay: Layout, layers: int) -> float:
@@ -383,7 +397,7 @@ def stage_memory(job: JobConfig, lay: Layout, stage: int) -> StageMemory:
     if last:
         vp = lay.padded_vocab
         logits += 2 * a * h * tokens / sp  # final norm input + output-layer input
-        logits += tokens * vp / t * (4 * (1 + mtp) + a)  # fp32 softmax per head (+ one bf16 logits transient)
+        logits += tokens * vp / t * logit_bytes(job, mtp)
     parts["output_logits"] = logits
     comm = 0.0
     if p > 1:

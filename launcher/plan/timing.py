@@ -28,6 +28,22 @@ COLLECTIVE_LATENCY_S = 20e-6
 """Fixed cost per collective / send (launch + NCCL latency), added to bandwidth time."""
 ATTENTION_BWD_FACTOR = 2.5
 """Flash-attention backward time / forward time (recomputes the scores; FlashAttention-2 paper: 2.5x)."""
+ATTENTION_HALF_SEQ = 256
+"""Query-block length at which flash attention runs at half its long-sequence rate: its efficiency is
+L / (L + 256) for blocks of L tokens (FlashAttention-2 paper, Fig. 4-7: causal head-dim 128 forward reaches
+~58% of its 16k rate at 512, ~90% at 2k). With context parallelism a ring step works on blocks of s / (2 CP)."""
+CP_STEP_OVERHEAD_S = 150e-6
+"""Fixed cost per context-parallel ring step per attention layer per pass (P2P launch and wait, the
+output/LSE correction kernels of TE's ring attention); fitted, see NOTES.md."""
+MOE_LAYER_OVERHEAD_S = 1.5e-3
+"""Fixed cost per MoE layer per pass beyond its FLOPs and bytes: router top-k, the dispatcher's token-count
+exchange and host sync, permutation index building, per-expert kernel launches; fitted, see NOTES.md."""
+GROUPED_GEMM_HALF_TOKENS = 2048
+"""Tokens per local expert at which the grouped expert GEMMs run at half the dense GEMM efficiency (they
+reach it as n / (n + 2048) for n tokens per expert); fitted, see NOTES.md."""
+MOE_A2A_OVERLAP = 1.0
+"""Share of a layer's own compute that can hide its expert all-to-all under parallel.moe_a2a_overlap (the
+combined 1F1B schedule runs one microbatch's all-to-all under another's computation)."""
 
 
 @dataclass
@@ -108,16 +124,24 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
     sp = sp_shards(lay)
     tp_bw = _bandwidth(job, t)
     cp_bw = _bandwidth(job, t * cp)
-    ep_bw = _bandwidth(job, lay.etp * lay.ep)
     act_full = a * h * tokens / cp  # one full-sequence-shard activation tensor (bytes)
     d = kv_channels(model)
     counts = {k: kinds.count(k) for k in set(kinds)}
+    att_eff = _attention_efficiency(model.seq_length, cp)
     for is_moe, n in counts.items():
-        gemm_layer = (lf.attn_linear + (lf.moe_mlp if is_moe else lf.dense_mlp)) * share / 3  # one pass
         core_fwd = lf.attn_core * share / 3
-        g = gemm_layer / gemm_peak
-        att = core_fwd / bf16
-        elem = _elementwise_bytes(job, lay, is_moe) * tokens / cp / hbm
+        g = (lf.attn_linear + (0.0 if is_moe else lf.dense_mlp)) * share / 3 / gemm_peak  # one pass
+        moe_fixed = 0.0
+        if is_moe:
+            routed, shared = _moe_split(model, lf.moe_mlp)
+            g += shared * share / 3 / gemm_peak
+            g += routed * share / 3 / (gemm_peak * _grouped_gemm_efficiency(job, lay, tokens))
+            g += FMA * h * model.num_experts * tokens / (cp * sp) / bf16  # router GEMM (one pass)
+            moe_fixed = MOE_LAYER_OVERHEAD_S
+        att = core_fwd / (bf16 * att_eff)
+        if cp > 1:
+            att += cp * CP_STEP_OVERHEAD_S
+        elem = _elementwise_bytes(job, lay, is_moe) * tokens / cp / hbm + moe_fixed
         cast_f, cast_b = _fp8_cast_bytes(job, lay, is_moe)
         cast_f, cast_b = cast_f * tokens / cp / hbm, cast_b * tokens / cp / hbm
         tp = 4 * _ring(act_full, t, tp_bw) if t > 1 else 0.0  # AG/RS (or AR) x2 per pass
@@ -129,8 +153,9 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
             cpc = max(0.0, (cp - 1) * (kv_bytes / cp_bw + COLLECTIVE_LATENCY_S) - att)  # overlapped with attention
         epc = 0.0
         if is_moe and lay.ep > 1:
-            a2a = a * h * tokens / cp / sp * model.moe_router_topk * (lay.ep - 1) / lay.ep
-            epc = 2 * (a2a / ep_bw + COLLECTIVE_LATENCY_S)  # dispatch + combine
+            epc = 2 * _a2a_time(job, lay, a * h * tokens / cp / sp * model.moe_router_topk)  # dispatch + combine
+            if par.moe_a2a_overlap:  # hidden under another microbatch's computation of this layer
+                epc = max(0.0, epc - MOE_A2A_OVERLAP * (g + att + elem)) + 2 * COLLECTIVE_LATENCY_S
         f += n * (g + att + elem + cast_f + tp + cpc + epc)
         b += n * (g + ATTENTION_BWD_FACTOR * att + ELEMENTWISE_PASSES_BWD * elem + cast_b + tp + 2 * cpc + epc)
         w += n * g
@@ -159,6 +184,42 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
         parts["gemm"] += 3 * g
         parts["elementwise"] += 2 * elem
     return StageCosts(f, b, w, parts)
+
+
+def _attention_efficiency(seq: int, cp: int) -> float:
+    """Flash-attention efficiency for the query blocks it works on: the whole sequence, or s / (2 CP)."""
+    block = seq / (2 * cp) if cp > 1 else seq
+    return block / (block + ATTENTION_HALF_SEQ)
+
+
+def _moe_split(model, moe_mlp: float) -> tuple[float, float]:
+    """An MoE MLP's FLOPs per token split into (routed experts, shared experts)."""
+    routed = (model.moe_ffn_hidden_size or model.ffn_hidden_size) * model.moe_router_topk
+    shared = model.moe_shared_expert_intermediate_size or 0
+    return moe_mlp * routed / (routed + shared), moe_mlp * shared / (routed + shared)
+
+
+def _grouped_gemm_efficiency(job: JobConfig, lay: Layout, tokens: int) -> float:
+    """Relative efficiency of the expert GEMMs: n / (n + GROUPED_GEMM_HALF_TOKENS) for n tokens per local
+    expert (balanced routing: every rank of the EP group receives its share of EP x local tokens x top-k)."""
+    model = job.model
+    local_tokens = tokens / (lay.cp * sp_shards(lay))
+    n = local_tokens * model.moe_router_topk * lay.ep / model.num_experts  # tokens per expert
+    return n / (n + GROUPED_GEMM_HALF_TOKENS)
+
+
+def _a2a_time(job: JobConfig, lay: Layout, nbytes: float) -> float:
+    """One expert-parallel all-to-all of ``nbytes`` leaving each rank (before the (EP-1)/EP off-rank share):
+    the on-node peers over NVLink and the off-node peers over the network run at the same time. EP groups
+    are consecutive ranks when ETP = 1 (Megatron's expert rank order), else spaced ETP apart."""
+    cl = job.cluster
+    ep, stride = lay.ep, max(1, lay.etp)
+    on_node = max(1, min(ep, cl.gpus_per_node // stride))
+    on = nbytes * (on_node - 1) / ep
+    off = nbytes * (ep - on_node) / ep
+    nv = cl.nvlink_bandwidth_gbps * 1e9 * cl.comm_efficiency
+    net = cl.network_bandwidth_gbps * 1e9 * cl.comm_efficiency
+    return max(on / nv, off / net) + COLLECTIVE_LATENCY_S
 
 
 def _all_stage_costs(job: JobConfig, lay: Layout) -> list[StageCosts]:
@@ -191,7 +252,11 @@ def _elementwise_bytes(job: JobConfig, lay: Layout, moe: bool) -> float:
     two residual adds (2 reads + write), RoPE on Q and K, the gated activation (read 2f, write f)."""
     a, t, sp, h, q, kv, ffn = _layer_dims(job, lay, moe)
     m = 3 if job.model.activation == "swiglu" else 2
-    return a * (2 * 2 * h + 2 * 3 * h) / sp + a * (2 * (q + kv) * 2 + m * ffn) / t
+    out = a * (2 * 2 * h + 2 * 3 * h) / sp + a * (2 * (q + kv) * 2 + m * ffn) / t
+    if moe:  # permute (read h, write k h) and unpermute (read k h, write h); router logits softmax/top-k
+        k, e = job.model.moe_router_topk, job.model.num_experts
+        out += (a * 2 * (1 + k) * h + 4 * 3 * e) / sp
+    return out
 
 
 def _fp8_cast_bytes(job: JobConfig, lay: Layout, moe: bool) -> tuple[float, float]:
