@@ -36,6 +36,9 @@ def do_plan(job: JobConfig, args) -> int:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
         _print_rich(plan.table())
+    from launcher.plan.pictures import draw_job_schedules  # 1f1b / interleaved / zb_h1 pictures (PP > 1)
+    for path in draw_job_schedules(job):
+        print(f"schedule picture: {path}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 

@@ -18,6 +18,8 @@ COMPUTE = ("F", "B", "W", "BW")
 COLORS = {"F": "#4878d0", "B": "#6acc64", "W": "#ee854a", "BW": "#2a9d8f",
           "send_fwd": "#bbbbbb", "send_bwd": "#bbbbbb", "recv_fwd": "#dddddd", "recv_bwd": "#dddddd",
           "wait": "#eeeeee"}
+LABEL_LIMIT = 600
+"""Panels with more spans than this are drawn without microbatch numbers."""
 
 
 def compute_order(spans: Iterable[Span]) -> List[Tuple[str, int, int]]:
@@ -91,16 +93,20 @@ def draw(path: Path, panels: Sequence[Tuple[str, Sequence[Sequence[Span]]]], tim
                              squeeze=False)
     for ax, (title, timelines) in zip(axes[:, 0], panels):
         t0, t1 = window(timelines)
+        label = sum(len(tl) for tl in timelines) <= LABEL_LIMIT  # text is what makes big drawings slow
         for rank, spans in enumerate(timelines):
             y = len(timelines) - 1 - rank
+            by_kind: dict = {}
             for kind, mb, chunk, start, end in spans:
-                compute = kind in COMPUTE
-                h, off = (0.8, 0.1) if compute else (0.15, 0.0)
-                ax.broken_barh([(start - t0, end - start)], (y + off, h), facecolors=COLORS.get(kind, "#999999"),
-                               edgecolor="white" if compute else "none", linewidth=0.5)
-                if compute and (end - start) > (t1 - t0) / 120:
+                by_kind.setdefault(kind, []).append((start - t0, end - start))
+                if label and kind in COMPUTE and (end - start) > (t1 - t0) / 120:
                     ax.text((start + end) / 2 - t0, y + 0.5, f"{mb}" + (f".{chunk}" if chunk else ""),
                             ha="center", va="center", fontsize=7, color="white")
+            for kind, ranges in by_kind.items():  # one collection per rank and kind
+                compute = kind in COMPUTE
+                h, off = (0.8, 0.1) if compute else (0.15, 0.0)
+                ax.broken_barh(ranges, (y + off, h), facecolors=COLORS.get(kind, "#999999"),
+                               edgecolor="white" if compute else "none", linewidth=0.5)
         ax.set_yticks([len(timelines) - 1 - r + 0.5 for r in range(len(timelines))])
         ax.set_yticklabels([f"rank {r}" for r in range(len(timelines))])
         ax.set_xlim(0, t1 - t0)
