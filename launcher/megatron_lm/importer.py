@@ -99,8 +99,9 @@ def find_command(argv: List[str], env: Dict[str, str], source: str, sbatch_nodes
 
 
 def _option(tokens: List[str], names: Tuple[str, ...]) -> Optional[str]:
-    for i, token in enumerate(tokens):
-        for name in names:
+    """The value of the first of ``names`` (in priority order: torchrun's before srun's) among ``tokens``."""
+    for name in names:
+        for i, token in enumerate(tokens):
             if token == name and i + 1 < len(tokens):
                 return tokens[i + 1]
             if token.startswith(name + "="):
@@ -201,11 +202,14 @@ def match_model(values: Dict[str, Any], extra_dir: Optional[Path]) -> Optional[s
 
 def model_entry_yaml(name: str, values: Dict[str, Any], source: str) -> str:
     """A new recipes/model entry: every model field the import decided, with where it came from."""
+    import dataclasses
+    from launcher.schema import ModelConfig
     lines = [f"# {name}. Source: Megatron-LM arguments of {source} (imported with `python -m launcher import`).",
              f"name: {name}"]
-    for key, value in values.items():
-        if key.startswith("model.") and key != "model.name":
-            lines.append(f"{key[len('model.'):]}: {_yaml_scalar(value)}")
+    for f in dataclasses.fields(ModelConfig):  # schema order; what the import decided
+        key = f"model.{f.name}"
+        if key in values and f.name != "name":
+            lines.append(f"{f.name}: {_yaml_scalar(values[key])}")
     return "\n".join(lines) + "\n"
 
 
@@ -288,8 +292,8 @@ def import_job(source: Path, *, output: Optional[Path] = None, model_name: Optio
         + [f"override /cluster: {cluster}"]
     header = [f"Imported from {command.source} by `python -m launcher import` (Megatron-LM {Path(command.program).name}).",
               f"Model entry: {matched}{' (new)' if new_model else ''}; cluster profile: {cluster}."]
-    body = _body(values, defaults, root, new_model, env, cluster, source, extra or {})
     output.parent.mkdir(parents=True, exist_ok=True)
+    body = _body(values, defaults, root, new_model, env, cluster, source, extra or {})
     if new_model:
         new_model.parent.mkdir(parents=True, exist_ok=True)
         new_model.write_text(model_entry_yaml(matched, {k: val for k, val in values.items()
@@ -330,7 +334,7 @@ def _body(values, defaults, root, new_model, env, cluster, source, extra) -> Dic
         base_job = compose_job([f"hydra.searchpath=[{','.join(paths)}]", "recipe=_base"])
     base = canonical(flatten(base_job))
     want = canonical(values)
-    body = {k: values[k] for k in values if k in base and base[k] != want[k]}
+    body = {k: values[k] for k in base if k in values and base[k] != want[k]}  # in schema order
     from launcher.schema import ClusterConfig
     secrets = set(ClusterConfig().secret_env)
     for k, val in env.items():
