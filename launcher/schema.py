@@ -32,6 +32,7 @@ FP8_AMAX_ALGOS = ("max", "most_recent")
 TE_CHOICES = ("auto", "true", "false")
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
 RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 DATA_KINDS = ("indexed", "mock")
 CHECKPOINT_FORMATS = ("torch_dist",)
 CHECKPOINT_VERIFY = ("sizes", "checksum")
@@ -294,6 +295,9 @@ class TrainConfig:
     """Activation recomputation: none, selective (core attention) or full."""
     recompute_num_layers: Optional[int] = None
     """Full recompute: layers per stage recomputed; null means all."""
+    recompute_modules: List[str] = field(default_factory=list)
+    """Selective recompute: the submodules recomputed in backward (Megatron-Core's recompute_modules: core_attn,
+    moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts); empty means core_attn (Megatron's default)."""
     exit_after_minutes: Optional[float] = None
     """Stop cleanly (with a checkpoint) after this wall time; null means no limit."""
     nonfinite: str = choice("stop", NONFINITE_POLICIES)

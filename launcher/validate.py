@@ -319,6 +319,7 @@ def validate_parallel(job: JobConfig, lay: Layout) -> list[Problem]:
                "context parallelism needs Transformer Engine attention (GPU only)", "parallel.context=1")
     _validate_experts(c, p, model, lay)
     _validate_moe_overlap(c, job, lay)
+    _validate_recompute_modules(c, job, lay)
     if p.sequence_parallel and p.tensor == 1:
         c.need(False, "parallel.sequence_parallel", True, "has no effect with parallel.tensor=1 (Megatron turns it off)",
                "parallel.sequence_parallel=false", severity="warning")
@@ -391,6 +392,28 @@ def _validate_overlap(c: _Checks, p: ParallelConfig, lay: Layout) -> None:
                "parallel.tp_comm_overlap=false")
         c.need(lay.transformer_engine, "parallel.tp_comm_overlap", True,
                "TP communication overlap uses Transformer Engine userbuffers (GPU only)", "parallel.tp_comm_overlap=false")
+
+
+def _validate_recompute_modules(c: _Checks, job: JobConfig, lay: Layout) -> None:
+    """train.recompute_modules as Megatron-Core checks them (transformer_config.py): known names, selective
+    recompute only, mla_up_proj with MLA, moe_act with grouped GEMM, moe not with the all-to-all overlap."""
+    mods, model, f = job.train.recompute_modules, job.model, "train.recompute_modules"
+    if not mods:
+        return
+    from launcher.schema import RECOMPUTE_MODULES
+
+    unknown = [m for m in mods if m not in RECOMPUTE_MODULES]
+    rules = [
+        (not unknown, f"unknown module(s) {unknown}; known: {', '.join(RECOMPUTE_MODULES)}"),
+        (job.train.recompute == "selective", "apply to train.recompute=selective only"),
+        ("mla_up_proj" not in mods or model.multi_latent_attention, "mla_up_proj needs model.multi_latent_attention"),
+        ("moe_act" not in mods or (model.num_experts and model.moe_grouped_gemm), "moe_act needs an MoE model with "
+         "model.moe_grouped_gemm=true"),
+        ("moe" not in mods or not job.parallel.moe_a2a_overlap, "moe cannot be recomputed with parallel.moe_a2a_overlap"),
+    ]
+    for ok, rule in rules:
+        if not c.need(bool(ok), f, list(mods), rule, f"{f}=[core_attn]"):
+            return
 
 
 def _validate_moe_overlap(c: _Checks, job: JobConfig, lay: Layout) -> None:

@@ -40,6 +40,7 @@ def layout_of(*, model: ModelConfig, parallel: ParallelConfig, precision: Precis
 def transformer_config(*, model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig,
                        layout: Optional[Layout] = None, schedule: Optional[ScheduleConfig] = None,
                        recompute: str = "none", recompute_num_layers: Optional[int] = None,
+                       recompute_modules: Optional[List[str]] = None,
                        te: Optional[bool] = None):
     """The megatron.core TransformerConfig (or MLATransformerConfig) for this job."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
@@ -88,7 +89,7 @@ def transformer_config(*, model: ModelConfig, parallel: ParallelConfig, precisio
         bias_dropout_fusion=on_gpu, masked_softmax_fusion=te, apply_rope_fusion=False,
         persist_layer_norm=False, deallocate_pipeline_outputs=on_gpu,
         transformer_impl="transformer_engine" if te else "local",
-        **_recompute_fields(recompute, recompute_num_layers), **_moe_fields(model, layout, on_gpu),
+        **_recompute_fields(recompute, recompute_num_layers, recompute_modules), **_moe_fields(model, layout, on_gpu),
         **_schedule_fields(layout, schedule), **backend.fp8_fields(precision, te),
     )
     if model.multi_latent_attention:
@@ -109,11 +110,11 @@ def _vpp(layout: Layout) -> Optional[int]:
     return layout.vpp if layout.vpp > 1 else None
 
 
-def _recompute_fields(recompute: str, num_layers: Optional[int]) -> dict:
+def _recompute_fields(recompute: str, num_layers: Optional[int], modules: Optional[List[str]] = None) -> dict:
     if recompute in (None, "none"):
         return {}
     if recompute == "selective":
-        return {"recompute_granularity": "selective"}
+        return {"recompute_granularity": "selective", "recompute_modules": list(modules or ["core_attn"])}
     if recompute == "full":
         return {"recompute_granularity": "full", "recompute_method": "uniform",
                 "recompute_num_layers": num_layers or 1}
@@ -218,7 +219,8 @@ def gpt_model_kwargs(*, model: ModelConfig, layout: Layout, config, spec, vp_sta
 
 def build_model(*, model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig,
                 layout: Optional[Layout] = None, schedule: Optional[ScheduleConfig] = None, seed: int = 1234,
-                recompute: str = "none", recompute_num_layers: Optional[int] = None) -> List[torch.nn.Module]:
+                recompute: str = "none", recompute_num_layers: Optional[int] = None,
+                recompute_modules: Optional[List[str]] = None) -> List[torch.nn.Module]:
     """GPTModel chunk(s) for this rank: one per virtual pipeline stage, on the current device. ``layout`` is
     the job's derived layout (the rank entry passes it; without one it is derived from these sections)."""
     from megatron.core import parallel_state
@@ -231,6 +233,7 @@ def build_model(*, model: ModelConfig, parallel: ParallelConfig, precision: Prec
     te = backend.use_transformer_engine(precision)
     config = transformer_config(model=model, parallel=parallel, precision=precision, layout=layout,
                                 schedule=schedule, recompute=recompute, recompute_num_layers=recompute_num_layers,
+                                recompute_modules=recompute_modules,
                                 te=te)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     chunks = []

@@ -41,7 +41,8 @@ VARIANTS = {
                            "parallel.expert=64", "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=false",
                            "parallel.pipeline_model_parallel_layout='Et|(tt|)*30mL'", "schedule.kind=interleaved",
                            "train.global_batch_size=512", "parallel.moe_a2a_overlap=true",
-                           "model.cross_entropy_loss_fusion=true", "force=true"],
+                           "model.cross_entropy_loss_fusion=true", "train.recompute=selective",
+                           "train.recompute_modules=[mla_up_proj,mlp]", "force=true"],
 }
 MLA_FIELDS = {f"model.{n}" for n in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")}
 """Fields of MLATransformerConfig only: they reach Megatron only when model.multi_latent_attention is on."""
@@ -135,7 +136,7 @@ def _gpt_kwargs(monkeypatch, job, layout, stage: int) -> list[dict]:
     tr = job.train
     builder.build_model(model=job.model, parallel=job.parallel, precision=job.precision, layout=layout,
                         schedule=job.schedule, seed=tr.seed, recompute=tr.recompute,
-                        recompute_num_layers=tr.recompute_num_layers)
+                        recompute_num_layers=tr.recompute_num_layers, recompute_modules=tr.recompute_modules)
     return list(_Recorder.built)
 
 
@@ -146,7 +147,8 @@ def _built(job, layout, calls, monkeypatch) -> dict:
     tr = job.train
     tc = builder.transformer_config(model=job.model, parallel=job.parallel, precision=job.precision, layout=layout,
                                     schedule=job.schedule, recompute=tr.recompute,
-                                    recompute_num_layers=tr.recompute_num_layers)
+                                    recompute_num_layers=tr.recompute_num_layers,
+                                    recompute_modules=tr.recompute_modules)
     called = backend.initialize_tp_comm_overlap(model=job.model, parallel=job.parallel, precision=job.precision,
                                                 train=tr, layout=layout)
     first = _gpt_kwargs(monkeypatch, job, layout, 0)
@@ -222,6 +224,8 @@ def _expected(field: str, target: str, attr: str, job, lay, built):
         ("parallel.pipeline_model_parallel_layout", TC, "pipeline_model_parallel_layout"):
             _Repr(p.pipeline_model_parallel_layout) if p.pipeline_model_parallel_layout else None,
         ("train.recompute", TC, "recompute_granularity"): None if t.recompute == "none" else t.recompute,
+        ("train.recompute_modules", TC, "recompute_modules"):
+            _recompute_modules(t, moe) if t.recompute == "selective" else SKIP,
         ("train.recompute_num_layers", TC, "recompute_num_layers"): (t.recompute_num_layers or 1) if t.recompute == "full" else SKIP,
     }
     if (field, target, attr) == ("model.mtp_num_layers", GPT, "mtp_block_spec"):
@@ -229,6 +233,12 @@ def _expected(field: str, target: str, attr: str, job, lay, built):
     if field == "precision.fp8" and (target, attr) == (TC, "fp8_recipe"):
         return pr.fp8 if pr.fp8 else SKIP  # without FP8, TransformerConfig.fp8 is None (checked above)
     return table[(field, target, attr)]
+
+
+def _recompute_modules(t, moe: bool) -> list:
+    """Megatron adds 'moe' itself when an MoE model recomputes 'moe_act' with some configurations; compare
+    the modules we asked for, in order, as TransformerConfig keeps them."""
+    return list(t.recompute_modules or ["core_attn"])
 
 
 class _Repr:

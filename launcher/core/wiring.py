@@ -146,6 +146,7 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
     "train.eval_interval": _w(LOOP, "eval_interval"), "train.eval_iters": _w(LOOP, "eval_iters"),
     "train.recompute": _tc("recompute_granularity", same=False),
     "train.recompute_num_layers": _tc("recompute_num_layers", same=False),
+    "train.recompute_modules": _tc("recompute_modules", same=False),
     "train.exit_after_minutes": _w(LOOP, "deadline"),
     "train.nonfinite": _w(LOOP, "nonfinite"), "train.straggler_interval": _w(LOOP, "straggler_interval"),
     "train.straggler_margin": _w(LOOP, "straggler_margin"),

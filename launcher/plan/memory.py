@@ -219,6 +219,7 @@ def layer_activation_bytes_per_token(job: JobConfig, lay: Layout, moe: bool, *, 
 
     ``full`` ignores recomputation (the working set while a layer's forward is recomputed)."""
     model, rec = job.model, job.train.recompute
+    mods = recomputed_modules(job)
     te = lay.transformer_engine
     t = lay.tp
     sp = sp_shards(lay)
@@ -228,12 +229,15 @@ def layer_activation_bytes_per_token(job: JobConfig, lay: Layout, moe: bool, *, 
     if rec == "full" and not full:
         return a * h / sp  # only the layer input is checkpointed
     drop = (h if model.hidden_dropout > 0 else 0) * 2  # two residual dropout masks (1 byte each)
-    # Regions replicated across TP unless SP shards them: two norm inputs, two GEMM inputs, dropout masks.
-    sp_region = a * h + g * h + a * h + g * h + drop
+    # Regions replicated across TP unless SP shards them: two norm inputs, two GEMM inputs, dropout masks
+    # (recompute_modules 'layernorm' discards the norm outputs, i.e. the GEMM inputs, and recomputes them).
+    sp_region = a * h + a * h + drop + (0 if "layernorm" in mods else 2 * g * h)
     if model.multi_latent_attention:
         qk = model.qk_head_dim + model.qk_pos_emb_head_dim
         latent = a * 2 * ((model.q_lora_rank or 0) + model.kv_lora_rank + model.qk_pos_emb_head_dim)
-        attn_tp = a * (2 * n * qk + 2 * n * model.v_head_dim) + (g if g != a else 0) * n * model.v_head_dim
+        # Q, K, V after the up-projections (discarded by 'mla_up_proj'), the attention output (+ FP8 copy)
+        qkv = 0 if "mla_up_proj" in mods else a * (2 * n * qk + n * model.v_head_dim)
+        attn_tp = qkv + a * n * model.v_head_dim + (g if g != a else 0) * n * model.v_head_dim
         sp_region += latent * sp  # duplicated down-projections work on the gathered sequence
     else:
         d = kv_channels(model)
@@ -241,7 +245,7 @@ def layer_activation_bytes_per_token(job: JobConfig, lay: Layout, moe: bool, *, 
         attn_tp = a * (q + 2 * kv) + a * q + (q if g != a else 0)  # Q, K, V; attention output (+ FP8 copy)
     core = 0.0
     flash = te  # TE's fused/flash attention never materialises the s x s scores
-    if not flash and rec != "selective":
+    if not flash and "core_attn" not in mods:
         core = n * s * (a + (1 + a if model.attention_dropout > 0 else 0))  # softmax out (+ mask, dropout out)
     m = 2 if model.activation == "swiglu" else 1
     if moe:
@@ -252,16 +256,26 @@ def layer_activation_bytes_per_token(job: JobConfig, lay: Layout, moe: bool, *, 
         # input (gathered over ETP; FP8 under FP8), fc1 output (the probs are applied inside the weighted
         # SwiGLU, so unpermute keeps no expert output) and the fc2 input, plus the fp32 routing probs. The
         # router's input is the bf16 pre-MLP norm output (in place of a dense FC1's GEMM input).
-        sp_region += (a - g) * h
-        mlp_sp = k * g * h * etp + k * (a * m * e_ffn + g * e_ffn) + 4 * k
+        sp_region += (a - g) * h if "layernorm" not in mods else 0
+        act = 0 if "moe_act" in mods else g * e_ffn  # 'moe_act' discards the activation output (fc2 input)
+        mlp_sp = k * g * h * etp + k * (a * m * e_ffn + act) + 4 * k
+        if "moe" in mods:  # the whole MoE layer is recomputed from its input
+            mlp_sp = 0.0
         shared = model.moe_shared_expert_intermediate_size or 0
-        mlp_tp = a * m * shared + g * shared
+        mlp_tp = 0.0 if "shared_experts" in mods or "moe" in mods else a * m * shared + g * shared
         per = sp_region / sp + (attn_tp + core) / t + mlp_sp / sp + mlp_tp / t
     else:
         f = model.ffn_hidden_size
-        mlp_tp = a * m * f + g * f
+        mlp_tp = 0.0 if "mlp" in mods else a * m * f + g * f
         per = sp_region / sp + (attn_tp + core + mlp_tp) / t
     return per
+
+
+def recomputed_modules(job: JobConfig) -> frozenset:
+    """Submodules recomputed under train.recompute=selective (Megatron's default: core attention)."""
+    if job.train.recompute != "selective":
+        return frozenset()
+    return frozenset(job.train.recompute_modules or ("core_attn",))
 
 
 def logit_bytes(job: JobConfig, mtp: int) -> float:

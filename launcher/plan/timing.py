@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from launcher.core import Layout, derive
 from launcher.core.flops import FMA, flops_per_step, kv_channels, layer_flops, query_groups
 from launcher.plan.memory import (DTYPE_BYTES, GRAD_BYTES_FP32, grad_groups, optimizer_shards, recompute_fraction,
-                                  sp_shards, stage_layers, stage_params)
+                                  recomputed_modules, sp_shards, stage_layers, stage_params)
 from launcher.plan.simulator import simulate_kind
 from launcher.schema import JobConfig
 
@@ -130,14 +130,16 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
     att_eff = _attention_efficiency(model.seq_length, cp)
     for is_moe, n in counts.items():
         core_fwd = lf.attn_core * share / 3
-        g = (lf.attn_linear + (0.0 if is_moe else lf.dense_mlp)) * share / 3 / gemm_peak  # one pass
-        moe_fixed = 0.0
+        g_attn = lf.attn_linear * share / 3 / gemm_peak  # one pass
+        g_mlp = 0.0 if is_moe else lf.dense_mlp * share / 3 / gemm_peak
+        g_shared = moe_fixed = 0.0
         if is_moe:
             routed, shared = _moe_split(model, lf.moe_mlp)
-            g += shared * share / 3 / gemm_peak
-            g += routed * share / 3 / (gemm_peak * _grouped_gemm_efficiency(job, lay, tokens))
-            g += FMA * h * model.num_experts * tokens / (cp * sp) / bf16  # router GEMM (one pass)
+            g_shared = shared * share / 3 / gemm_peak
+            g_mlp = routed * share / 3 / (gemm_peak * _grouped_gemm_efficiency(job, lay, tokens))
+            g_mlp += FMA * h * model.num_experts * tokens / (cp * sp) / bf16  # router GEMM (one pass)
             moe_fixed = MOE_LAYER_OVERHEAD_S
+        g = g_attn + g_mlp + g_shared
         att = core_fwd / (bf16 * att_eff)
         if cp > 1:
             att += cp * CP_STEP_OVERHEAD_S
@@ -170,7 +172,8 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
         if job.train.recompute == "full":
             rec = recompute_fraction(job, lay, len(kinds) - n_mtp) * (g + att + elem + cast_f + tp + cpc + epc)
         elif job.train.recompute == "selective":
-            rec = att
+            rec = _selective_recompute(job, recomputed_modules(job), is_moe, att, g_attn, g_mlp, g_shared,
+                                       moe_fixed + (epc if is_moe else 0.0))
         b += n * rec
         parts["recompute"] += n * rec
     if last:  # output layer (+ MTP heads): GEMMs in BF16, plus the loss
@@ -184,6 +187,28 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
         parts["gemm"] += 3 * g
         parts["elementwise"] += 2 * elem
     return StageCosts(f, b, w, parts)
+
+
+def _selective_recompute(job: JobConfig, mods: frozenset, moe: bool, att: float, g_attn: float, g_mlp: float,
+                         g_shared: float, moe_extra: float) -> float:
+    """Forward time recomputed in backward by train.recompute_modules, per layer: core attention, the MLA
+    up-projections (their share of the attention GEMMs), the dense MLP, the whole MoE layer (its GEMMs, fixed
+    costs and all-to-all) or its shared experts; the output-discarding ones (layernorm, moe_act) recompute
+    element-wise work only, which is small and left out."""
+    model = job.model
+    rec = att if "core_attn" in mods else 0.0
+    if "mla_up_proj" in mods and model.multi_latent_attention:
+        n, qk = model.num_attention_heads, model.qk_head_dim + model.qk_pos_emb_head_dim
+        up = (model.q_lora_rank or model.hidden_size) * n * qk + model.kv_lora_rank * n * (model.qk_head_dim + model.v_head_dim)
+        total = up + model.hidden_size * (model.kv_lora_rank + model.qk_pos_emb_head_dim) + n * model.v_head_dim * model.hidden_size
+        rec += g_attn * up / total
+    if "mlp" in mods and not moe:
+        rec += g_mlp
+    if "moe" in mods and moe:
+        rec += g_mlp + g_shared + moe_extra
+    elif "shared_experts" in mods and moe:
+        rec += g_shared
+    return rec
 
 
 def _attention_efficiency(seq: int, cp: int) -> float:
