@@ -213,6 +213,7 @@ COMBINED: Dict[str, str] = {
     "--recompute-method": "train.recompute",
     "--recompute-num-layers": "train.recompute_num_layers",
     "--recompute-activations": "train.recompute",
+    "--recompute-modules": "train.recompute_modules",
     "--data-path": "data.blend, data.kind",
     "--mock-data": "data.kind",
     "--tokenizer-type": "data.tokenizer",
@@ -304,7 +305,6 @@ UNSUPPORTED: Dict[str, str] = {
     "--weight-decay-incr-style": "constant weight decay (train.weight_decay)",
     "--overlap-moe-expert-parallel-comm": "no MoE all-to-all overlap schedule",
     "--delay-wgrad-compute": "weight-gradient deferral belongs to schedule.kind=zb_h1 here",
-    "--recompute-modules": "selective recompute covers core attention only",
     "--moe-layer-recompute": "selective recompute covers core attention only",
 }
 """Arguments that would change the job but have no equivalent here, with why."""

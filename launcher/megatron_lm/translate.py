@@ -494,6 +494,12 @@ def _recompute(args: Args, v: dict) -> None:
         v["train.recompute"] = "none"
         return
     args.use("--recompute-granularity", f"train.recompute={v['train.recompute']}")
+    modules = args.values("--recompute-modules")
+    if "train.recompute_modules" in flatten(JobConfig()):
+        if granularity == "selective":
+            v["train.recompute_modules"] = [] if modules in (None, ["core_attn"]) else list(modules)
+            args.use("--recompute-modules", f"train.recompute_modules={modules}")
+        args.use("--recompute-modules", "only selective recompute reads it", "ignored")
     if granularity != "full":
         for flag in ("--recompute-method", "--recompute-num-layers"):
             args.use(flag, "only full recompute reads it", "ignored")
@@ -697,7 +703,8 @@ def _export_train(job: JobConfig, lay, missing: List[str]) -> List[str]:
         out += ["--lr-wsd-decay-iters", str(t.wsd_decay_steps or max(1, lay.steps // 10)),
                 "--lr-wsd-decay-style", "linear"]
     if t.recompute == "selective":
-        out += ["--recompute-granularity", "selective"]
+        out += ["--recompute-granularity", "selective"] + (
+            ["--recompute-modules", *t.recompute_modules] if getattr(t, "recompute_modules", None) else [])
     elif t.recompute == "full":
         out += ["--recompute-granularity", "full", "--recompute-method", "uniform",
                 "--recompute-num-layers", str(t.recompute_num_layers or 1)]

@@ -1,0 +1,306 @@
+"""Megatron-LM users at home: their names as hints, their launch scripts imported, our jobs exported.
+
+The Megatron-LM side is checked against Megatron-LM itself where it is installed (the venv's megatron-core
+0.19.2 wheel ships ``megatron.training``): every argument name in our table is an option of its parser, every
+exported job parses there, and the FLOPs/token of every imported test script is its
+``num_floating_point_operations`` (with the unpadded vocabulary, as ``launcher/core/flops.py`` counts).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+from conftest import RECIPES, ROOT
+from launcher.config import compose_job
+from launcher.megatron_lm.importer import import_job, load_command
+from launcher.megatron_lm.table import COMBINED, FLAGS, IGNORED, LAUNCHER_ONLY, UNSUPPORTED
+from launcher.megatron_lm.translate import (Args, flatten, freq_and_dense, layer_pattern_text, parse_layer_pattern,
+                                            to_args)
+from launcher.schema import JobConfig
+
+FIXTURES = ROOT / "tests" / "fixtures" / "megatron_lm"
+
+
+@lru_cache(maxsize=None)
+def _megatron():
+    """(Megatron-LM's argument parser, its num_floating_point_operations), or None where not installed."""
+    import typing
+    if not hasattr(typing, "override"):  # megatron.training 0.19.2 imports typing.override (Python 3.12)
+        typing.override = lambda f: f
+    try:
+        from megatron.training.arguments import add_megatron_arguments
+        from megatron.training.training import num_floating_point_operations
+    except ImportError:
+        return None
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_megatron_arguments(parser)
+    return parser, num_floating_point_operations
+
+
+def megatron_or_skip():
+    found = _megatron()
+    if found is None:
+        pytest.skip("megatron.training is not installed")
+    return found
+
+
+# ---------------------------------------------------------------------------------------------- hints
+
+HINTS = [
+    (["recipe=llama405b", "tensor_model_parallel_size=4"],
+     "tensor_model_parallel_size is Megatron's name for parallel.tensor; try parallel.tensor=4"),
+    (["recipe=llama405b", "--tensor-model-parallel-size", "4"],
+     "--tensor-model-parallel-size is Megatron's name for parallel.tensor; try parallel.tensor=4"),
+    (["recipe=llama405b", "--tensor-model-parallel-size=4"], "try parallel.tensor=4"),
+    (["recipe=llama405b", "micro_batch_size=2"], "try train.micro_batch_size=2"),
+    (["recipe=llama405b", "seq_length=4096"], "try model.seq_length=4096"),
+    (["recipe=llama405b", "num_query_groups=16"], "try model.num_query_groups=16"),
+    (["recipe=llama405b", "recompute_granularity=full"],
+     "recompute_granularity is Megatron's name for train.recompute; try train.recompute=full"),
+    (["recipe=llama405b", "parallel.tensor_model_parallel_size=4"], "try parallel.tensor=4"),
+    (["recipe=llama405b", "train.seq_length=4096"], "try model.seq_length=4096"),
+    (["recipe=llama405b", "num_moe_experts=8"], "num_moe_experts is Megatron's name for model.num_experts"),
+    (["recipe=llama405b", "layernorm_epsilon=1e-6"], "try model.norm_epsilon=1e-6"),
+    (["recipe=llama405b", "--bf16"], "try precision.dtype=bf16"),
+    (["recipe=llama405b", "untie_embeddings_and_output_weights=true"], "try model.tie_embeddings=false"),
+    (["recipe=llama405b", "train_iters=100"], "try train.train_steps=100"),
+    (["recipe=llama405b", "--lr-decay-style", "WSD"], "try train.lr_schedule=wsd"),
+    (["recipe=llama405b", "attention_backend=flash"], "no effect here"),
+    (["recipe=llama405b", "--apply-layernorm-1p"], "no equivalent here"),
+    (["recipe=llama405b", "--dry-run"], "--dry-run is not a flag here; try action=render"),
+    (["recipe=llama405b", "action=import"], "try python -m launcher import"),
+    (["recipe=llama405b", "parallel.tensorr=2"], "parallel.tensorr='2': no such field"),
+    (["recipe=llama405b", "parallel.tensorr=2"], "try parallel.tensor=2"),
+    (["recipe=llama405b", "paralel.tensor=2"], "try parallel.tensor=2"),
+]
+
+
+@pytest.mark.parametrize("argv,expected", HINTS, ids=[" ".join(a[1:]) for a, _ in HINTS])
+def test_megatron_names_and_neighbours_flags_get_our_field(argv, expected, cli):
+    code, out, err = cli(*argv)
+    assert code == 2
+    assert "Traceback" not in err
+    assert expected in err, err
+    assert "''" not in err  # the value typed is shown, never an empty string
+
+
+@pytest.mark.parametrize("argv,expected", [h for h in HINTS if "; try " in h[1] and "=" in h[1].rsplit("try ", 1)[1]
+                                           and "import" not in h[1]][:12])
+def test_a_hinted_override_composes(argv, expected, cli):
+    suggestion = expected.rsplit("try ", 1)[1].split()
+    job = compose_job(["recipe=llama405b", *suggestion])
+    key, value = suggestion[0].split("=", 1)
+    got = job
+    for part in key.split("."):
+        got = getattr(got, part)
+    assert str(got).lower() == value.lower() or float(got) == float(value)
+
+
+# ---------------------------------------------------------------------------------------------- table
+
+
+def test_every_schema_field_is_mapped_or_said_to_be_launcher_only():
+    covered = {f.field for f in FLAGS} | {x.strip() for v in COMBINED.values() for x in v.split(",")}
+    covered |= {"nodes", "cluster.gpus_per_node", "cluster.backend"} | set(LAUNCHER_ONLY)
+    missing = [k for k in flatten(JobConfig()) if k not in covered and not k.startswith(("cluster.", "slurm."))]
+    assert not missing, f"say in launcher/megatron_lm/table.py which Megatron-LM argument sets {missing}"
+
+
+def test_every_argument_name_is_megatron_lms():
+    parser, _ = megatron_or_skip()
+    options = {o for a in parser._actions for o in a.option_strings}
+    names = [f.flag for f in FLAGS] + list(COMBINED) + list(IGNORED) + list(UNSUPPORTED)
+    assert [n for n in names if n not in options] == []
+    assert not set(IGNORED) & set(UNSUPPORTED) and not {f.flag for f in FLAGS} & (set(IGNORED) | set(UNSUPPORTED))
+
+
+@pytest.mark.parametrize("text,freq,first_k", [("([0]*3+[1]*58)", 1, 3), ("[1,0,1,0]", 2, 0), ("[0,1,1,1]", 1, 1)])
+def test_moe_layer_patterns_both_ways(text, freq, first_k):
+    pattern = parse_layer_pattern(text)
+    assert freq_and_dense(pattern) == (freq, first_k)
+    text_back = layer_pattern_text(len(pattern), freq, first_k)
+    if first_k == 0:
+        assert text_back == str(freq)  # Megatron-LM's integer form: layer i is MoE iff i % freq == 0
+    else:
+        assert parse_layer_pattern(text_back) == pattern
+
+
+# ---------------------------------------------------------------------------------------------- export / round trip
+
+VARIANTS = [[f"recipe={r}"] for r in RECIPES] + [
+    ["recipe=llama3_8b", "model=deepseek_v3", "parallel.expert=8", "parallel.context=1"],  # MoE + MLA + MTP
+    ["recipe=llama3_8b", "model=qwen3_30b_a3b", "parallel.expert=8", "train.recompute=full",
+     "train.recompute_num_layers=2", "train.lr_schedule=wsd", "train.wsd_decay_steps=500"],
+    ["recipe=llama3_8b", "precision.fp8=tensorwise", "precision.transformer_engine=true",
+     "checkpoint.dir=/lustre/ck", "checkpoint.load=/lustre/other", "logging.wandb_project=p"],
+]
+
+
+def _export_import(job, tmp_path: Path):
+    exported = to_args(job)
+    script = tmp_path / "exported.sh"
+    script.write_text(exported.script("round trip"))
+    done = import_job(script, output=tmp_path / "recipe" / "roundtrip.yaml", cluster=job.cluster.name,
+                      name=job.name)
+    return exported, done
+
+
+@pytest.mark.parametrize("overrides", VARIANTS, ids=[" ".join(v) for v in VARIANTS])
+def test_import_of_export_gives_back_the_job(overrides, tmp_path):
+    job = compose_job(overrides)
+    exported, done = _export_import(job, tmp_path)
+    before, after = flatten(job), flatten(done.job)
+    # slurm.* is the site's submission profile: no Megatron-LM argument carries it
+    diff = {k: (before[k], after[k]) for k in before if before[k] != after[k] and not k.startswith("slurm.")}
+    assert diff == {}
+    assert exported.not_expressible == []
+    assert all(e.status == "mapped" for e in done.report if e.flag != "--tokenizer-type"), \
+        [e.line() for e in done.report if e.status != "mapped"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_exported_arguments_parse_in_megatron_lm(recipe):
+    parser, _ = megatron_or_skip()
+    job = compose_job([f"recipe={recipe}"])
+    ns = parser.parse_args(to_args(job).args)
+    assert ns.tensor_model_parallel_size == job.parallel.tensor
+    assert ns.pipeline_model_parallel_size == job.parallel.pipeline
+    assert ns.num_layers == job.model.num_layers and ns.global_batch_size == job.train.global_batch_size
+
+
+def test_megatron_args_action_prints_a_launch(cli):
+    code, out, err = cli("recipe=llama3_70b", "action=megatron-args")
+    assert code == 0, err
+    assert "torchrun --nnodes 8 --nproc-per-node 8 pretrain_gpt.py" in out
+    for expected in ("--tensor-model-parallel-size 4", "--pipeline-model-parallel-size 4",
+                     "--num-virtual-stages-per-pipeline-rank 5", "--context-parallel-size 2", "--fp8-format hybrid",
+                     "export CUDA_DEVICE_MAX_CONNECTIONS=1"):
+        assert expected in out
+    code, out, _ = cli("recipe=llama3_70b", "action=megatron-args", "--json")
+    assert code == 0 and '"not_expressible": []' in out
+
+
+def test_what_megatron_lm_cannot_express_is_said():
+    job = compose_job(["recipe=smoke", "schedule.kind=zb_h1", "checkpoint.keep_last=2"])
+    missing = " ".join(to_args(job).not_expressible)
+    assert "schedule.kind=zb_h1" in missing and "checkpoint.keep_last=2" in missing
+
+
+# ---------------------------------------------------------------------------------------------- import of scripts
+
+SCRIPTS = {
+    # script: (import options, model entry, expected fields, {flag: status} spot checks)
+    "llama3_8b_fp8_cp.sh": ({}, "llama3_8b", {
+        "nodes": 1, "parallel.context": 2, "parallel.tensor": 1, "precision.fp8": "delayed",
+        "precision.fp8_param": True, "precision.dtype": "bf16", "precision.grad_reduce_in_fp32": False,
+        "train.global_batch_size": 128, "model.seq_length": 8192, "data.kind": "mock",
+        "checkpoint.dir": "/lustre/ckpt/llama3_8b_fp8_cp", "checkpoint.resume": True,
+        "name": "llama3_8b_fp8_cp", "train.exit_after_minutes": 230.0},
+        {"--profile": "ignored", "--attention-backend": "ignored", "--fp8-format": "mapped",
+         "--fp8-amax-history-len": "mapped"}),
+    "gpt3_175b.sh": ({"model_name": "gpt3_175b", "extra": {"data.tokenizer": "/lustre/data/gpt3/tokenizer.json"}},
+                     None, {
+        "nodes": 16, "cluster.gpus_per_node": 8, "parallel.tensor": 8, "parallel.pipeline": 16,
+        "model.num_layers": 96, "model.hidden_size": 12288, "model.ffn_hidden_size": 49152,
+        "model.activation": "gelu", "model.normalization": "LayerNorm", "model.position_embedding": "learned_absolute",
+        "model.tie_embeddings": True, "model.add_bias_linear": True, "model.vocab_size": 50257,
+        "train.warmup_steps": 1, "train.recompute": "selective",
+        "data.blend": [0.7, "/lustre/data/gpt3/pile_text_document", 0.3, "/lustre/data/gpt3/books_text_document"]},
+        {"--vocab-file": "unsupported", "--merge-file": "unsupported", "--tokenizer-type": "unsupported",
+         "--lr-warmup-fraction": "mapped"}),
+    "mixtral_8x7b.sh": ({"model_name": "mixtral_8x7b"}, None, {
+        "nodes": 8, "cluster.gpus_per_node": 8, "parallel.pipeline": 4, "parallel.expert": 8,
+        "model.num_experts": 8, "model.moe_router_topk": 2, "model.num_query_groups": 8,
+        "model.moe_aux_loss_coeff": 0.01, "model.moe_token_dispatcher_type": "alltoall",
+        "model.moe_grouped_gemm": True, "model.rotary_base": 1e6, "model.max_position_embeddings": 32768,
+        "data.tokenizer": "/lustre/tokenizers/mixtral/tokenizer.json", "train.adam_beta2": 0.999},
+        {"--no-load-optim": "unsupported", "--no-position-embedding": "ignored", "--moe-layer-freq": None}),
+}
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("imported")
+    out = {}
+    for script, (opts, _, _, _) in SCRIPTS.items():
+        out[script] = import_job(FIXTURES / script, output=root / "recipe" / f"{Path(script).stem}.yaml", **opts)
+    return out
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_script_imports_with_every_argument_accounted_for(script, imported):
+    done, (_, model, fields, spots) = imported[script], SCRIPTS[script]
+    recorded = load_command(FIXTURES / script).args
+    given = {f for f, _ in Args.parse(recorded).items}
+    reported = [e for e in done.report if "absent" not in e.text]
+    assert sorted(e.flag for e in reported) == sorted(given)  # one entry per argument: nothing dropped
+    assert all(e.status in ("mapped", "ignored", "unsupported") and e.detail for e in done.report)
+    status = {e.flag: e.status for e in reported}
+    for flag, want in spots.items():
+        assert status.get(flag) == want, (flag, status.get(flag))
+    got = flatten(done.job)
+    assert {k: got[k] for k in fields} == fields
+    assert (done.new_model is None) == (model is not None)
+    assert done.job.model.name == (model or Path(script).stem)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_imported_recipe_validates_and_plans_with_megatrons_flops(script, imported):
+    from launcher.plan import plan_job
+    from launcher.problems import errors
+    from launcher.validate import validate
+    done = imported[script]
+    assert errors(validate(done.job)) == []
+    plan = plan_job(done.job).to_dict()
+    expected = {"llama3_8b_fp8_cp.sh": 51.470401536, "gpt3_175b.sh": 1061.877915648,
+                "mixtral_8x7b.sh": 79.706456064}[script]  # Megatron-LM's num_floating_point_operations
+    assert plan["gflops_per_token"] == pytest.approx(expected, rel=1e-9)
+    found = _megatron()
+    if found is not None:  # recompute the reference with Megatron-LM's own function
+        parser, flops = found
+        a = parser.parse_args(load_command(FIXTURES / script).args)
+        h, n = a.hidden_size, a.num_attention_heads
+        a.ffn_hidden_size = a.ffn_hidden_size or (int((4 * h * 2 / 3) / 64) * 64 if a.swiglu else 4 * h)
+        a.kv_channels = a.kv_channels or h // n  # validate_args derives these two the same way
+        a.padded_vocab_size = done.job.model.vocab_size  # unpadded, as our planner and NVIDIA's tables count
+        per_token = flops(a, a.global_batch_size) / (a.global_batch_size * a.seq_length) / 1e9
+        assert plan["gflops_per_token"] == pytest.approx(per_token, rel=1e-9)
+
+
+def test_the_written_recipe_composes_by_name(imported):
+    done = imported["gpt3_175b.sh"]
+    root = done.recipe_path.parent.parent
+    job = compose_job([f"hydra.searchpath=[file://{root}]", "recipe=gpt3_175b"])
+    assert flatten(job) == flatten(done.job)
+    assert (root / "model" / "gpt3_175b.yaml").read_text().startswith("# gpt3_175b. Source: Megatron-LM")
+
+
+def test_an_arguments_file_imports_like_the_script(tmp_path, imported):
+    args = load_command(FIXTURES / "llama3_8b_fp8_cp.sh").args
+    lines = ["# the same job as an arguments file: comments, quotes, continuations"]
+    lines += [f"{shlex.quote(a)} \\" for a in args] + ["  # end"]
+    (tmp_path / "llama.args").write_text("\n".join(lines) + "\n")
+    done = import_job(tmp_path / "llama.args", output=tmp_path / "recipe" / "llama_args.yaml")
+    script_job = flatten(imported["llama3_8b_fp8_cp.sh"].job)
+    assert {k: v for k, v in flatten(done.job).items() if k not in ("cluster.env",)} == \
+           {k: v for k, v in script_job.items() if k not in ("cluster.env",)}
+
+
+def test_import_command_end_to_end(cli, tmp_path):
+    out_path = tmp_path / "recipe" / "mixtral.yaml"
+    code, out, err = cli("import", str(FIXTURES / "mixtral_8x7b.sh"), "--output", str(out_path), "--model", "mx")
+    assert code == 0, err
+    assert "unsupported --no-load-optim" in out and "valid:" in out and "GFLOP/token" in out
+    assert out_path.exists() and (tmp_path / "model" / "mx.yaml").exists()
+
+
+def test_a_script_that_launches_nothing_is_refused(cli, tmp_path):
+    script = tmp_path / "nothing.sh"
+    script.write_text("#!/bin/bash\necho hello\n")
+    code, _, err = cli("import", str(script), "--output", str(tmp_path / "recipe" / "x.yaml"))
+    assert code == 2 and "without calling torchrun" in err
