@@ -180,6 +180,11 @@ class ParallelConfig:
     """Shard LayerNorm/dropout activations along the sequence over the TP group (SP)."""
     distributed_optimizer: bool = True
     """Shard optimizer state and master weights over data-parallel ranks (ZeRO-1 style)."""
+    megatron_fsdp: bool = False
+    """Megatron-Core FSDP (use_megatron_fsdp, sharding strategy optim_grads_params; ZeRO-3 in the usual terms):
+    parameters, gradients and optimizer state sharded over DP x CP, each layer's parameters all-gathered in
+    forward and backward and its gradients reduce-scattered, overlapped with compute. GPU only; needs
+    distributed_optimizer and (in this launcher) parallel.pipeline=1."""
     overlap_grad_reduce: bool = True
     """Overlap the data-parallel gradient reduce-scatter with backward (GPU)."""
     overlap_param_gather: bool = True

@@ -320,6 +320,7 @@ def validate_parallel(job: JobConfig, lay: Layout) -> list[Problem]:
     _validate_experts(c, p, model, lay)
     _validate_moe_overlap(c, job, lay)
     _validate_recompute_modules(c, job, lay)
+    _validate_fsdp(c, job, lay)
     if p.sequence_parallel and p.tensor == 1:
         c.need(False, "parallel.sequence_parallel", True, "has no effect with parallel.tensor=1 (Megatron turns it off)",
                "parallel.sequence_parallel=false", severity="warning")
@@ -392,6 +393,22 @@ def _validate_overlap(c: _Checks, p: ParallelConfig, lay: Layout) -> None:
                "parallel.tp_comm_overlap=false")
         c.need(lay.transformer_engine, "parallel.tp_comm_overlap", True,
                "TP communication overlap uses Transformer Engine userbuffers (GPU only)", "parallel.tp_comm_overlap=false")
+
+
+def _validate_fsdp(c: _Checks, job: JobConfig, lay: Layout) -> None:
+    """parallel.megatron_fsdp: Megatron-FSDP's wrapper allocates on CUDA (mcore_fsdp_adapter.py), shards the
+    optimizer itself (the distributed optimizer path), and is planned here for PP = 1 only."""
+    p, f = job.parallel, "parallel.megatron_fsdp"
+    if not p.megatron_fsdp:
+        return
+    rules = [
+        (job.cluster.gpu != "cpu", "Megatron-FSDP allocates its buffers on CUDA devices (GPU clusters only)"),
+        (p.distributed_optimizer, "needs parallel.distributed_optimizer=true (FSDP shards the optimizer state)"),
+        (p.pipeline == 1, "is supported by this launcher with parallel.pipeline=1 only (NVIDIA's FSDP layouts)"),
+    ]
+    for ok, rule in rules:
+        if not c.need(ok, f, True, rule, f"{f}=false"):
+            return
 
 
 def _validate_recompute_modules(c: _Checks, job: JobConfig, lay: Layout) -> None:

@@ -36,6 +36,8 @@ VARIANTS = {
                                 "parallel.account_for_embedding_in_pipeline_split=true",
                                 "parallel.account_for_loss_in_pipeline_split=true", "schedule.kind=interleaved",
                                 "force=true"],
+    # NVIDIA's best Llama3-8B H100 layout: Megatron-FSDP on one node
+    "llama3_8b_fsdp": ["recipe=llama3_8b", "parallel.context=1", "parallel.megatron_fsdp=true"],
     "deepseek_v3_layout": ["recipe=llama3_70b", "model=deepseek_v3", "nodes=128", "parallel.tensor=2",
                            "parallel.pipeline=8", "parallel.virtual_pipeline=4", "parallel.context=1",
                            "parallel.expert=64", "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=false",
@@ -199,6 +201,8 @@ def _expected(field: str, target: str, attr: str, job, lay, built):
         ("parallel.expert_tensor", TC, "expert_tensor_parallel_size"): p.expert_tensor or p.tensor,
         ("parallel.sequence_parallel", TC, "sequence_parallel"): p.sequence_parallel and p.tensor > 1,
         ("parallel.overlap_grad_reduce", DDP, "overlap_grad_reduce"): p.overlap_grad_reduce,
+        ("parallel.megatron_fsdp", DDP, "data_parallel_sharding_strategy"):
+            "optim_grads_params" if p.megatron_fsdp else "no_shard",
         ("parallel.overlap_param_gather", DDP, "overlap_param_gather"): p.overlap_param_gather and p.distributed_optimizer,
         ("parallel.overlap_param_gather", OPT, "overlap_param_gather"): p.overlap_param_gather and p.distributed_optimizer,
         ("parallel.tp_comm_overlap", UB, "called"): p.tp_comm_overlap,

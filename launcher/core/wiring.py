@@ -104,6 +104,7 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
     "parallel.data": _w(LOGIN),  # an assertion: validation checks it against the derived DP
     "parallel.sequence_parallel": _tc("sequence_parallel", same=False),
     "parallel.distributed_optimizer": _w(DDP, "use_distributed_optimizer") + _w(OPT, "use_distributed_optimizer"),
+    "parallel.megatron_fsdp": _w(DDP, "use_megatron_fsdp") + _w(DDP, "data_parallel_sharding_strategy", same=False),
     "parallel.overlap_grad_reduce": _w(DDP, "overlap_grad_reduce", same=False),
     "parallel.overlap_param_gather": _w(DDP, "overlap_param_gather", same=False)
     + _w(OPT, "overlap_param_gather", same=False) + _w(CKPT, "force_param_sync"),

@@ -374,12 +374,26 @@ def static_bytes(job: JobConfig, rp: RankParams, lay: Layout | None = None) -> d
             fp8 = rp.gemm  # the transpose, 1 byte
         else:
             fp8 = FP8_WEIGHT_COPY_BYTES * rp.gemm
+    grads = (GRAD_BYTES_FP32 if pr.grad_reduce_in_fp32 else a) * rp.total
+    if job.parallel.megatron_fsdp and rp.total:  # ZeRO-3: weights and gradients sharded like the optimizer
+        shard = (rp.dense / dense_shards + rp.expert / expert_shards) / rp.total
+        weight_bytes, grads, fp8 = weight_bytes * shard, grads * shard, fp8 * shard
     return {
         "weights": weight_bytes,
-        "grads": (GRAD_BYTES_FP32 if pr.grad_reduce_in_fp32 else a) * rp.total,
+        "grads": grads,
         "optimizer": opt_per_param * (rp.dense / dense_shards + rp.expert / expert_shards),
         "fp8_weights": fp8,
     }
+
+
+def fsdp_layer_params(job: JobConfig, lay: Layout) -> float:
+    """Parameters of the largest layer on one rank before FSDP sharding (what one all-gather unshards)."""
+    kinds = set(lay.moe_pattern) or {False}
+    best = 0.0
+    for moe in kinds:
+        lp = layer_params(job.model, moe)
+        best = max(best, lp.tp_sharded / lay.tp + lp.replicated + lp.expert / (lay.ep * lay.etp))
+    return best
 
 
 def stage_memory(job: JobConfig, lay: Layout, stage: int) -> StageMemory:
@@ -422,6 +436,10 @@ def stage_memory(job: JobConfig, lay: Layout, stage: int) -> StageMemory:
         comm += 2 * model.moe_router_topk * a * h * tokens / sp  # all-to-all dispatch send + receive
     if cp > 1 and not model.multi_latent_attention:
         comm += 2 * 2 * a * query_groups(model) * kv_channels(model) * tokens / t  # ring K/V send + recv
+    if job.parallel.megatron_fsdp:  # two layers unsharded (current + prefetched) and one layer's full gradients
+        w_bytes = 1 if job.precision.fp8_param else a
+        g_bytes = GRAD_BYTES_FP32 if job.precision.grad_reduce_in_fp32 else a
+        comm += (2 * w_bytes + g_bytes) * fsdp_layer_params(job, lay)
     parts["comm_buffers"] = comm
     # The backward of one layer: its activation gradients (and, under full recompute, its recomputed forward).
     work = max((layer_activation_bytes_per_token(job, lay, k, full=True) for k in per_kind), default=0.0) * tokens

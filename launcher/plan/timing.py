@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from launcher.core import Layout, derive
 from launcher.core.flops import FMA, flops_per_step, kv_channels, layer_flops, query_groups
-from launcher.plan.memory import (DTYPE_BYTES, GRAD_BYTES_FP32, grad_groups, optimizer_shards, recompute_fraction,
-                                  recomputed_modules, sp_shards, stage_layers, stage_params)
+from launcher.plan.memory import (DTYPE_BYTES, GRAD_BYTES_FP32, fsdp_layer_params, grad_groups, optimizer_shards,
+                                  recompute_fraction, recomputed_modules, sp_shards, stage_layers, stage_params)
 from launcher.plan.simulator import simulate_kind
 from launcher.schema import JobConfig
 
@@ -119,7 +119,14 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
     n_mtp = model.mtp_num_layers if last else 0
     kinds += [pattern[-1]] * n_mtp
     h = model.hidden_size
-    parts = dict.fromkeys(("gemm", "attention", "elementwise", "fp8_cast", "tp_comm", "cp_comm", "ep_comm", "recompute"), 0.0)
+    parts = dict.fromkeys(("gemm", "attention", "elementwise", "fp8_cast", "tp_comm", "cp_comm", "ep_comm", "recompute",
+                           "dp_comm"), 0.0)
+    fsdp_ag = fsdp_rs = 0.0
+    if par.megatron_fsdp:
+        dp_bw = _bandwidth(job, t * cp * lay.dp)
+        full = fsdp_layer_params(job, lay)
+        fsdp_ag = _ring((1 if pr.fp8_param else a) * full, lay.dp_cp, dp_bw)
+        fsdp_rs = _ring((GRAD_BYTES_FP32 if pr.grad_reduce_in_fp32 else a) * full, lay.dp_cp, dp_bw)
     f = b = w = 0.0
     sp = sp_shards(lay)
     tp_bw = _bandwidth(job, t)
@@ -158,8 +165,14 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
             epc = 2 * _a2a_time(job, lay, a * h * tokens / cp / sp * model.moe_router_topk)  # dispatch + combine
             if par.moe_a2a_overlap:  # hidden under another microbatch's computation of this layer
                 epc = max(0.0, epc - MOE_A2A_OVERLAP * (g + att + elem)) + 2 * COLLECTIVE_LATENCY_S
-        f += n * (g + att + elem + cast_f + tp + cpc + epc)
-        b += n * (g + ATTENTION_BWD_FACTOR * att + ELEMENTWISE_PASSES_BWD * elem + cast_b + tp + 2 * cpc + epc)
+        fs_f = fs_b = 0.0
+        if par.megatron_fsdp and lay.dp_cp > 1:  # per-layer parameter all-gather (fwd, bwd) + grad reduce-scatter
+            fs_f = max(0.0, fsdp_ag - (g + att + elem))
+            fs_b = max(0.0, fsdp_ag + fsdp_rs - (2 * g + ATTENTION_BWD_FACTOR * att + ELEMENTWISE_PASSES_BWD * elem))
+        f += n * (g + att + elem + cast_f + tp + cpc + epc + fs_f)
+        b += n * (g + ATTENTION_BWD_FACTOR * att + ELEMENTWISE_PASSES_BWD * elem + cast_b + tp + 2 * cpc + epc
+                  + fs_b)
+        parts["dp_comm"] += n * (fs_f + fs_b)
         w += n * g
         parts["gemm"] += n * 3 * g
         parts["attention"] += n * (1 + ATTENTION_BWD_FACTOR) * att
@@ -367,6 +380,8 @@ def step_time(job: JobConfig, lay: Layout | None = None, exact: bool = True) -> 
     ag = _ring(a * rp.dense, dp_cp, dp_bw) + _ring(a * rp.expert, edp, dp_bw)
     if not par.distributed_optimizer:
         rs, ag = 2 * rs, 0.0  # all-reduce = reduce-scatter + all-gather of gradients; no param gather
+    if par.megatron_fsdp:
+        rs = ag = 0.0  # per layer, inside the stage costs
     c = costs[worst]
     hide_rs = (c.b + c.w) if par.overlap_grad_reduce else 0.0  # last microbatch's backward
     hide_ag = c.f if (par.overlap_param_gather and par.distributed_optimizer) else 0.0  # first forward
@@ -378,7 +393,7 @@ def step_time(job: JobConfig, lay: Layout | None = None, exact: bool = True) -> 
     step = pipeline_s + dp_exposed + optimizer_s
     busiest = max(costs, key=lambda c: c.f + c.b + c.w)
     breakdown = {k: v * m for k, v in busiest.parts.items()}
-    breakdown.update(pp_bubble=bubble_s, dp_comm=dp_exposed, optimizer=optimizer_s)
+    breakdown.update(pp_bubble=bubble_s, dp_comm=breakdown.get("dp_comm", 0.0) + dp_exposed, optimizer=optimizer_s)
     return StepTime(step, pipeline_s, bubble_s, bubble_frac, dp_exposed, optimizer_s, breakdown,
                     [(c.f, c.b, c.w) for c in costs])
 

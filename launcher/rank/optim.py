@@ -30,6 +30,9 @@ def ddp_config(*, parallel: ParallelConfig, precision: PrecisionConfig, layout: 
         # FP8 primary weights are re-quantised by the distributed optimizer only under fp8_param_gather
         # (optimizer/distrib_optimizer.py); Megatron-LM sets the two together (training/argument_utils.py).
         fp8_param_gather=precision.fp8_param,
+        # Megatron-FSDP: parameters, gradients and optimizer state sharded over DP (ZeRO-3)
+        use_megatron_fsdp=parallel.megatron_fsdp,
+        data_parallel_sharding_strategy="optim_grads_params" if parallel.megatron_fsdp else "no_shard",
         # bucket_size stays None: DDP then applies Megatron-LM's default, max(40M, 1M x DP) elements, and
         # disables bucketing when the reduce is not overlapped (distributed_data_parallel.py)
         check_for_nan_in_grad=False)
@@ -47,6 +50,10 @@ def wrap_ddp(chunks: List[torch.nn.Module], *, parallel: ParallelConfig, precisi
     # zb_h1 on TE: weights with delayed wgrad get DDP's grad hook through their module's backward_dw
     config.delay_wgrad_compute = any(te_modules(chunk) for chunk in chunks)
     model_config = get_model_config(chunks[0])
+    if parallel.megatron_fsdp:  # GPU only (validation refuses it elsewhere): Megatron-FSDP's wrapper
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+        return [FullyShardedDataParallel(config=model_config, ddp_config=config, module=chunk) for chunk in chunks]
     return [DistributedDataParallel(config=model_config, ddp_config=config, module=chunk,
                                     disable_bucketing=i > 0)  # only the first chunk overlaps (Megatron)
             for i, chunk in enumerate(chunks)]
