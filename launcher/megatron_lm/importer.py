@@ -214,8 +214,41 @@ def model_entry_yaml(name: str, values: Dict[str, Any], source: str) -> str:
 
 
 def _yaml_scalar(value: Any) -> str:
+    """One YAML value; a literal ``${`` is escaped so that OmegaConf does not read it as an interpolation."""
     import yaml
+    if isinstance(value, str):
+        value = value.replace("${", "\\${")
+    elif isinstance(value, list):
+        value = [x.replace("${", "\\${") if isinstance(x, str) else x for x in value]
     return yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("\n...").strip()
+
+
+ENV_PREFIXES = ("NCCL_", "CUDA_", "NVTE_", "TORCH_", "PYTORCH_", "OMP_", "UB_", "TRITON_", "CUDNN_", "NVIDIA_",
+                "PYTHONUNBUFFERED", "TOKENIZERS_PARALLELISM")
+"""Environment the script exports that is copied into the recipe's cluster.env: tuning of the libraries a rank
+uses. Anything else (credentials, paths of the user's shell) is reported and left out."""
+SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "CREDENTIAL")
+
+
+def env_entries(env: Dict[str, str], profile_env: Dict[str, str], secrets: set) -> Tuple[Dict[str, str], List[Entry]]:
+    """(variables to set in cluster.env, one report entry per exported variable)."""
+    keep, report = {}, []
+    for k, val in sorted(env.items()):
+        text = f"export {k}={shlex.quote(val)}" if k not in secrets else f"export {k}=..."
+        if k == "WANDB_MODE":
+            report.append(Entry(k, text, "mapped", f"logging.wandb_mode={val}"))
+        elif k in secrets or any(w in k.upper() for w in SECRET_WORDS):
+            report.append(Entry(k, f"export {k}=...", "ignored", "a secret: passed by name at run time only "
+                                                                  "(cluster.secret_env), never written"))
+        elif not k.startswith(ENV_PREFIXES):
+            report.append(Entry(k, text, "ignored", "not a library tuning variable; set cluster.env yourself "
+                                                    "if the ranks need it"))
+        elif profile_env.get(k) == val:
+            report.append(Entry(k, text, "mapped", "already in the cluster profile's env"))
+        else:
+            keep[k] = val
+            report.append(Entry(k, text, "mapped", f"cluster.env.{k}"))
+    return keep, report
 
 
 def recipe_yaml(header: List[str], defaults: List[str], body: Dict[str, Any]) -> str:
@@ -293,7 +326,8 @@ def import_job(source: Path, *, output: Optional[Path] = None, model_name: Optio
     header = [f"Imported from {command.source} by `python -m launcher import` (Megatron-LM {Path(command.program).name}).",
               f"Model entry: {matched}{' (new)' if new_model else ''}; cluster profile: {cluster}."]
     output.parent.mkdir(parents=True, exist_ok=True)
-    body = _body(values, defaults, root, new_model, env, cluster, source, extra or {})
+    body, env_report = _body(values, defaults, root, new_model, env, cluster, source, extra or {})
+    report += env_report
     if new_model:
         new_model.parent.mkdir(parents=True, exist_ok=True)
         new_model.write_text(model_entry_yaml(matched, {k: val for k, val in values.items()
@@ -335,15 +369,10 @@ def _body(values, defaults, root, new_model, env, cluster, source, extra) -> Dic
     base = canonical(flatten(base_job))
     want = canonical(values)
     body = {k: values[k] for k in base if k in values and base[k] != want[k]}  # in schema order
-    from launcher.schema import ClusterConfig
-    secrets = set(ClusterConfig().secret_env)
-    for k, val in env.items():
-        if k == "WANDB_MODE" or k in secrets:
-            continue
-        if base_job.cluster.env.get(k) != val:
-            body[f"cluster.env.{k}"] = val
+    keep, report = env_entries(env, dict(base_job.cluster.env), set(base_job.cluster.secret_env))
+    body.update({f"cluster.env.{k}": val for k, val in keep.items()})
     body.update(extra)
-    return body
+    return body, report
 
 
 def _safe(text: str) -> str:

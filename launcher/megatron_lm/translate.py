@@ -391,6 +391,12 @@ def _moe(args: Args, v: dict) -> None:
 def _layout(args: Args, v: dict) -> None:
     if v.get("parallel.expert_tensor") == v["parallel.tensor"]:
         v["parallel.expert_tensor"] = None  # the same as null: the tensor-parallel size
+    strategy = args.get("--data-parallel-sharding-strategy") or "optim_grads_params"
+    if strategy == "optim_grads_params":
+        args.use("--data-parallel-sharding-strategy", "optim_grads_params, the one parallel.megatron_fsdp uses")
+    else:
+        args.use("--data-parallel-sharding-strategy", "Megatron FSDP here shards optimizer state, gradients and "
+                                                      "parameters (optim_grads_params) only", "unsupported")
     vpp = v["parallel.virtual_pipeline"]
     v["schedule.kind"] = "interleaved" if vpp else "1f1b"
     if vpp:
@@ -603,10 +609,20 @@ class Export:
             j = i + 1
             while j < len(self.args) and not self.args[j].startswith("--"):
                 j += 1
-            pairs.append(" ".join(shlex.quote(a) for a in self.args[i:j]))
+            pairs.append((_section_rank(self.args[i]), " ".join(shlex.quote(a) for a in self.args[i:j])))
             i = j
+        pairs = [text for _, text in sorted(pairs, key=lambda p: p[0])]  # model, parallel, ... (stable)
         lines += [f"    {p} \\" for p in pairs[:-1]] + [f"    {pairs[-1]}"]
         return "\n".join(lines) + "\n"
+
+
+def _section_rank(flag: str) -> int:
+    """Where an argument goes in the printed launch: grouped by the section of the field it sets."""
+    from launcher.megatron_lm.table import COMBINED, FLAG_BY_NAME
+    dotted = FLAG_BY_NAME[flag].field if flag in FLAG_BY_NAME else COMBINED.get(flag, "").split(",")[0]
+    order = ["model", "parallel", "schedule", "precision", "train", "data", "checkpoint", "logging"]
+    section = dotted.partition(".")[0] if "." in dotted else "logging"
+    return order.index(section) if section in order else len(order)
 
 
 def to_args(job: JobConfig) -> Export:
