@@ -41,6 +41,8 @@ class Command:
     args: List[str]
     launch: Launch
     source: str
+    launcher: List[str] = ()
+    """What ran pretrain_gpt.py: srun / torchrun / python and their options."""
 
 
 def record_script(path: Path, script_args: List[str] = ()) -> List[Tuple[List[str], Dict[str, str]]]:
@@ -95,7 +97,7 @@ def find_command(argv: List[str], env: Dict[str, str], source: str, sbatch_nodes
                 and not k.startswith("BASH_FUNC")}
     launch = Launch(nodes=_count(nodes, 1), gpus_per_node=_count(per_node, None) if per_node else None,
                     env=tuple(sorted(exported.items())))
-    return Command(argv[at], argv[at + 1:], launch, source)
+    return Command(argv[at], argv[at + 1:], launch, source, before)
 
 
 def _option(tokens: List[str], names: Tuple[str, ...]) -> Optional[str]:
@@ -301,6 +303,10 @@ def import_job(source: Path, *, output: Optional[Path] = None, model_name: Optio
     output = output or RECIPES_DIR / "recipe" / f"{stem}.yaml"
     root = output.resolve().parent.parent
     values, report = to_fields(command.args, _with_gpus(command.launch, cluster))
+    if command.launcher:
+        report.insert(0, Entry("(launcher)", " ".join(shlex.quote(t) for t in command.launcher), "mapped",
+                               f"nodes={values['nodes']} cluster.gpus_per_node={values['cluster.gpus_per_node']} "
+                               "(rendezvous options: the launcher renders its own)"))
     values["name"] = name or values.get("name") or stem
     if cluster is None:
         cluster = "local" if values.get("cluster.backend") == "gloo" else "h100"

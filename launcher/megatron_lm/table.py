@@ -385,7 +385,7 @@ _ARG_DESTS = {  # argparse dests that differ from the flag's spelling
     "fp8_param_gather": "--fp8-param-gather", "fp8_param": "--fp8-param-gather",
     "overlap_p2p_comm": "--no-overlap-p2p-communication", "untie_embeddings_and_output_weights":
         "--untie-embeddings-and-output-weights", "add_bias_linear": "--disable-bias-linear",
-    "params_dtype": "--bf16", "recompute_granularity": "--recompute-granularity",
+    "recompute_granularity": "--recompute-granularity",
     "lr_decay_style": "--lr-decay-style", "lr_warmup_iters": "--lr-warmup-iters",
     "transformer_impl": "--transformer-impl", "use_rope_scaling": "--use-rope-scaling",
 }
