@@ -55,6 +55,47 @@ def test_timeline_helpers_and_trace_format(tmp_path):
     assert timeline.draw(tmp_path / "t.png", [("zb", tl)]).stat().st_size > 1000
 
 
+# ------------------------------------------------------------------------- validation and planner pictures
+@pytest.mark.parametrize("override,field", [
+    ("parallel.pipeline=1", "schedule.kind"),
+    ("parallel.overlap_grad_reduce=true", "parallel.overlap_grad_reduce"),
+    ("train.recompute=selective", "train.recompute"),
+    ("model.mtp_num_layers=1", "model.mtp_num_layers"),
+    ("parallel.virtual_pipeline=2", "parallel.virtual_pipeline"),
+])
+def test_unsupported_zb_h1_combinations_are_refused_with_one_line(cli, override, field):
+    code, out, err = cli("schedule.kind=zb_h1", "action=validate", override)
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and any(line.startswith(f"error: {field}=") for line in lines), err
+
+
+def test_moe_is_refused_for_zb_h1(cli):
+    code, _, err = cli("schedule.kind=zb_h1", "action=validate", "model.num_experts=4", "parallel.tensor=1")
+    assert code == 2 and "error: model.num_experts=4: zb_h1" in err
+
+
+def test_embedded_default_with_zb_h1_validates(cli):
+    code, out, _ = cli("schedule.kind=zb_h1", "action=validate")
+    assert code == 0 and "zb_h1" in out
+
+
+def test_plan_draws_the_three_schedules_with_the_core_op_orders(cli, tmp_path):
+    from launcher.config import compose_job
+    from launcher.plan.pictures import schedule_panels
+
+    args = ["recipe=llama3_8b", "cluster=h100", "parallel.pipeline=4", "train.global_batch_size=8"]
+    panels = schedule_panels(compose_job(args))
+    assert [t.split(",")[0] for t, _ in panels] == ["1f1b", "interleaved (VPP=2)", "zb_h1"]
+    for (title, tl), kind, v in zip(panels, ("1f1b", "interleaved", "zb_h1"), (1, 2, 1)):
+        assert [timeline.compute_order(r) for r in tl] == \
+               [[(o.kind, o.microbatch, o.chunk) for o in ops] for ops in build_schedule(kind, 4, 8, v)]
+    code, out, _ = cli(*args, "action=plan", f"output_dir={tmp_path}")
+    assert code == 0 and (tmp_path / "llama3_8b-schedules.png").stat().st_size > 10_000
+    trace = json.loads((tmp_path / "llama3_8b-schedules.trace.json").read_text())
+    assert {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"} == \
+           {t for t, _ in panels}
+
+
 # ------------------------------------------------------------------------------- deferred W (one process)
 def test_deferred_linear_queues_w_and_accumulates_like_1f1b():
     import torch
@@ -166,6 +207,7 @@ def _grad_parity(tmp_path: Path, nproc: int, lay: list) -> list:
 @pytest.mark.parametrize("name,nproc,lay", [
     ("pp2", 2, layout(pp=2)),
     ("pp2_tp2", 4, layout(tp=2, pp=2)),
+    ("pp2_tp2_sp", 4, layout(tp=2, pp=2) + ["parallel.sequence_parallel=true"]),
     ("pp4", 4, layout(pp=4)),
     ("pp4_tp2", 8, layout(tp=2, pp=4)),
     ("pp2_dp2_distopt", 4, layout(pp=2) + ["parallel.distributed_optimizer=true"]),
@@ -208,7 +250,7 @@ def test_twenty_step_losses_agree_and_executed_order_is_the_simulated_one(tmp_pa
     assert ref_l[STEPS] < ref_l[1] - 0.3  # it trained
     for run in (ref, zb):  # Megatron's own 1F1B and our ZB-H1 ran exactly the planner's op order
         kind, executed = _executed_orders(run)
-        p, m = len(executed), 4
+        p, m = len(executed), sum(kind_ == "F" for kind_, _, _ in executed[0])  # microbatches per DP rank
         simulated = [[(o.kind, o.microbatch, o.chunk) for o in ops] for ops in build_schedule(kind, p, m)]
         assert executed == simulated, f"{name} {kind}: executed order differs from the simulated one"
         assert (run.bundle / "timeline" / "executed.png").stat().st_size > 1000
