@@ -396,27 +396,37 @@ def fsdp_layer_params(job: JobConfig, lay: Layout) -> float:
     return best
 
 
-def stage_memory(job: JobConfig, lay: Layout, stage: int) -> StageMemory:
-    """Peak memory of one rank of ``stage``."""
+def stage_memory(job: JobConfig, lay: Layout, stage: int, cache: dict | None = None) -> StageMemory:
+    """Peak memory of one rank of ``stage`` (``cache``: shared by the stages of one layout, so stages alike in
+    their layer counts reuse the parameter and per-layer activation sums)."""
     model = job.model
+    cache = {} if cache is None else cache
     layers = stage_layers(lay, stage)
-    rp = stage_params(job, stage, lay)
-    parts = static_bytes(job, rp, lay)  # FP8 copies: layer GEMMs only (the output layer stays BF16 in TE recipes)
     p, t, cp = lay.pp, lay.tp, lay.cp
+    n_moe = sum(1 for i in layers if lay.moe_pattern[i])
+    key = (stage == 0, stage == p - 1, n_moe, len(layers))
+    if key not in cache:
+        rp = stage_params(job, stage, lay)
+        cache[key] = (rp, static_bytes(job, rp, lay))  # FP8 copies: layer GEMMs only (the output layer stays BF16)
+    rp, static = cache[key]
+    parts = dict(static)
+
+    def per_token(kind: bool, full: bool = False) -> float:
+        if ("act", kind, full) not in cache:
+            cache[("act", kind, full)] = layer_activation_bytes_per_token(job, lay, kind, full=full)
+        return cache[("act", kind, full)]
     a = DTYPE_BYTES.get(job.precision.dtype, 2)
     sp = sp_shards(lay)
     b, s, h = job.train.micro_batch_size, model.seq_length, model.hidden_size
     tokens = b * s / cp
     pattern = lay.moe_pattern
-    n_moe = sum(1 for i in layers if pattern[i])
     counts = {True: n_moe, False: len(layers) - n_moe}
     frac = recompute_fraction(job, lay, len(layers))
-    per_kind = {k: frac * layer_activation_bytes_per_token(job, lay, k)
-                + (1 - frac) * layer_activation_bytes_per_token(job, lay, k, full=True) for k, n in counts.items() if n}
+    per_kind = {k: frac * per_token(k) + (1 - frac) * per_token(k, True) for k, n in counts.items() if n}
     last = stage == p - 1
     mtp = model.mtp_num_layers if last else 0
     per_mb = sum(n * per_kind[k] for k, n in counts.items() if n) * tokens
-    per_mb_mtp = mtp * (layer_activation_bytes_per_token(job, lay, pattern[-1]) + 3 * a * h / sp) * tokens
+    per_mb_mtp = mtp * (per_token(pattern[-1]) + 3 * a * h / sp) * tokens
     if stage == 0:
         per_mb += 8 * tokens + (h * tokens / sp if model.hidden_dropout > 0 else 0)  # token ids; emb dropout
     in_flight = in_flight_microbatches(job, lay, stage)
@@ -442,7 +452,7 @@ def stage_memory(job: JobConfig, lay: Layout, stage: int) -> StageMemory:
         comm += (2 * w_bytes + g_bytes) * fsdp_layer_params(job, lay)
     parts["comm_buffers"] = comm
     # The backward of one layer: its activation gradients (and, under full recompute, its recomputed forward).
-    work = max((layer_activation_bytes_per_token(job, lay, k, full=True) for k in per_kind), default=0.0) * tokens
+    work = max((per_token(k, True) for k in per_kind), default=0.0) * tokens
     parts["workspace"] = work * (2 if frac > 0 else 1)
     parts["reserve"] = job.cluster.memory_reserve_gb * GB
     return StageMemory(stage, len(layers), rp.total, in_flight, parts)
@@ -451,7 +461,8 @@ def stage_memory(job: JobConfig, lay: Layout, stage: int) -> StageMemory:
 def memory_per_stage(job: JobConfig, lay: Layout | None = None) -> list[StageMemory]:
     """Peak memory of every pipeline stage (``lay``: the job's layout, derived if None)."""
     lay = lay or derive(job)
-    return [stage_memory(job, lay, r) for r in range(lay.pp)]
+    cache: dict = {}
+    return [stage_memory(job, lay, r, cache) for r in range(lay.pp)]
 
 
 def activation_formula_check(job: JobConfig) -> float:

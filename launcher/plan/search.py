@@ -24,9 +24,14 @@ MICRO_BATCH_SIZES = (1, 2, 4)
 CONTEXT_SIZES = (1, 2, 4, 8)
 """Context-parallel sizes tried (GPU clusters only: CP needs Transformer Engine attention)."""
 MAX_VIRTUAL = 8
-"""Largest virtual-pipeline size tried."""
+"""Largest virtual-pipeline size tried, besides one layer per chunk (NVIDIA runs Qwen3-30B-A3B at PP2 x VP24)."""
+MAX_ONE_LAYER_CHUNKS = 24
+"""One decoder layer (or slot) per chunk is tried up to this many chunks per stage."""
 RECOMPUTE = ("none", "selective", "full")
 """Recompute modes tried."""
+MODULE_RECOMPUTE = {"mla": ("mla_up_proj", "mlp"), "moe": ("moe_act", "layernorm")}
+"""Per-module selective recomputation tried besides core attention: NVIDIA's DeepSeek-V3 H100 choice for MLA
+models; the cheap output-discarding pair for MoE models."""
 
 
 @dataclass
@@ -71,32 +76,58 @@ def candidates(job: JobConfig):
     eps = [1]
     if model.num_experts:
         eps = [e for e in _divisors(model.num_experts) if e <= 64]
-    uneven = (job.parallel.first_stage_layers, job.parallel.last_stage_layers)
     for tp in tps:
         for cp in cps:
             if world % (tp * cp):
                 continue
             for pp in _divisors(world // (tp * cp)):
-                splits = []
-                if model.num_layers % pp == 0 and pp <= model.num_layers:
-                    splits.append((None, None))
-                if pp == job.parallel.pipeline and uneven != (None, None):
-                    splits.append(uneven)
-                for first, last in splits:
-                    for vp in _virtual_sizes(model.num_layers, pp, first, last):
+                for split, vps in _splits(job, pp):
+                    for vp in vps:
                         for ep in eps:
-                            yield from _batch_and_recompute(job, tp, cp, pp, vp, ep, first, last)
+                            for fsdp in ((False, True) if pp == 1 and te and not model.num_experts else (False,)):
+                                yield from _batch_and_recompute(job, tp, cp, pp, vp, ep, split, fsdp)
+
+
+EVEN = {"first_stage_layers": None, "last_stage_layers": None, "account_for_embedding_in_pipeline_split": False,
+        "account_for_loss_in_pipeline_split": False, "pipeline_model_parallel_layout": None}
+"""The split fields of an even split (every candidate sets all of them)."""
+
+
+def _splits(job: JobConfig, pp: int) -> list[tuple[dict, list[int]]]:
+    """(split fields, virtual sizes) worth trying at ``pp`` stages: the even split, the embedding and loss
+    counted as layers (NVIDIA's way for 126 or 94 layers), and the job's own uneven or explicit split."""
+    layers, par = job.model.num_layers, job.parallel
+    if pp == 1:
+        return [(EVEN, [1])]
+    out = []
+    if layers % pp == 0 and pp <= layers:
+        out.append((EVEN, _even_virtual_sizes(layers // pp)))
+    if (layers + 2) % pp == 0 and pp <= layers:
+        account = dict(EVEN, account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True)
+        out.append((account, _even_virtual_sizes((layers + 2) // pp)))
+    if pp == par.pipeline and par.pipeline_model_parallel_layout:
+        own = dict(EVEN, pipeline_model_parallel_layout=par.pipeline_model_parallel_layout)
+        out.append((own, [derive(job).vpp]))
+    elif pp == par.pipeline and (par.first_stage_layers, par.last_stage_layers) != (None, None):
+        first, last = par.first_stage_layers, par.last_stage_layers
+        own = dict(EVEN, first_stage_layers=first, last_stage_layers=last)
+        out.append((own, _virtual_sizes(layers, pp, first, last)))
+    return out
+
+
+def _even_virtual_sizes(per_stage: int) -> list[int]:
+    """Chunks per stage that divide its ``per_stage`` layer slots: up to MAX_VIRTUAL, and one slot per chunk."""
+    out = [v for v in range(1, MAX_VIRTUAL + 1) if per_stage % v == 0]
+    if MAX_VIRTUAL < per_stage <= MAX_ONE_LAYER_CHUNKS:
+        out.append(per_stage)
+    return out
 
 
 def _virtual_sizes(layers: int, pp: int, first, last) -> list[int]:
-    if pp == 1:
-        return [1]
+    """Virtual sizes of a first/last-stage override split (each stage's layers divide into VP chunks)."""
     out = [1]
     for v in range(2, MAX_VIRTUAL + 1):
-        if first is None and last is None:
-            if layers % (pp * v) == 0:
-                out.append(v)
-        elif all(x is None or x % v == 0 for x in (first, last)):
+        if all(x is None or x % v == 0 for x in (first, last)):
             middle = pp - (first is not None) - (last is not None)
             rest = layers - (first or 0) - (last or 0)
             if middle and rest % (middle * v) == 0:
@@ -104,11 +135,35 @@ def _virtual_sizes(layers: int, pp: int, first, last) -> list[int]:
     return out
 
 
-def _batch_and_recompute(job, tp, cp, pp, vp, ep, first, last):
+def _split_overrides(split: dict) -> list[str]:
+    def val(v):
+        return "null" if v is None else ("true" if v is True else "false" if v is False else
+                                         f"'{v}'" if isinstance(v, str) else str(v))
+    return [f"parallel.{k}={val(v)}" for k, v in split.items()]
+
+
+def _moe_overlap_allowed(job: JobConfig, pp: int, vp: int, ep: int) -> bool:
+    """Megatron-Core's conditions for overlap_moe_expert_parallel_comm (recompute checked per candidate)."""
+    m = job.model
+    return (bool(m.num_experts) and ep > 1 and (pp == 1 or vp > 1) and m.moe_token_dispatcher_type == "alltoall"
+            and job.precision.dtype in ("bf16", "fp16") and (m.mtp_num_layers or 0) <= 1
+            and derive(job).transformer_engine)
+
+
+def _recompute_options(job: JobConfig) -> list[tuple[str, list]]:
+    out = [("none", []), ("selective", [])]
+    if job.model.multi_latent_attention:
+        out.append(("selective", list(MODULE_RECOMPUTE["mla"])))
+    elif job.model.num_experts and job.model.moe_grouped_gemm:
+        out.append(("selective", list(MODULE_RECOMPUTE["moe"])))
+    return out + [("full", [])]
+
+
+def _batch_and_recompute(job, tp, cp, pp, vp, ep, split, fsdp=False):
     kind = "interleaved" if vp > 1 else ("zb_h1" if job.schedule.kind == "zb_h1" and pp > 1 else "1f1b")
     par = dict(tensor=tp, pipeline=pp, virtual_pipeline=vp if vp > 1 else None, context=cp, expert=ep,
-               sequence_parallel=tp > 1, distributed_optimizer=True, data=None,
-               first_stage_layers=first, last_stage_layers=last)
+               sequence_parallel=tp > 1, distributed_optimizer=True, data=None, megatron_fsdp=fsdp, **split)
+    overlap = _moe_overlap_allowed(job, pp, vp, ep)
     sched = dict(kind=kind, overlap_p2p_comm=kind == "interleaved",
                  batch_p2p_comm=job.schedule.batch_p2p_comm and not (kind == "interleaved" and pp == 2),
                  microbatch_group_size=None)
@@ -117,19 +172,23 @@ def _batch_and_recompute(job, tp, cp, pp, vp, ep, first, last):
     if job.model.num_experts:
         layout.append(f"parallel.expert={ep}")
     layout += [f"parallel.sequence_parallel={'true' if tp > 1 else 'false'}",
-               "parallel.distributed_optimizer=true",
-               f"parallel.first_stage_layers={first if first is not None else 'null'}",
-               f"parallel.last_stage_layers={last if last is not None else 'null'}",
+               "parallel.distributed_optimizer=true", *_split_overrides(split),
+               f"parallel.megatron_fsdp={'true' if fsdp else 'false'}",
                f"schedule.kind={kind}", f"schedule.overlap_p2p_comm={'true' if kind == 'interleaved' else 'false'}"]
     for mbs in MICRO_BATCH_SIZES:
         sized = _with(job, parallel=par, schedule=sched, train=dict(micro_batch_size=mbs))
-        lay = derive(sized)  # recomputation does not change the layout: one derivation serves all three
+        lay = derive(sized)  # recomputation does not change the layout: one derivation serves all of them
         # The batch must split into micro-batches over DP, and ETP x EP must tile each stage's ranks.
         if not lay.microbatches or not lay.expert_dp:
             continue
-        for rec in RECOMPUTE:
-            cand = _with(sized, train=dict(recompute=rec))
-            yield layout + [f"train.micro_batch_size={mbs}", f"train.recompute={rec}"], cand, lay
+        for rec, mods in _recompute_options(job):
+            a2a = overlap and rec != "full" and "moe" not in mods
+            cand = _with(sized, train=dict(recompute=rec, recompute_modules=mods),
+                         parallel=dict(par, moe_a2a_overlap=a2a))
+            extra = [f"train.recompute_modules=[{','.join(mods)}]"]
+            if job.model.num_experts:
+                extra.append(f"parallel.moe_a2a_overlap={'true' if a2a else 'false'}")
+            yield layout + [f"train.micro_batch_size={mbs}", f"train.recompute={rec}"] + extra, cand, lay
 
 
 def search(job: JobConfig, top: int = 10) -> list[Candidate]:
@@ -142,7 +201,8 @@ def search(job: JobConfig, top: int = 10) -> list[Candidate]:
     fitting = []
     fitted: set = set()  # layouts (all but recompute) that already fit with less recomputation
     for overrides, cand, lay in candidates(job):
-        key = tuple(o for o in overrides if not o.startswith("train.recompute="))
+        key = tuple(o for o in overrides if not o.startswith(("train.recompute=", "train.recompute_modules=",
+                                                               "parallel.moe_a2a_overlap=")))
         if key in fitted:
             continue  # more recomputation than needed is never faster
         peak = max(s.total for s in memory_per_stage(cand, lay))
@@ -152,7 +212,7 @@ def search(job: JobConfig, top: int = 10) -> list[Candidate]:
     fitting.sort(key=lambda x: x[4])
     results: list[Candidate] = []
     for overrides, cand, lay, peak, _ in fitting:
-        if len(results) >= max(3 * top, 20):
+        if len(results) >= max(2 * top, 12):
             break
         if layout_errors(validate(cand)):
             continue
