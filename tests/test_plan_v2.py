@@ -1,0 +1,178 @@
+"""Planner v2: NVIDIA's published H100 layouts fit and are predicted close; the MoE, CP, FSDP, fused-loss,
+per-module-recompute and last-stage terms move the prediction the way the mechanism says."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher.config import compose_job
+from launcher.core import derive
+from launcher.plan import plan_job
+from launcher.plan.memory import GB, memory_per_stage
+from launcher.plan.search import search
+from launcher.plan.timing import _a2a_time, _grouped_gemm_efficiency, stage_costs, step_time
+from launcher.validate import validate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import planner_accuracy as pa  # noqa: E402
+
+Q30 = pa.ROWS[6]
+"""Qwen3-30B-A3B, 16 H100s, PP2 x VP24 x EP8, MBS 2 (Megatron-Bridge 25.09)."""
+
+
+def _job(row, *extra):
+    return compose_job(pa._overrides(row) + list(extra))
+
+
+def _errors(job, field):
+    return [p.line() for p in validate(job) if p.severity == "error" and p.field == field]
+
+
+@pytest.mark.parametrize("row", pa.ROWS, ids=lambda r: r.name)
+def test_every_published_layout_is_expressible_valid_and_fits(row):
+    job = _job(row)
+    assert not [p.line() for p in validate(job) if p.severity == "error"]
+    plan = plan_job(job)
+    assert plan.fits, f"{row.name}: NVIDIA ran it, planned {plan.peak_gb:.1f} GB"
+
+
+def test_fitted_rows_within_ten_percent_except_the_stated_outliers():
+    """Every fitted row within 10%, except DeepSeek-V3 (NVIDIA's hybridep dispatcher is not in the schema)
+    and the Qwen3-235B 25.09 token-drop row, which is slower than the same layout in later releases."""
+    for row in pa.ROWS:
+        if not row.fitted or row.model == "deepseek_v3" or (row.model == "qwen3_235b" and row.release == "25.09"):
+            continue
+        err = plan_job(_job(row)).perf["tokens_per_s_per_gpu"] / row.tokens_per_gpu - 1
+        assert abs(err) < 0.10, f"{row.name}: {100 * err:+.1f}%"
+
+
+def test_dense_held_out_rows_within_ten_percent():
+    for row in pa.ROWS:
+        if row.fitted or row.ep > 1:
+            continue
+        err = plan_job(_job(row)).perf["tokens_per_s_per_gpu"] / row.tokens_per_gpu - 1
+        assert abs(err) < 0.10, f"{row.name}: {100 * err:+.1f}%"
+
+
+def test_qwen3_30b_published_layout_no_false_oom():
+    """Was 90.5 GB: a full fp32 softmax and the unpermute input were counted."""
+    unfused = plan_job(_job(Q30, "model.cross_entropy_loss_fusion=false"))
+    fused = plan_job(_job(Q30))
+    assert fused.fits and fused.peak_gb < unfused.peak_gb
+    last = fused.stages[-1].parts["output_logits"], unfused.stages[-1].parts["output_logits"]
+    assert last[0] < 0.7 * last[1]  # bf16 softmax instead of fp32
+
+
+def test_fsdp_shards_weights_and_gradients_over_dp():
+    row = pa.ROWS[2]  # Llama3-8B FSDP on 8 GPUs
+    zero1 = memory_per_stage(_job(row, "parallel.megatron_fsdp=false"))[0].parts
+    fsdp = memory_per_stage(_job(row))[0].parts
+    assert fsdp["weights"] == pytest.approx(zero1["weights"] / 8, rel=0.01)
+    assert fsdp["grads"] == pytest.approx(zero1["grads"] / 8, rel=0.01)
+    assert fsdp["optimizer"] == pytest.approx(zero1["optimizer"])
+    assert fsdp["comm_buffers"] > zero1["comm_buffers"]  # unsharded layers in flight
+
+
+def test_fsdp_refused_on_cpu_and_with_pipeline():
+    cpu = compose_job(["recipe=smoke", "parallel.megatron_fsdp=true", "parallel.tensor=1", "parallel.pipeline=1"])
+    assert any("GPU clusters only" in e for e in _errors(cpu, "parallel.megatron_fsdp"))
+    pp = compose_job(["recipe=llama3_70b", "parallel.megatron_fsdp=true"])
+    assert any("pipeline=1" in e for e in _errors(pp, "parallel.megatron_fsdp"))
+
+
+def test_moe_a2a_overlap_rules():
+    dense = compose_job(["recipe=smoke", "parallel.moe_a2a_overlap=true"])
+    assert any("MoE model" in e for e in _errors(dense, "parallel.moe_a2a_overlap"))
+    cpu = compose_job(["recipe=smoke", "parallel.moe_a2a_overlap=true", "parallel.tensor=1", "parallel.pipeline=1",
+                       "parallel.expert=2", "model.num_experts=4", "model.moe_router_topk=2", "precision.dtype=bf16"])
+    assert any("GPU" in e for e in _errors(cpu, "parallel.moe_a2a_overlap"))
+    no_vp = _job(Q30, "parallel.virtual_pipeline=null", "schedule.kind=1f1b", "parallel.moe_a2a_overlap=true",
+                 "schedule.overlap_p2p_comm=false")
+    assert any("virtual_pipeline" in e for e in _errors(no_vp, "parallel.moe_a2a_overlap"))
+
+
+def test_recompute_modules_validated():
+    bad = _job(Q30, "train.recompute=selective", "train.recompute_modules=[mla_up_proj]")
+    assert any("multi_latent_attention" in e for e in _errors(bad, "train.recompute_modules"))
+    bad = _job(Q30, "train.recompute=selective", "train.recompute_modules=[attention]")
+    assert any("unknown" in e for e in _errors(bad, "train.recompute_modules"))
+
+
+def test_recompute_modules_trade_memory_for_time():
+    base = _job(Q30, "train.recompute=selective")
+    mods = _job(Q30, "train.recompute=selective", "train.recompute_modules=[core_attn,moe]")
+    m0, m1 = (max(s.parts["activations"] for s in memory_per_stage(j)) for j in (base, mods))
+    assert m1 < 0.5 * m0
+    t0, t1 = (step_time(j).breakdown_s["recompute"] for j in (base, mods))
+    assert t1 > t0
+
+
+def test_ep_all_to_all_splits_on_node_and_off_node():
+    one_node = _job(Q30)
+    lay = derive(one_node)
+    t_nv = _a2a_time(one_node, lay, 1e9)
+    nv = one_node.cluster.nvlink_bandwidth_gbps * 1e9 * one_node.cluster.comm_efficiency
+    assert t_nv == pytest.approx(7 / 8 * 1e9 / nv, rel=0.01)  # 7 of 8 peers, all on NVLink
+    two_nodes = _job(Q30, "parallel.pipeline=1", "parallel.virtual_pipeline=null", "parallel.expert=16",
+                     "schedule.kind=1f1b", "schedule.overlap_p2p_comm=false")
+    net = two_nodes.cluster.network_bandwidth_gbps * 1e9 * two_nodes.cluster.comm_efficiency
+    t_net = _a2a_time(two_nodes, derive(two_nodes), 1e9)
+    assert t_net == pytest.approx(8 / 16 * 1e9 / net, rel=0.01)  # half the peers are off the node
+
+
+def test_a2a_overlap_hides_expert_communication():
+    row = pa.ROWS[7]  # Qwen3-235B, EP32 over 4 nodes
+    exposed = step_time(_job(row, "parallel.moe_a2a_overlap=false")).breakdown_s["ep_comm"]
+    hidden = step_time(_job(row)).breakdown_s["ep_comm"]
+    assert hidden < 0.8 * exposed
+
+
+def test_grouped_gemm_efficiency_grows_with_tokens_per_expert():
+    effs = [_grouped_gemm_efficiency(j, derive(j), j.train.micro_batch_size * j.model.seq_length)
+            for j in (_job(Q30, "train.micro_batch_size=1"), _job(Q30))]
+    assert 0 < effs[0] < effs[1] < 1
+
+
+def test_context_parallel_costs_time():
+    cp1 = compose_job(["recipe=llama3_8b", "parallel.context=1"])
+    cp2 = compose_job(["recipe=llama3_8b", "parallel.context=2"])
+    f1, f2 = stage_costs(cp1, derive(cp1), 0), stage_costs(cp2, derive(cp2), 0)
+    # half the tokens per rank, but attention runs on shorter blocks and every ring step has a fixed cost
+    assert f2.parts["attention"] > 0.5 * f1.parts["attention"] * 1.05
+
+
+def test_last_stage_pays_for_output_layer_and_loss():
+    job = _job(pa.ROWS[3])  # Llama3-70B PP8 VP5
+    st = step_time(job)
+    mid, last = st.stages[3], st.stages[-1]
+    assert sum(last) > 1.1 * sum(mid)
+
+
+def test_search_qwen3_30b_on_16_h100s_finds_nvidia_layout_family_fast():
+    job = _job(Q30)
+    t0 = time.process_time()
+    found = search(job, top=10)
+    assert time.process_time() - t0 < 2.0
+    assert found and all(c.peak_gb <= c.gpu_memory_gb for c in found)
+    best = found[0].tokens_per_s
+    # NVIDIA's layout, with the switch the search may turn on (the all-to-all overlap), is within the model's
+    # error of the best layout found, and the best is NVIDIA's family: TP1 x PP2 (interleaved) x EP8
+    nvidia = plan_job(_job(Q30, "parallel.moe_a2a_overlap=true")).perf["tokens_per_s"]
+    assert nvidia >= 0.9 * best
+    top = found[0].overrides
+    assert {"parallel.tensor=1", "parallel.pipeline=2", "parallel.expert=8"} <= set(top)
+
+
+def test_search_405b_tries_embedding_and_loss_split():
+    job = compose_job(["recipe=llama405b", "cluster=h100"])
+    t0 = time.process_time()
+    found = search(job, top=5)
+    assert time.process_time() - t0 < 2.5
+    assert any("parallel.account_for_embedding_in_pipeline_split=true" in c.overrides for c in found)
+
+
+def test_benchmark_runs():
+    assert pa.main() == 0
