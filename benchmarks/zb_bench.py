@@ -6,13 +6,13 @@ that GEMMs dominate (hidden 512, FFN 2048, 4 layers, sequence 256, vocabulary 10
 once with Megatron's 1F1B, once with our ZB-H1, each with ``schedule.record_timeline=true``.
 
 - step time: the median of the logged step times after the first (warm-up) step;
-- idle fraction: from the recorded last step, 1 - compute / (ranks x makespan), communication and waiting
-  counted as idle (launcher.core.timeline.idle_fraction);
-- T_F, T_B, T_W: mean span lengths in the ZB-H1 timeline (slowest stage); 1F1B's T_B+T_W is its BW span;
+- idle fraction: per recorded step (all after the first), 1 - compute / (ranks x makespan of the
+  forward-backward), communication and waiting counted as idle (launcher.core.timeline.idle_fraction); median;
+- T_F, T_B, T_W: median span lengths in the ZB-H1 timelines (slowest stage); 1F1B's T_B+T_W is its BW span;
 - closed form (Qi et al. 2024): makespan m(T_F+T_B+T_W) + bubble, bubble (p-1)(T_F+T_B+T_W) for 1F1B and
   (p-1)(T_F+T_B-T_W) for ZB-H1; idle fraction = bubble / makespan.
 
-    .venv/bin/python benchmarks/zb_bench.py            # ~2 minutes on 2 cores
+    .venv/bin/python benchmarks/zb_bench.py            # ~2-3 minutes on 2 cores
     .venv/bin/python benchmarks/zb_bench.py --figure benchmarks/figures/zb_bench_executed.png
 """
 from __future__ import annotations
@@ -54,40 +54,43 @@ def run(kind: str, steps: int, work: Path) -> dict:
     report = json.loads((bundle / "report" / "metrics.json").read_text())
     spans = json.loads((bundle / "timeline" / "spans.json").read_text())
     pipe = sorted(spans["ranks"], key=lambda r: r["pp"])
+    steps = [[[tuple(s) for s in r["steps"][i]] for r in pipe] for i in range(1, len(pipe[0]["steps"]))]
     return {"ms": [h["ms_per_step"] for h in report["steps"]], "loss": [h["loss"] for h in report["steps"]],
-            "timelines": [[tuple(s) for s in r["spans"]] for r in pipe]}
+            "timelines": [[tuple(s) for s in r["spans"]] for r in pipe], "steps": steps}
 
 
-def mean_span(timelines, kind: str) -> float:
-    """Slowest stage's mean duration of ``kind`` spans."""
-    per_rank = [statistics.mean(e - s for k, _, _, s, e in tl if k == kind) for tl in timelines
-                if any(k == kind for k, *_ in tl)]
+def median_span(steps, kind: str) -> float:
+    """Slowest stage's median duration of ``kind`` spans over the recorded steps (the median resists the
+    preemptions of a shared machine)."""
+    per_rank = [statistics.median(e - s for tl in (step[r] for step in steps) for k, _, _, s, e in tl if k == kind)
+                for r in range(len(steps[0])) if any(k == kind for k, *_ in steps[0][r])]
     return max(per_rank)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--figure", type=Path, help="also draw both executed timelines into this PNG")
     args = parser.parse_args(argv)
     from launcher.core import timeline
 
     with tempfile.TemporaryDirectory() as tmp:
         res = {kind: run(kind, args.steps, Path(tmp)) for kind in ("1f1b", "zb_h1")}
-    for kind, r in res.items():
+    for kind, r in res.items():  # medians over the steps after the first (warm-up)
         r["step_ms"] = statistics.median(r["ms"][1:])
-        r["idle"] = timeline.idle_fraction(r["timelines"])
-        r["makespan_ms"] = 1e3 * (timeline.window(r["timelines"])[1] - timeline.window(r["timelines"])[0])
-    zb = res["zb_h1"]["timelines"]
-    t_f, t_b, t_w = mean_span(zb, "F"), mean_span(zb, "B"), mean_span(zb, "W")
-    t_bw = mean_span(res["1f1b"]["timelines"], "BW")
+        r["idle"] = statistics.median(timeline.idle_fraction(step) for step in r["steps"])
+        r["makespan_ms"] = 1e3 * statistics.median(timeline.window(st)[1] - timeline.window(st)[0]
+                                                   for st in r["steps"])
+    zb = res["zb_h1"]["steps"]
+    t_f, t_b, t_w = median_span(zb, "F"), median_span(zb, "B"), median_span(zb, "W")
+    t_bw = median_span(res["1f1b"]["steps"], "BW")
     busy = MICROBATCHES * (t_f + t_b + t_w)
     pred = {"1f1b": (P - 1) * (t_f + t_b + t_w), "zb_h1": (P - 1) * max(t_f + t_b - t_w, 0.0)}
     print(f"PP={P}, {MICROBATCHES} microbatches, 1 thread per rank; hidden 512, FFN 2048, 4 layers, seq 256; "
-          f"{args.steps} steps (step time: median after the first)")
+          f"{args.steps} steps (medians over the steps after the first)")
     print(f"measured T_F {t_f * 1e3:.1f} ms, T_B {t_b * 1e3:.1f} ms, T_W {t_w * 1e3:.1f} ms "
           f"(1F1B's BW {t_bw * 1e3:.1f} ms; T_B+T_W {1e3 * (t_b + t_w):.1f} ms)")
-    print(f"{'schedule':10} {'step ms':>9} {'recorded makespan ms':>21} {'idle fraction':>14} "
+    print(f"{'schedule':10} {'step ms':>9} {'fwd-bwd makespan ms':>21} {'idle fraction':>14} "
           f"{'closed-form idle':>17} {'closed-form makespan ms':>24}")
     for kind, r in res.items():
         print(f"{kind:10} {r['step_ms']:9.1f} {r['makespan_ms']:21.1f} {r['idle']:14.3f} "

@@ -22,6 +22,7 @@ grad norm then see exactly 1F1B's gradients.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import time
@@ -36,14 +37,19 @@ class Recorder:
     """Wall-clock spans of what this rank ran in the current step (opt-in: ``schedule.record_timeline``).
     Times are seconds from the step's start; the step starts after a barrier so ranks share an origin."""
 
+    KEEP = 16
+    """Steps kept (the newest); the drawing shows the last one, spans.json holds all kept."""
+
     def __init__(self) -> None:
         self.spans: List[tuple] = []
+        self.history: "collections.deque[List[tuple]]" = collections.deque(maxlen=self.KEEP)
         self.t0 = time.perf_counter()
 
     def start_step(self) -> None:
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
         self.spans, self.t0 = [], time.perf_counter()
+        self.history.append(self.spans)
 
     @contextlib.contextmanager
     def span(self, kind: str, microbatch: int, chunk: int = 0):
@@ -222,7 +228,8 @@ def _is_last_stage() -> bool:
 
 # ------------------------------------------------------------------------------------ writing it out
 def write_timeline(recorder: Recorder, out_dir, kind: str):
-    """Gather every rank's spans of the recorded step; the first rank writes ``spans.json`` (all ranks),
+    """Gather every rank's recorded spans; the first rank writes ``spans.json`` (all ranks: ``spans`` of the
+    last step, ``steps`` of the last ``Recorder.KEEP`` steps),
     ``executed.trace.json`` (Chrome/Perfetto) and ``executed.png`` for the pipeline of TP/DP/CP rank 0.
     Collective: every rank calls it. Returns the PNG path on the first rank (None elsewhere)."""
     import json
@@ -234,7 +241,7 @@ def write_timeline(recorder: Recorder, out_dir, kind: str):
 
     mine = {"rank": torch.distributed.get_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
             "tp": ps.get_tensor_model_parallel_rank(), "dp": ps.get_data_parallel_rank(),
-            "cp": ps.get_context_parallel_rank(), "spans": recorder.spans}
+            "cp": ps.get_context_parallel_rank(), "spans": recorder.spans, "steps": list(recorder.history)}
     everyone = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, mine)
     if torch.distributed.get_rank() != 0:
