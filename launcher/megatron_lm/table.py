@@ -133,7 +133,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--fp8-amax-compute-algo", "precision.fp8_amax_compute_algo", "most_recent", when=DELAYED),
     Flag("--transformer-impl", "precision.transformer_engine", "auto", parse=_impl, show=_impl_show),
     # ---- training
-    Flag("--micro-batch-size", "train.micro_batch_size", 1),
+    Flag("--micro-batch-size", "train.micro_batch_size", REQUIRED),
     Flag("--lr", "train.lr", REQUIRED),
     Flag("--min-lr", "train.min_lr", 0.0),
     Flag("--weight-decay", "train.weight_decay", 0.01),
@@ -268,6 +268,7 @@ IGNORED: Dict[str, str] = {
     "--use-checkpoint-opt_param-scheduler": "the LR schedule always resumes from the checkpoint",
     "--exit-signal-handler": "SIGUSR1 checkpoint-and-exit is always on under Slurm (slurm.signal_lead_s)",
     "--optimizer": "AdamW (Megatron-LM's 'adam' with decoupled weight decay) is the only optimizer here",
+    "--attention-softmax-in-fp32": "the attention softmax is always in fp32 here (Megatron-Core's default)",
     "--tiktoken-pattern": "tokenizer detail of Megatron-LM's tiktoken tokenizer; mock data has none",
 }
 """Arguments accepted without effect on the job, with why."""

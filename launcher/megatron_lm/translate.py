@@ -697,6 +697,7 @@ def _export_schedule(job: JobConfig, lay, missing: List[str]) -> List[str]:
 def _export_precision(job: JobConfig) -> List[str]:
     p, out = job.precision, []
     out += {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": []}[p.dtype]
+    out.append("--attention-softmax-in-fp32")  # Megatron-Core's default, which our ranks keep; not Megatron-LM's
     if p.fp8:
         out += ["--fp8-format", p.fp8_format, "--fp8-recipe", p.fp8]
     if p.dtype == "bf16" and not p.grad_reduce_in_fp32:
