@@ -150,6 +150,7 @@ def main() -> int:
 
     print(f"{'row':<58} {'published':>9} {'predicted':>9} {'pub TF':>7} {'pred TF':>7} {'error':>7}  {'peak GB':>7}  note")
     errs: dict[bool, list[float]] = {True: [], False: []}
+    order: list[float] = []
     for row in ROWS:
         plan = predict(row)
         fpt = plan.flops_per_token
@@ -157,6 +158,7 @@ def main() -> int:
         pred = plan.perf["tokens_per_s_per_gpu"]
         err = pred / row.tokens_per_gpu - 1
         errs[row.fitted].append(err)
+        order.append(err)
         mark = "" if plan.fits else " OOM!"
         note = ("fitted" if row.fitted else "held-out") + (f", {row.note}" if row.note else "")
         if row.fsdp and not _fsdp():
@@ -170,6 +172,17 @@ def main() -> int:
             print(f"{label}: {len(e)} rows, mean |error| {100 * statistics.mean(map(abs, e)):.1f}%, "
                   f"worst {100 * worst:+.1f}%, mean signed {100 * statistics.mean(e):+.1f}%")
     del flops_per_token
+    # NVIDIA's figures for one layout move between releases (Qwen3-30B PP2 x VP24: 10,494 tokens/s in 25.09,
+    # 5,275 in 25.11): compare each layout with its best release too.
+    best: dict = {}
+    for row, err in zip(ROWS, order):
+        key = row.name.split(" ", 1)[1]
+        if key not in best or row.tokens_per_gpu > best[key][0].tokens_per_gpu:
+            best[key] = (row, err)
+    e = [err for _, err in best.values()]
+    worst = max(e, key=abs)
+    print(f"each layout against its best release: {len(e)} layouts, mean |error| {100 * statistics.mean(map(abs, e)):.1f}%, "
+          f"worst {100 * worst:+.1f}% ({[k for k, v in best.items() if v[1] == worst][0]})")
     print("\nH200 predictions (cluster=h200, the recipes' own layouts; no published H200 training figure exists):")
     from launcher.config import compose_job
     from launcher.plan import plan_job
