@@ -49,7 +49,7 @@ class RunRefused(Exception):
 def train(bundle: Path, console) -> int:
     from launcher.core import derive, load_job
     from launcher.core.flops import flops_per_token
-    from launcher.rank import checkpoint as ckpt, data, loop, metrics, optim, setup
+    from launcher.rank import checkpoint as ckpt, data, elastic, loop, metrics, optim, setup
     from megatron.core import parallel_state as ps
     from models import backend, build_model
 
@@ -57,6 +57,7 @@ def train(bundle: Path, console) -> int:
 
     job = load_job(bundle / "config.yaml")
     layout, tr = derive(job), job.train
+    elastic.init_process_group_for_restart(job.cluster.backend)  # before setup: a torchrun restart's own keys
     setup.init_distributed(cluster=job.cluster, layout=layout, seed=tr.seed)
     rank = torch.distributed.get_rank()
     backend.check_planned_backend(job.precision, layout)

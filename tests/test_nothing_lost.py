@@ -1,0 +1,275 @@
+"""Nothing lost, nothing hangs: real multi-process CPU training runs that are killed, corrupted, diverge, share a
+checkpoint dir or write to a bad one. Each ends within bounded time with the right outcome: the uninterrupted
+run's losses, a warning and a fallback, or one clear line and a non-zero exit."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from _rank_harness import ROOT, TINY, Run, layout, run_train, train, write_bundle
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+
+
+def rank_pids(bundle: Path, rank: int) -> list:
+    """PIDs of the training processes of ``bundle`` with RANK=rank (read from /proc)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            if b"launcher.rank" not in cmd or str(bundle).encode() not in cmd:
+                continue
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() not in env:
+            continue
+        try:  # the rank itself, not its forked helpers (DataLoader workers, checkpoint writer)
+            ppid = (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]
+            parent = Path(f"/proc/{ppid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"torch.distributed.run" in parent:
+            pids.append(int(proc.name))
+    return pids
+
+
+def leftovers(bundle: Path) -> list:
+    """Any process still running for ``bundle`` (ranks or their helpers)."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(bundle).encode() in (proc / "cmdline").read_bytes():
+                out.append(int(proc.name))
+        except OSError:
+            pass
+    return out
+
+
+def launcher_run(tmp_path: Path, overrides, nproc: int) -> subprocess.Popen:
+    """`python -m launcher ... action=run` (render a bundle, LocalExecutor runs its launch.sh), in its own group."""
+    cmd = [sys.executable, "-m", "launcher", *overrides, f"cluster.gpus_per_node={nproc}",
+           f"output_dir={tmp_path / 'runs'}", "action=run"]
+    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def the_bundle(tmp_path: Path):
+    found = [p for p in (tmp_path / "runs").glob("*") if (p / "config.yaml").is_file()]
+    return found[0] if found else None
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"python -m launcher did not return within {timeout:.0f} s:\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+def test_kill9_of_one_rank_is_restarted_by_torchrun_and_ends_with_the_uninterrupted_losses(tmp_path):
+    overrides = TINY + layout(tp=2) + ["train.train_steps=40", "checkpoint.save_interval=4",
+                                       "checkpoint.save_at_end=true"]
+    full = train(tmp_path, "uninterrupted", 2, overrides)
+    proc = launcher_run(tmp_path, overrides + ["cluster.max_restarts=1"], 2)
+    try:
+        bundle = wait_for(lambda: the_bundle(tmp_path), 60, "the bundle")
+        wait_for(lambda: (bundle / "checkpoints" / "iter_0000004" / "launcher.json").is_file(), 120,
+                 "the first checkpoint")
+        (victim,) = rank_pids(bundle, 1)
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        code, out = finish(proc, 240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == 0, out[-4000:]
+    assert "resumed from" in out and "launcher: done: trained to step 40 (DONE)" in out, out[-4000:]
+    resumed = Run(bundle, subprocess.CompletedProcess([], 0, out, ""))
+    first = min(resumed.steps)
+    assert first > 1 and max(resumed.steps) == 40, sorted(resumed.steps)
+    for step in range(first, 41):
+        assert resumed.losses()[step] == pytest.approx(full.losses()[step], rel=1e-6), step
+    assert time.monotonic() - killed_at < 240
+    assert leftovers(bundle) == []  # nothing left behind
+
+
+def test_launcher_returns_within_a_minute_when_a_rank_dies_without_restarts(tmp_path):
+    overrides = TINY + layout(tp=2) + ["train.train_steps=400", "checkpoint.save_interval=2"]
+    proc = launcher_run(tmp_path, overrides + ["cluster.max_restarts=0"], 2)
+    try:
+        bundle = wait_for(lambda: the_bundle(tmp_path), 60, "the bundle")
+        # after a save: the checkpoint writer's helper process exists and may outlive the killed rank
+        wait_for(lambda: (bundle / "checkpoints" / "iter_0000004" / "launcher.json").is_file(), 120,
+                 "a checkpoint")
+        (victim,) = rank_pids(bundle, 1)
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        code, out = finish(proc, 60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert time.monotonic() - killed_at < 60
+    assert code != 0, out[-3000:]
+    assert "launcher: failed (torchrun exit" in out, out[-3000:]
+    assert not (bundle / "DONE").exists()
+    assert leftovers(bundle) == []
+
+
+def test_corrupt_newest_checkpoints_fall_back_with_a_warning_and_finish_with_the_same_losses(tmp_path):
+    overrides = TINY + layout(tp=2) + ["train.train_steps=8", "checkpoint.save_interval=2"]
+    full = train(tmp_path, "run", 2, overrides)
+    ckpt = full.bundle / "checkpoints"
+    shard = max((ckpt / "iter_0000008").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated shard
+    (ckpt / "iter_0000006" / "metadata.json").unlink()                  # lost its metadata
+    (ckpt / "iter_0000007").mkdir()                                      # a stray partial directory
+    (full.bundle / "DONE").unlink()
+
+    proc = run_train(full.bundle, 2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert f"warning: checkpoint {ckpt / 'iter_0000008'} could not be loaded (1 damaged file(s): " \
+           f"{shard.name} has" in out, out
+    assert f"warning: checkpoint {ckpt / 'iter_0000006'} could not be loaded (1 damaged file(s): " \
+           "metadata.json is missing" in out, out
+    assert f"resumed from {ckpt / 'iter_0000004'} at step 4" in out, out
+    resumed = Run(full.bundle, proc)
+    assert sorted(resumed.steps) == [5, 6, 7, 8]
+    for step in (5, 6, 7, 8):
+        assert resumed.losses()[step] == pytest.approx(full.losses()[step], rel=1e-6), step
+    assert (ckpt / "latest").read_text().strip() == "iter_0000008"
+    assert (ckpt / "iter_0000007").is_dir()  # not ours to delete, not a checkpoint either
+
+
+def test_checksum_verification_catches_a_same_size_corruption(tmp_path):
+    overrides = TINY + layout() + ["train.train_steps=4", "checkpoint.save_interval=2", "checkpoint.verify=checksum"]
+    first = train(tmp_path, "run", 1, overrides)
+    ckpt = first.bundle / "checkpoints"
+    shard = max((ckpt / "iter_0000004").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    (first.bundle / "DONE").unlink()
+    proc = run_train(first.bundle, 1)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert f"{shard.name} fails its CRC32 check" in proc.stdout, proc.stdout
+    assert f"resumed from {ckpt / 'iter_0000002'} at step 2" in proc.stdout
+
+
+def test_all_checkpoints_unloadable_stops_instead_of_starting_fresh(tmp_path):
+    overrides = TINY + layout() + ["train.train_steps=2", "checkpoint.save_interval=1"]
+    first = train(tmp_path, "run", 1, overrides)
+    ckpt = first.bundle / "checkpoints"
+    for step in (1, 2):
+        (ckpt / f"iter_{step:07d}" / "metadata.json").unlink()
+    before = sorted(p.name for p in ckpt.iterdir())
+    proc = run_train(first.bundle, 1)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: no checkpoint in {ckpt} could be loaded (tried iter_0000002, iter_0000001); fix "
+                      "or remove them, or set checkpoint.resume=false to start fresh"], proc.stdout
+    assert "step     1" not in proc.stdout
+    assert sorted(p.name for p in ckpt.iterdir()) == before
+
+
+def test_nan_stops_with_one_line_nonzero_exit_and_no_nan_checkpoint(tmp_path):
+    overrides = TINY + layout() + ["train.train_steps=30", "checkpoint.save_interval=1", "train.lr=1e5",
+                        "train.warmup_steps=0"]
+    bundle = write_bundle(tmp_path / "nan", overrides, 1)
+    proc = run_train(bundle, 1)
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "non-finite" in errors[0], proc.stdout[-3000:]
+    bad_step = int(errors[0].split(" at step ")[1].split(":")[0])
+    assert "stopping without saving a checkpoint" in errors[0]
+    steps = [json.loads((p / "launcher.json").read_text())["step"] for p in (bundle / "checkpoints").glob("iter_*")]
+    assert steps and max(steps) < bad_step, (steps, bad_step)
+    assert (bundle / "checkpoints" / "latest").read_text().strip() == f"iter_{bad_step - 1:07d}"
+    assert not (bundle / "DONE").exists()
+    assert (bundle / "FAILED").read_text().startswith("non-finite")
+
+
+def test_second_run_on_a_shared_dir_is_refused_unless_it_names_the_checkpoint(tmp_path):
+    shared = tmp_path / "shared"
+    base = TINY + layout() + ["train.train_steps=3", "checkpoint.save_at_end=true", f"checkpoint.dir={shared}"]
+    train(tmp_path, "first", 1, base + ["train.seed=1"])
+    manifest = (shared / "iter_0000003" / "launcher.json").read_text()
+
+    second = write_bundle(tmp_path / "second", base + ["train.seed=2", "train.train_steps=5"], 1)
+    proc = run_train(second, 1)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: checkpoint.dir={shared} holds checkpoints of another run (iter_0000003: "
+                      f"train.seed=1 there, 2 here); use checkpoint.load={shared / 'iter_0000003'} to start from "
+                      "it, or another checkpoint.dir"], proc.stdout
+    assert (shared / "iter_0000003" / "launcher.json").read_text() == manifest  # untouched
+
+    third = write_bundle(tmp_path / "third", base + ["train.seed=2", "train.train_steps=5",
+                                                     f"checkpoint.load={shared / 'iter_0000003'}"], 1)
+    proc = run_train(third, 1)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert f"resumed from {shared / 'iter_0000003'} at step 3" in proc.stdout
+    assert sorted(Run(third, proc).steps) == [4, 5]
+
+
+@pytest.mark.parametrize("where", ["/proc/x/ckpt", "readonly"])
+def test_unwritable_checkpoint_dir_fails_before_step_one(tmp_path, where):
+    if where == "readonly":
+        target = tmp_path / "ro"
+        target.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(target)]).returncode != 0:
+            pytest.skip("mounting a read-only tmpfs needs root")
+        where = str(target / "ckpt")
+    try:
+        bundle = write_bundle(tmp_path / "b", TINY + layout() + ["train.train_steps=2", f"checkpoint.dir={where}"], 1)
+        proc = run_train(bundle, 1)
+    finally:
+        if "ro" in where:
+            subprocess.run(["umount", str(tmp_path / "ro")])
+    assert proc.returncode != 0
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"checkpoint.dir={Path(where).parent if 'ro/' in where else where}" in errors[0] \
+        and "not writable" in errors[0], proc.stdout
+    assert "step     1" not in proc.stdout
+
+
+def test_disk_full_during_a_save_is_reported_as_such(tmp_path):
+    target = tmp_path / "small"
+    target.mkdir()
+    # One checkpoint of this model is 3.57 MB (estimated 3.35 MB, 4.0 MB with the margin): room for the
+    # pre-flight and the first save, not for the second.
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5000k", "tmpfs", str(target)]).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        bundle = write_bundle(tmp_path / "b", TINY + layout() + ["train.train_steps=4", "checkpoint.save_interval=1",
+                                                      f"checkpoint.dir={target}"], 1)
+        proc = run_train(bundle, 1)
+        names = sorted(p.name for p in target.iterdir())
+    finally:
+        subprocess.run(["umount", str(target)])
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "no space left on device" in errors[0], proc.stdout[-3000:]
+    assert not [n for n in names if n.endswith(".tmp")], names  # the partial save was removed
