@@ -408,6 +408,9 @@ def _layout(args: Args, v: dict) -> None:
 
 
 def _precision(args: Args, v: dict) -> None:
+    if v["precision.dtype"] != "fp32" and not args.has("--attention-softmax-in-fp32"):
+        args.note("--attention-softmax-in-fp32", "ignored", "Megatron-LM's unfused attention would take the "
+                  "softmax in the model dtype; here it is fp32 (Transformer Engine's fused attention: either way)")
     if v["precision.dtype"] == "bf16":  # Megatron-LM reduces bf16 gradients in fp32 unless told otherwise
         v["precision.grad_reduce_in_fp32"] = not args.has("--grad-reduce-in-bf16")
         args.use("--grad-reduce-in-bf16", "precision.grad_reduce_in_fp32=false")
