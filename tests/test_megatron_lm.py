@@ -199,7 +199,8 @@ NOT_READ = {
 def _config_differences(argv, env, nodes, gpus, job, monkeypatch, skip=()):
     """Megatron-LM's own validate_args and core_transformer_config_from_args on ``argv`` give the
     TransformerConfig our rank wing builds for ``job``, attribute by attribute (on a pretend Hopper), and its
-    training.py the same DistributedDataParallelConfig and OptimizerConfig: the differences, if any."""
+    training.py the same DistributedDataParallelConfig, OptimizerConfig and learning-rate schedule: the
+    differences, if any."""
     parser, _ = megatron_or_skip()
     import contextlib
     import inspect
@@ -252,6 +253,24 @@ def _config_differences(argv, env, nodes, gpus, job, monkeypatch, skip=()):
         diff.update({f"{type(mine).__name__}.{f.name}": (getattr(mine, f.name), getattr(megatron, f.name))
                      for f in dataclasses.fields(mine) if f.name not in NOT_READ
                      and getattr(mine, f.name) != getattr(megatron, f.name)})
+    # ... and the learning-rate schedule (Megatron-LM counts it in samples, we in steps)
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.training import global_vars
+    from megatron.training.training import get_optimizer_param_scheduler
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", ns)
+
+    def sgd():
+        return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    kwargs = optim.scheduler_kwargs(train=tr, steps=lay.steps)
+    mine, megatron, gbs = OptimizerParamScheduler(sgd(), **kwargs), get_optimizer_param_scheduler(sgd()), \
+        tr.global_batch_size
+    for step in sorted({0, 1, tr.warmup_steps, tr.warmup_steps + 7, lay.steps // 2, lay.steps - 1, lay.steps}):
+        mine.num_steps, megatron.num_steps = step, step * gbs
+        a, b = mine.get_lr(mine.optimizer.param_groups[0]), megatron.get_lr(megatron.optimizer.param_groups[0])
+        if a != pytest.approx(b, rel=1e-9, abs=1e-15):
+            diff[f"lr at step {step}"] = (a, b)
+    if (mine.start_wd, mine.end_wd) != (megatron.start_wd, megatron.end_wd):
+        diff["weight decay"] = ((mine.start_wd, mine.end_wd), (megatron.start_wd, megatron.end_wd))
     return diff
 
 
