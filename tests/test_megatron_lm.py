@@ -465,3 +465,11 @@ def test_megatron_lm_builds_the_imported_jobs_core_configs_from_the_script(scrip
     diff = _config_differences(command.args, dict(command.launch.env), job.nodes, job.cluster.gpus_per_node,
                                     job, monkeypatch, skip=("attention_softmax_in_fp32",))
     assert diff == {}
+
+
+def test_an_existing_recipe_is_not_overwritten(cli, tmp_path):
+    code, _, err = cli("import", str(FIXTURES / "llama3_8b_fp8_cp.sh"), "--output",
+                       str(ROOT / "recipes" / "recipe" / "llama3_8b.yaml"))
+    assert code == 2 and "exists" in err and "--force" in err
+    code, _, err = cli("import", str(FIXTURES / "llama3_8b_fp8_cp.sh"), "--output", str(tmp_path / "x.yaml"))
+    assert code == 2 and "DIR/recipe/NAME.yaml" in err

@@ -5,8 +5,8 @@
 - ``importer``: runs a launch script with recording stand-ins, writes the recipe (and a model entry when no
   existing one has the architecture), and checks that the recipe composes back to what was imported.
 
-``python -m launcher import SCRIPT_OR_ARGS_FILE [--output PATH] [--model NAME] [cluster=NAME] [name=NAME]
-[key=value ...] [-- SCRIPT ARGS]`` and ``python -m launcher recipe=... action=megatron-args``.
+``python -m launcher import SCRIPT_OR_ARGS_FILE [--output DIR/recipe/NAME.yaml] [--model NAME] [--force]
+[cluster=NAME] [name=NAME] [key=value ...] [-- SCRIPT ARGS]`` and ``python -m launcher recipe=... action=megatron-args``.
 Login-node code: no torch, no megatron.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import List
 
 from launcher.megatron_lm.table import cli_flag_hint, hint_for  # noqa: F401  (used by overrides and cli)
 
-IMPORT_USAGE = ("usage: python -m launcher import SCRIPT_OR_ARGS_FILE [--output PATH] [--model NAME] "
-                "[cluster=NAME] [name=NAME] [key=value ...] [-- SCRIPT ARGS ...]")
+IMPORT_USAGE = ("usage: python -m launcher import SCRIPT_OR_ARGS_FILE [--output DIR/recipe/NAME.yaml] [--model NAME] "
+                "[--force] [cluster=NAME] [name=NAME] [key=value ...] [-- SCRIPT ARGS ...]")
 
 
 def do_megatron_args(job, args) -> int:
@@ -47,7 +47,7 @@ def import_main(argv: List[str]) -> int:
     try:
         done = import_job(opts["source"], output=opts["output"], model_name=opts["model"],
                           cluster=opts["cluster"], name=opts["name"], script_args=opts["script_args"],
-                          extra=opts["extra"])
+                          extra=opts["extra"], force=opts["force"])
     except (ImportError_, OSError) as exc:
         print(f"error: import {opts['source']}: {exc}", file=sys.stderr)
         return 2
@@ -59,11 +59,13 @@ def import_main(argv: List[str]) -> int:
 
 def _parse_import(argv: List[str]) -> dict:
     opts = {"source": None, "output": None, "model": None, "cluster": None, "name": None, "script_args": [],
-            "extra": {}}
+            "extra": {}, "force": False}
     it = iter(argv)
     for token in it:
         if token == "--":
             opts["script_args"] = list(it)
+        elif token == "--force":
+            opts["force"] = True
         elif token in ("--output", "-o", "--model"):
             value = next(it, None)
             if value is None:

@@ -295,12 +295,17 @@ class Imported:
 
 def import_job(source: Path, *, output: Optional[Path] = None, model_name: Optional[str] = None,
                cluster: Optional[str] = None, name: Optional[str] = None, script_args: List[str] = (),
-               extra: Dict[str, Any] = None) -> Imported:
+               extra: Dict[str, Any] = None, force: bool = False) -> Imported:
     """Import ``source`` into a recipe at ``output`` (default recipes/recipe/<stem>.yaml); checks that the written
-    recipe composes back to exactly the imported fields."""
-    command = load_command(source, script_args)
+    recipe composes back to exactly the imported fields. An existing recipe is replaced only with ``force``."""
     stem = _safe(output.stem if output else source.stem)
     output = output or RECIPES_DIR / "recipe" / f"{stem}.yaml"
+    if output.parent.name != "recipe" or output.suffix != ".yaml":
+        raise ImportError_(f"--output {output}: a recipe is DIR/recipe/NAME.yaml (its model entry goes to "
+                           "DIR/model/), e.g. recipes/recipe/NAME.yaml")
+    if output.exists() and not force:
+        raise ImportError_(f"{output} exists; choose another --output or add --force to replace it")
+    command = load_command(source, script_args)
     root = output.resolve().parent.parent
     values, report = to_fields(command.args, _with_gpus(command.launch, cluster))
     if command.launcher:
