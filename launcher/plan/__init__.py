@@ -29,13 +29,17 @@ def layout_errors(problems: list[Problem]) -> list[Problem]:
 
 
 HINTS = {
-    "activations": "train.recompute=full (or selective), or more parallel.pipeline / parallel.context / "
-                   "parallel.tensor, or a smaller train.micro_batch_size",
-    "grads": "precision.grad_reduce_in_fp32=false (bf16 gradient buffers), or more parallel.tensor/pipeline",
+    "activations": "train.recompute=full (or selective, with train.recompute_modules such as [core_attn,moe_act] "
+                   "or [mla_up_proj,mlp]), or more parallel.pipeline / parallel.context / parallel.tensor, or a "
+                   "smaller train.micro_batch_size",
+    "grads": "precision.grad_reduce_in_fp32=false (bf16 gradient buffers), parallel.megatron_fsdp=true, or more "
+             "parallel.tensor/pipeline",
     "fp8_weights": "precision.fp8_param=true (FP8 primary weights: no separate FP8 copy)",
     "optimizer": "parallel.distributed_optimizer=true, or more data-parallel ranks (nodes)",
     "weights": "more parallel.tensor or parallel.pipeline (or parallel.expert for MoE)",
-    "output_logits": "more parallel.tensor (shards the vocabulary), or parallel.last_stage_layers smaller",
+    "output_logits": "model.cross_entropy_loss_fusion=true (bf16 softmax), more parallel.tensor (shards the "
+                     "vocabulary), or fewer layers on the last stage (parallel.account_for_loss_in_pipeline_split=true "
+                     "or parallel.last_stage_layers)",
     "workspace": "train.recompute=selective instead of full, or a smaller train.micro_batch_size",
     "comm_buffers": "a smaller train.micro_batch_size",
     "reserve": "cluster.memory_reserve_gb (only if you know the site's overhead is smaller)",
@@ -111,6 +115,12 @@ class Plan:
                  + f" CP{lay['cp']}" + (f" EP{lay['ep']}" if lay["ep"] > 1 else "") + f" DP{lay['dp']}"
                  + f" on {lay['world']} GPUs, {lay['schedule']}, mbs {lay['mbs']} x {lay['microbatches']} microbatches,"
                  + f" recompute {lay['recompute']}")
+        extras = [f"recompute modules {', '.join(lay['recompute_modules'])}" if lay["recompute_modules"] else "",
+                  "embedding counted as a layer" if lay["account_for_embedding"] else "",
+                  "loss counted as a layer" if lay["account_for_loss"] else "",
+                  f"layout {lay['pipeline_layout']}" if lay["pipeline_layout"] else "",
+                  "Megatron-FSDP" if lay["megatron_fsdp"] else "", "MoE all-to-all overlap" if lay["moe_a2a_overlap"] else ""]
+        extras = [e for e in extras if e]
         parts = list(self.stages[0].parts)
         mem = Table(title=title, title_justify="left")
         mem.add_column("stage")
@@ -133,6 +143,8 @@ class Plan:
                    f"{self.flops_per_token / 1e9:.2f} GFLOP/token   {self.perf['tokens_per_s']:,.0f} tokens/s   "
                    f"{self.perf['tflops_per_gpu']:.0f} TFLOP/s/GPU   MFU {100 * self.perf['mfu']:.1f}%   "
                    f"bubble {100 * self.step.bubble_fraction:.1f}%")
+        if extras:
+            summary += "\n" + "; ".join(extras)
         return Group(mem, tim, summary, *[f"[yellow]{w}[/]" for w in self.warnings])
 
     def text(self, width: int = 160) -> str:
@@ -167,7 +179,12 @@ def _layout(job: JobConfig, lay: Layout) -> dict:
     return {"tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "cp": lay.cp, "ep": lay.ep, "dp": lay.dp, "world": lay.world,
             "mbs": job.train.micro_batch_size, "gbs": job.train.global_batch_size, "microbatches": lay.microbatches,
             "schedule": job.schedule.kind, "recompute": job.train.recompute, "sequence_parallel": lay.sequence_parallel,
-            "first_stage_layers": par.first_stage_layers, "last_stage_layers": par.last_stage_layers}
+            "first_stage_layers": par.first_stage_layers, "last_stage_layers": par.last_stage_layers,
+            "account_for_embedding": par.account_for_embedding_in_pipeline_split,
+            "account_for_loss": par.account_for_loss_in_pipeline_split,
+            "pipeline_layout": par.pipeline_model_parallel_layout, "stage_layers": list(lay.stage_layers),
+            "megatron_fsdp": par.megatron_fsdp, "moe_a2a_overlap": par.moe_a2a_overlap,
+            "recompute_modules": list(job.train.recompute_modules)}
 
 
 def plan_job(job: JobConfig) -> Plan:
