@@ -235,6 +235,7 @@ def validate_model(model: ModelConfig) -> list[Problem]:
         # Megatron-LM arguments.py: "max_position_embeddings >= seq_length"
         c.need(model.seq_length <= max_pos, "model.seq_length", model.seq_length,
                f"must not exceed model.max_position_embeddings={max_pos}", f"model.seq_length={max_pos}")
+    _validate_rope(c, model, heads)
     if model.mtp_num_layers:
         # Megatron-LM arguments.py ("MTP validation"): MTP supports rope and none position embeddings only
         c.need(model.position_embedding in ("rope", "none"), "model.position_embedding", model.position_embedding,
@@ -249,6 +250,32 @@ def validate_model(model: ModelConfig) -> list[Problem]:
         c.need(model.num_query_groups is None, "model.num_query_groups", model.num_query_groups,
                "grouped-query attention is mutually exclusive with multi-latent attention", "model.num_query_groups=null")
     return c.problems
+
+
+def _validate_rope(c: _Checks, model: ModelConfig, heads: int) -> None:
+    """models/common/embeddings/rotary_pos_embedding.py: RoPE rotates int(head dim x rotary_percent) dimensions
+    in pairs (inv_freq over arange(0, dim, 2), then duplicated), so that count must be even and at least 2."""
+    if model.position_embedding != "rope" or model.multi_latent_attention:
+        return
+    if model.kv_channels is not None:
+        head, field = model.kv_channels, "model.kv_channels"
+    else:
+        head, field = model.hidden_size // heads, "model.hidden_size"
+    if head < 1 or not 0 < model.rotary_percent <= 1:
+        return  # reported by the ranges / the heads rule
+    dim = int(head * model.rotary_percent) if model.rotary_percent < 1 else head
+    if model.rotary_percent < 1:
+        field = "model.rotary_percent"
+    hint = ("model.rotary_percent=1.0" if field == "model.rotary_percent" and head % 2 == 0 else
+            f"model.kv_channels={head + 1 if head % 2 else max(2, head)}")
+    c.need(dim >= 2 and dim % 2 == 0, field, _get_model(model, field),
+           f"RoPE rotates head-dim pairs: int(head dim {head} x model.rotary_percent {model.rotary_percent:g}) = {dim} "
+           "must be even and >= 2 (head dim: model.kv_channels, else model.hidden_size / model.num_attention_heads)",
+           hint)
+
+
+def _get_model(model: ModelConfig, field: str):
+    return getattr(model, field.split(".", 1)[1])
 
 
 def _validate_moe(c: _Checks, model: ModelConfig) -> None:
@@ -578,7 +605,8 @@ def _validate_experts(c: _Checks, p: ParallelConfig, model: ModelConfig, lay: La
            f"must divide model.num_experts={model.num_experts}", f"parallel.expert={_divisor_near(model.num_experts, p.expert)}")
     # moe_layer.py refuses MoE with TP but without SP ("... tensor parallelism ... sequence parallelism")
     c.need(p.tensor == 1 or p.sequence_parallel, "parallel.sequence_parallel", p.sequence_parallel,
-           "MoE with tensor parallelism requires sequence parallelism", "parallel.sequence_parallel=true")
+           "an MoE model (model.num_experts) with tensor parallelism requires sequence parallelism",
+           "parallel.sequence_parallel=true")
     expert_ffn = model.moe_ffn_hidden_size or model.ffn_hidden_size
     if expert_ffn >= 1:
         # experts are column/row-parallel over the expert-TP group (layers.py ``divide``)
@@ -667,6 +695,10 @@ def validate_precision(job: JobConfig, lay: Layout) -> list[Problem]:
            "take MLA's head sizes)", "a GPU cluster profile (cluster=h100) or model.multi_latent_attention=false")
     c.need(not pr.fp8_param or pr.fp8 is not None, "precision.fp8_param", pr.fp8_param,
            "FP8 parameters need an FP8 recipe", "precision.fp8=delayed or precision.fp8_param=false")
+    # optimizer/grad_scaler.py: fp16's DynamicGradScaler keeps its scale in a device='cuda' tensor.
+    c.need(not (pr.dtype == "fp16" and cluster.gpu == "cpu"), "precision.dtype", pr.dtype,
+           "fp16 training needs a GPU (Megatron-Core's loss scaler is a CUDA tensor); this cluster profile is cpu",
+           "precision.dtype=bf16 or precision.dtype=fp32")
     # Megatron-LM arguments.py refused "Expert parallelism is not supported with fp16 training." until
     # Megatron-LM #2495 (core 0.16) lifted it; stricter here: fp16 MoE with EP (loss scaling of the router's
     # aux loss across expert groups) has not been run by this launcher, bf16 has.
@@ -714,6 +746,11 @@ def validate_train(job: JobConfig, lay: Layout) -> list[Problem]:
         c.need(t.recompute == "full", "train.recompute_num_layers", t.recompute_num_layers,
                f"is only used with train.recompute=full (got {t.recompute})",
                "train.recompute_num_layers=null or train.recompute=full")
+        # multi_token_prediction.py: "recompute_num_layers must be 1 for MTP recompute"
+        c.need(not (t.recompute == "full" and job.model.mtp_num_layers and t.recompute_num_layers != 1),
+               "train.recompute_num_layers",
+               t.recompute_num_layers, "full recompute with multi-token prediction (model.mtp_num_layers > 0) "
+               "recomputes one layer at a time", "train.recompute_num_layers=1 or train.recompute_num_layers=null")
         per_chunk = min((len(chunk) for stage in lay.chunk_layers for chunk in stage), default=0)
         c.need(t.recompute != "full" or t.recompute_num_layers <= max(per_chunk, 1), "train.recompute_num_layers",
                t.recompute_num_layers, f"must be at most the layers of one pipeline chunk ({per_chunk})",

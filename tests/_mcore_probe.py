@@ -1,0 +1,176 @@
+"""Build what the ranks build, for jobs the login node accepted: the differential test's rank side.
+
+``python tests/_mcore_probe.py IN.pkl OUT.json``: IN holds a list of (case id, JobConfig). For each job, in this
+one process: the exact Megatron-Core config objects (``models.builder.transformer_config``, DDP and optimizer
+configs, LR scheduler arguments), then ``parallel_state.initialize_model_parallel`` with the job's real world
+size on torch's *fake* process group (one process plays rank 0, then the last rank, of the real layout: every
+group is created, collectives are no-ops), the model chunks of that rank (``models.build_model``; skipped for
+models too large for this machine), DDP, the (distributed) optimizer and the LR scheduler. Jobs without
+pipeline parallelism also run one forward and backward pass of the first microbatch on CPU. Each job has a time
+limit, so a hang (e.g. a recompute loop that never ends) is reported as one. OUT gets {case id: error or null}.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import signal
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+
+MAX_BUILT_PARAMS = 40_000_000
+MAX_BUILT_LAYERS = 64
+"""Larger models stop after the config objects and the process groups (this machine cannot hold them)."""
+MAX_STEP_TOKENS, MAX_STEP_PARAMS = 2048, 8_000_000
+"""The forward/backward pass runs for one-process jobs up to this size (a few tens of ms each)."""
+TIME_LIMIT_S = 20
+
+
+class Hang(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise Hang(f"no result after {TIME_LIMIT_S} s (hang)")
+
+
+def _params(job) -> int:
+    m = job.model
+    experts = (m.num_experts or 1) * (m.moe_ffn_hidden_size or m.ffn_hidden_size)
+    head = m.kv_channels or max(1, m.hidden_size // max(1, m.num_attention_heads))
+    attention = 2 * m.hidden_size * head * (m.num_attention_heads + (m.num_query_groups or m.num_attention_heads))
+    per_layer = attention + 3 * m.hidden_size * max(m.ffn_hidden_size, experts)
+    return (m.num_layers + m.mtp_num_layers) * per_layer + 2 * m.vocab_size * m.hidden_size
+
+
+def too_large(job) -> bool:
+    return _params(job) > MAX_BUILT_PARAMS or job.model.num_layers + job.model.mtp_num_layers > MAX_BUILT_LAYERS
+
+
+def build(job, rank: int) -> None:
+    """Rank ``rank`` of the job's layout: process groups, model, DDP, optimizer (and a step when PP = 1)."""
+    from megatron.core import parallel_state, tensor_parallel
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from launcher.core import derive
+    from launcher.rank import optim, setup
+    from models import build_model
+    from models.builder import transformer_config
+
+    lay, tr = derive(job), job.train
+    # the config objects every rank constructs first
+    transformer_config(model=job.model, parallel=job.parallel, precision=job.precision, layout=lay,
+                       schedule=job.schedule, recompute=tr.recompute, recompute_num_layers=tr.recompute_num_layers,
+                       te=False)
+    optim.ddp_config(parallel=job.parallel, precision=job.precision, layout=lay, on_gpu=False)
+    optim.optimizer_config(train=tr, parallel=job.parallel, precision=job.precision, on_gpu=False)
+    optim.scheduler_kwargs(train=tr, steps=lay.steps)
+    torch.distributed.init_process_group("fake", rank=rank, world_size=lay.world, store=FakeStore())
+    try:
+        parallel_state.initialize_model_parallel(**setup.parallel_state_kwargs(lay))
+        torch.manual_seed(tr.seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(tr.seed)
+        if too_large(job):
+            return
+        chunks = build_model(model=job.model, parallel=job.parallel, precision=job.precision, layout=lay,
+                             schedule=job.schedule, seed=tr.seed, recompute=tr.recompute,
+                             recompute_num_layers=tr.recompute_num_layers)
+        model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision, layout=lay)
+        optimizer = optim.build_optimizer(model, train=tr, parallel=job.parallel, precision=job.precision)
+        optim.build_scheduler(optimizer, train=tr, steps=max(lay.steps, 1))
+        if lay.pp == 1 and lay.world == 1 and job.model.seq_length * tr.micro_batch_size <= MAX_STEP_TOKENS \
+                and _params(job) <= MAX_STEP_PARAMS:
+            _step(job, model[0])
+    finally:
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+        _reset_trackers()
+
+
+def _reset_trackers() -> None:
+    """Megatron's process-global loss trackers are sized by the first model that logs into them (MTP layers,
+    MoE layers); a rank builds one model, this process builds many."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_metrics_tracker
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    MTPLossLoggingHelper.tracker.clear()
+    with contextlib.suppress(Exception):
+        get_moe_metrics_tracker().metrics.clear()
+
+
+def _step(job, chunk) -> None:
+    """Forward and backward of one microbatch (one process: the fake group is the whole world)."""
+    m, mbs = job.model, job.train.micro_batch_size
+    tokens = torch.randint(0, m.vocab_size, (mbs, m.seq_length))
+    pos = torch.arange(m.seq_length).expand(mbs, -1)
+    loss = chunk(tokens, pos, None, labels=tokens.roll(-1, 1))
+    loss.float().mean().backward()
+
+
+def _fake_side_groups() -> None:
+    """Megatron adds gloo side groups (CPU collectives of the distributed optimizer); on the fake world they
+    become fake groups too."""
+    new_group = torch.distributed.new_group
+
+    def fake_new_group(*args, **kwargs):
+        kwargs.pop("backend", None)
+        return new_group(*args, **kwargs)
+
+    torch.distributed.new_group = fake_new_group
+
+
+def main(argv: list[str]) -> int:
+    from models import cpu_compat
+
+    cpu_compat.apply()
+    _fake_side_groups()
+    cases = pickle.loads(Path(argv[0]).read_bytes())
+    results, signal_ok = {}, hasattr(signal, "SIGALRM")
+    start = time.time()
+    timings: list = []
+    for case_id, job in cases:
+        from launcher.core import derive
+
+        began = time.time()
+
+        lay = derive(job)
+        error = None
+        for rank in dict.fromkeys([0, lay.world - 1]):
+            if signal_ok:
+                signal.signal(signal.SIGALRM, _alarm)
+                signal.alarm(TIME_LIMIT_S)
+            try:
+                build(job, rank)
+            except BaseException as exc:  # noqa: BLE001 -- what the ranks would die of
+                error = f"rank {rank}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:400]
+                with contextlib.suppress(Exception):
+                    from megatron.core import parallel_state
+                    parallel_state.destroy_model_parallel()
+                if torch.distributed.is_initialized():
+                    torch.distributed.destroy_process_group()
+            finally:
+                if signal_ok:
+                    signal.alarm(0)
+            if error:
+                break
+        results[case_id] = error
+        timings.append((time.time() - began, case_id))
+    results["__seconds__"] = round(time.time() - start, 2)
+    results["__config_only__"] = sum(too_large(job) for _, job in cases)
+    results["__slowest__"] = [f"{t:.2f}s {c}" for t, c in sorted(timings, reverse=True)[:8]]
+    Path(argv[1]).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
