@@ -365,6 +365,17 @@ def _rng_state():
     return ShardedObject("rng_state", state, shape, (pp, tp, dp), replica_id=0)
 
 
+def _rng_restore(snapshot) -> None:
+    """Set the CPU generator, the model-parallel tracker's named states and (on GPU) the CUDA generator."""
+    from megatron.core import tensor_parallel
+
+    cpu, tracker, cuda = snapshot
+    torch.set_rng_state(cpu)
+    tensor_parallel.get_cuda_rng_tracker().set_states(tracker)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
+
+
 def _unwrap(chunk):
     """The GPTModel inside Megatron's DDP wrapper (whose own state dict prefixes keys with 'module.')."""
     return getattr(chunk, "module", chunk)
@@ -634,8 +645,17 @@ def load(path: Path, *, model, optimizer, scheduler) -> tuple:
     _restore_adam_steps(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     rng = state["rng_state"]
-    torch.set_rng_state(rng["cpu"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
-    if torch.cuda.is_available() and "cuda" in rng:
-        torch.cuda.set_rng_state(rng["cuda"])
+    _LOADED_RNG["snapshot"] = (rng["cpu"], rng["tracker"], rng.get("cuda") if torch.cuda.is_available() else None)
+    _rng_restore(_LOADED_RNG["snapshot"])
     return int(state["step"]), int(state["consumed_samples"])
+
+
+_LOADED_RNG: dict = {}
+
+
+def restore_loaded_rng() -> None:
+    """Re-apply the RNG state of the checkpoint loaded last, as the very last thing before the first step:
+    whatever ran after the load (the CPU-share benchmark, data set-up) may have drawn from the generators,
+    which the uninterrupted run did before step 1 instead (a dropout resume then diverged)."""
+    if "snapshot" in _LOADED_RNG:
+        _rng_restore(_LOADED_RNG.pop("snapshot"))

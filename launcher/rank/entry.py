@@ -135,6 +135,7 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
         log.step(record)
         lock.refresh()
 
+    ckpt.restore_loaded_rng()  # exactly the saved RNG state at the first step (dropout resumes exactly)
     why = lp.run(iterators=train_iters, valid_iters=valid_iters, steps=layout.steps, on_step=on_step,
                  on_eval=log.eval, on_checkpoint=save, save_interval=job.checkpoint.save_interval,
                  flops_per_token=fpt, tokens_per_step=layout.tokens_per_step, world=layout.world,
