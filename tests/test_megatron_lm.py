@@ -72,6 +72,8 @@ HINTS = [
     (["recipe=llama405b", "--lr-decay-style", "WSD"], "try train.lr_schedule=wsd"),
     (["recipe=llama405b", "attention_backend=flash"], "no effect here"),
     (["recipe=llama405b", "--apply-layernorm-1p"], "no equivalent here"),
+    (["recipe=llama405b", "add_bias_linear=true"], "try model.add_bias_linear=true"),  # Core's polarity
+    (["recipe=llama405b", "--disable-bias-linear"], "try model.add_bias_linear=false"),  # the flag's
     (["recipe=llama405b", "--dry-run"], "--dry-run is not a flag here; try action=render"),
     (["recipe=llama405b", "action=import"], "try python -m launcher import"),
     (["recipe=llama405b", "parallel.tensorr=2"], "parallel.tensorr='2': no such field"),

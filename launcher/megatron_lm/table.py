@@ -14,6 +14,7 @@ Login-node code: no torch, no megatron.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Callable, Dict, Optional
 
 from launcher.core.wiring import BUILT, WIRING
@@ -368,6 +369,7 @@ def _norm(name: str) -> str:
     return name.lstrip("-").replace("-", "_")
 
 
+@lru_cache(maxsize=None)
 def _core_names() -> Dict[str, str]:
     """Megatron-Core config attribute -> our field, from the wiring table (only unambiguous ones)."""
     seen: Dict[str, set] = {}
@@ -397,17 +399,20 @@ def hint_for(name: str, value: Optional[str]) -> Optional[str]:
     None when ``name`` is neither. ``value`` is what the user typed (None: nothing, e.g. a bare ``--bf16``)."""
     key = _norm(name)
     flag = "--" + key.replace("_", "-")
-    flag = _ARG_DESTS.get(key, flag)
     if flag in IGNORED and flag not in FLAG_BY_NAME:
         return f"{name} is a Megatron-LM argument with no effect here ({IGNORED[flag]}); drop it"
     if flag in UNSUPPORTED and flag not in FLAG_BY_NAME:
         return f"{name} is a Megatron-LM argument with no equivalent here: {UNSUPPORTED[flag]}; try --help"
+    # the argument itself; else a Megatron-Core config attribute (its value means what ours means); else an
+    # argparse dest spelled differently from its flag (--norm-epsilon's layernorm_epsilon)
     target = _flag_override(flag, value)
-    if target is None:
-        core = _core_names().get(key)
-        if core is None:
-            return None
+    core = _core_names().get(key) or {"params_dtype": "precision.dtype"}.get(key)
+    if target is None and core is not None:
         target = (core, f"{core}={value if value not in (None, '') else VALUE_NEEDED}")
+    if target is None and key in _ARG_DESTS:
+        target = _flag_override(_ARG_DESTS[key], value)
+    if target is None:
+        return None
     field, override = target
     if field.rpartition(".")[2] == key:
         return f"{name} is {field} here; try {override}"
