@@ -306,7 +306,8 @@ def in_flight_microbatches(job: JobConfig, lay: Layout, stage: int) -> float:
     so it holds p - r (the first stage p); ZB-H1 keeps 1F1B's memory (Qi et al. 2024). Interleaved: stage r
     holds 2(p - r - 1) + (v - 1) g + 1 model-chunk microbatches (Megatron's warm-up count + 1, g the
     microbatch group size, default p), each 1/v of the stage: for r = 0 and g = p this is Megatron's
-    p (1 + (p - 1)/(p v)). Capped by the microbatches that exist.
+    p (1 + (p - 1)/(p v)); one more with parallel.moe_a2a_overlap (schedules.py: the combined 1F1B schedule
+    runs an extra warm-up forward). Capped by the microbatches that exist.
     """
     p, v = lay.pp, lay.vpp
     m = max(1, lay.microbatches)
@@ -315,6 +316,8 @@ def in_flight_microbatches(job: JobConfig, lay: Layout, stage: int) -> float:
     if job.schedule.kind == "interleaved" and v > 1:
         group = lay.microbatch_group
         chunks = 2 * (p - stage - 1) + (v - 1) * group + 1
+        if job.parallel.moe_a2a_overlap:  # the combined 1F1B schedule warms up one chunk-microbatch more
+            chunks += 1
         return min(chunks, m * v) / v
     return float(min(p - stage, m))
 
