@@ -146,9 +146,13 @@ def do_submit(job: JobConfig, args) -> int:
 
 
 def do_run(job: JobConfig, args) -> int:
-    from launcher.executor import LocalExecutor
+    from launcher.executor import LocalExecutor, checkpoint_preflight
     bundle = prepare_bundle(job, args)
     if bundle is None:
+        return EXIT_USAGE
+    problem = checkpoint_preflight(job, bundle)  # unwritable / full checkpoint dir: say so before training
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return EXIT_USAGE
     code = LocalExecutor().run(bundle)
     print(f"run finished with exit code {code}; bundle: {bundle.path}")

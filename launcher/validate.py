@@ -800,6 +800,10 @@ def validate_checkpoint(ckpt: CheckpointConfig) -> list[Problem]:
     c.need(not ckpt.async_save, "checkpoint.async_save", True,
            "asynchronous saving is not implemented: the ranks write checkpoints synchronously and refuse it",
            "checkpoint.async_save=false")
+    if ckpt.load is not None:
+        c.need(str(ckpt.load).strip() != "", "checkpoint.load", ckpt.load,
+               "names a checkpoint (an iter_* directory) or a checkpoint dir holding some",
+               "checkpoint.load=/lustre/ckpt/run/iter_0001000")
     return c.problems
 
 
@@ -895,6 +899,11 @@ def validate_slurm(job: JobConfig) -> list[Problem]:
     for arg in s.extra_args:
         c.need(str(arg).startswith("--") and "\n" not in str(arg), "slurm.extra_args", arg,
                "each entry is one long sbatch option", "slurm.extra_args=[--qos=high]")
+    c.need(s.max_requeues >= 0, "slurm.max_requeues", s.max_requeues, "must be >= 0 (0: never requeue)",
+           "slurm.max_requeues=3")
+    restarts = job.cluster.max_restarts
+    c.need(restarts is None or restarts >= 0, "cluster.max_restarts", restarts,
+           "must be >= 0 (torchrun --max-restarts; null: 3 on Slurm, 0 locally)", "cluster.max_restarts=3")
     return c.problems
 
 

@@ -158,3 +158,27 @@ def test_straggler_report_names_the_slow_rank():
     assert straggler_report([100, 101, 99, 100], 0.2) == "step ms per rank: 0:100 1:101 2:99 3:100"
     line = straggler_report([100, 100, 180, 100], 0.2)
     assert line.endswith("straggler: rank 2 at 180 ms is 80% slower than the median 100 ms"), line
+
+
+def test_local_run_refuses_an_unwritable_or_full_checkpoint_dir_on_the_login_node(tmp_path):
+    from conftest import ROOT
+
+    def run(*overrides):
+        return subprocess.run([sys.executable, "-m", "launcher", *overrides, f"output_dir={tmp_path / 'runs'}",
+                               "action=run"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+    proc = run("checkpoint.dir=/proc/x/ckpt")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == ("error: checkpoint.dir=/proc/x/ckpt is not writable (a test "
+                                                    "file in /proc: No such file or directory)"), proc.stderr
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)]).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        proc = run(f"checkpoint.dir={small / 'ckpt'}")
+    finally:
+        subprocess.run(["umount", str(small)])
+    assert proc.returncode == 2
+    assert "not enough space for a checkpoint" in proc.stderr.strip().splitlines()[-1], proc.stderr
+    assert "torch.distributed.run" not in proc.stdout  # refused before anything started
