@@ -240,8 +240,7 @@ def _expected(field: str, target: str, attr: str, job, lay, built):
 
 
 def _recompute_modules(t, moe: bool) -> list:
-    """Megatron adds 'moe' itself when an MoE model recomputes 'moe_act' with some configurations; compare
-    the modules we asked for, in order, as TransformerConfig keeps them."""
+    """The modules asked for (Megatron's default core_attn when none), as TransformerConfig keeps them."""
     return list(t.recompute_modules or ["core_attn"])
 
 
