@@ -41,7 +41,8 @@ def check_override(text: str) -> Optional[Problem]:
     if (section, name) in FREE_FORM:
         return None
     if name not in _field_names(SECTIONS[section]):
-        return _unknown(key, value, name, _field_names(SECTIONS[section]), section + ".", key[len(key.split(".")[0]) + len(name) + 1:])
+        rest = key[len(section) + len(name) + 1:]  # deeper parts of the key, kept in the hint
+        return _unknown(key, value, name, _field_names(SECTIONS[section]), section + ".", rest)
     return None
 
 

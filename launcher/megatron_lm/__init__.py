@@ -6,7 +6,8 @@
   existing one has the architecture), and checks that the recipe composes back to what was imported.
 
 ``python -m launcher import SCRIPT_OR_ARGS_FILE [--output DIR/recipe/NAME.yaml] [--model NAME] [--force]
-[cluster=NAME] [name=NAME] [key=value ...] [-- SCRIPT ARGS]`` and ``python -m launcher recipe=... action=megatron-args``.
+[cluster=NAME] [name=NAME] [key=value ...] [-- SCRIPT ARGS]``, and
+``python -m launcher recipe=... action=megatron-args``.
 Login-node code: no torch, no megatron.
 """
 from __future__ import annotations

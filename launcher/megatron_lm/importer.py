@@ -334,7 +334,8 @@ def import_job(source: Path, *, output: Optional[Path] = None, model_name: Optio
     values["model.name"] = matched
     defaults = [f"/model: {matched}"] + (["/data: mock"] if values["data.kind"] == "mock" else []) \
         + [f"override /cluster: {cluster}"]
-    header = [f"Imported from {command.source} by `python -m launcher import` (Megatron-LM {Path(command.program).name}).",
+    program = Path(command.program).name
+    header = [f"Imported from {command.source} by `python -m launcher import` (Megatron-LM {program}).",
               f"Model entry: {matched}{' (new)' if new_model else ''}; cluster profile: {cluster}."]
     output.parent.mkdir(parents=True, exist_ok=True)
     body, env_report = _body(values, defaults, root, new_model, env, cluster, source, extra or {})

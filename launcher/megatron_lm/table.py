@@ -447,7 +447,8 @@ def _flag_override(flag: str, value: Optional[str]) -> Optional[tuple[str, str]]
         "--fp8-recipe": ("precision.fp8", f"precision.fp8={shown or 'delayed'}"),
         "--lr-decay-style": ("train.lr_schedule", f"train.lr_schedule={(shown or 'cosine').lower()}"),
         "--num-virtual-stages-per-pipeline-rank": (
-            "parallel.virtual_pipeline", f"parallel.virtual_pipeline={shown or VALUE_NEEDED} schedule.kind=interleaved"),
+            "parallel.virtual_pipeline",
+            f"parallel.virtual_pipeline={shown or VALUE_NEEDED} schedule.kind=interleaved"),
         "--num-layers-per-virtual-pipeline-stage": (
             "parallel.virtual_pipeline",
             f"parallel.virtual_pipeline=<layers per stage / {shown or 'N'}> schedule.kind=interleaved"),
