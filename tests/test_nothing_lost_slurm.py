@@ -1,0 +1,41 @@
+"""Real local Slurm (slurm/localhost): a job whose time limit comes before training ends is signalled
+(--signal=B:USR1), checkpoints, is requeued by its batch script and resumes, until it finishes. No step is
+trained twice: every attempt starts right after the step its predecessor checkpointed at."""
+from __future__ import annotations
+
+import re
+
+from test_slurm_localhost import FINAL, Job, job_info, log_of, render, slurm  # noqa: F401  (slurm: fixture)
+
+TINY_STEPS = ["model.num_layers=4", "model.hidden_size=64", "model.ffn_hidden_size=128",
+              "model.num_attention_heads=4", "model.num_query_groups=2", "model.seq_length=64",
+              "model.vocab_size=1024", "train.micro_batch_size=2", "train.global_batch_size=8", "data=mock",
+              "train.eval_interval=0", "logging.tensorboard=false", "train.warmup_steps=1"]
+
+
+def test_time_limit_checkpoints_requeues_and_finishes_without_retraining_a_step(slurm, tmp_path):
+    total = 300
+    # slurmctld sends USR1 up to 30 s before the lead: 50-80 s after each start, well before 300 steps end.
+    bundle = render(tmp_path, *TINY_STEPS, f"train.train_steps={total}", "slurm.time=00:03:00",
+                    "slurm.signal_lead_s=100", "slurm.max_requeues=6")
+    with Job(bundle) as job:
+        info = job.wait(900)
+    log = log_of(bundle, job.id)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{log[-6000:]}"
+    attempts = re.split(rf"^launcher: job {job.id} restart \d+ on .*$", log, flags=re.MULTILINE)[1:]
+    assert len(attempts) >= 2 and int(info["Restarts"]) == len(attempts) - 1, f"{info}\n{log[-6000:]}"
+    prev_last = 0
+    for i, text in enumerate(attempts):
+        steps = [int(s) for s in re.findall(r"^step\s+(\d+) \|", text, re.MULTILINE)]
+        assert steps and steps[0] == prev_last + 1, (i, steps[:3], prev_last)
+        assert steps == list(range(steps[0], steps[-1] + 1)), i
+        prev_last = steps[-1]
+        if i < len(attempts) - 1:
+            assert "launcher: SIGUSR1 received" in text, text[-3000:]
+            assert re.search(rf"^launcher: stopped at step {prev_last} of {total}: STOP file; checkpointed", text,
+                             re.MULTILINE), text[-3000:]
+            assert f"requeueing job {job.id} (requeue {i + 1} of 6;" in text, text[-3000:]
+    assert prev_last == total
+    assert f"launcher: done: trained to step {total} (DONE)" in attempts[-1]
+    assert "launcher: done; not requeueing" in attempts[-1]
+    assert not (bundle.path / "STOP").exists()
