@@ -16,9 +16,10 @@ attention, so its TFLOP/s column is higher by 6·L·q·s and is not used). Sourc
 - MB_CURRENT: Megatron-Bridge performance summary (25.11), https://docs.nvidia.com/nemo/megatron-bridge/latest/performance-summary.html
 
 What each row sets beyond the table's columns (from NVIDIA's performance recipes: FP8 params with their
-all-gather, bf16 gradient reduction, TP communication overlap with TP > 1 on dense models, distributed
-optimizer, interleaved schedule when VP > 1, MoE all-to-all overlap where the recipe sets
-``moe_a2a_overlap``) is in ``_overrides``. MoE rows: NVIDIA force-balances routing (the planner assumes
+all-gather, bf16 gradient reduction, the fused cross entropy, TP communication overlap with TP > 1 on dense
+models and where an MoE recipe sets it (Qwen3-235B), distributed optimizer, interleaved schedule when VP > 1,
+MoE all-to-all overlap where the recipe sets ``moe_a2a_overlap``, DeepSeek-V3's recompute modules) is in
+``_overrides``. MoE rows: NVIDIA force-balances routing (the planner assumes
 balance); "tokendrop" rows ran with a capacity factor, which the schema does not have (noted).
 """
 from __future__ import annotations
@@ -61,6 +62,8 @@ class Row:
     note: str = ""
     a2a_overlap: bool = False
     """The recipe sets moe_a2a_overlap (Megatron-Core overlap_moe_expert_parallel_comm)."""
+    tp_overlap: bool | None = None
+    """The recipe sets tp_comm_overlap; None: on for dense models with TP > 1 (Megatron-Bridge's default)."""
     extra: list = field(default_factory=list)
 
     @property
@@ -89,19 +92,19 @@ ROWS = [
         extra=["train.recompute_modules=[mla_up_proj,mlp]"]),
     Row("25.09", "qwen3_30b", 16, 512, 2, pp=2, vp=24, ep=8, tokens_per_gpu=10494, note="tokendrop"),
     Row("25.09", "qwen3_235b", 256, 2048, 1, tp=2, pp=8, vp=4, ep=32, split="account", tokens_per_gpu=1204,
-        note="tokendrop", a2a_overlap=True),
+        note="tokendrop", a2a_overlap=True, tp_overlap=True),
     # ---- held out (later releases)
     Row("25.11", "llama3_8b", 8, 128, 1, fsdp=True, tokens_per_gpu=14451),
     Row("25.11", "llama3_70b", 64, 128, 1, tp=4, pp=8, vp=5, tokens_per_gpu=1602),
     Row("25.11", "llama405b", 1024, 512, 1, tp=8, pp=8, cp=2, vp=8, split="account", tokens_per_gpu=292),
     Row("25.11", "qwen3_30b", 16, 512, 2, pp=2, vp=24, ep=8, tokens_per_gpu=5275, note="dropless"),
     Row("25.11", "qwen3_235b", 256, 2048, 1, tp=2, pp=8, vp=4, ep=32, split="account", tokens_per_gpu=1575,
-        note="dropless", a2a_overlap=True),
+        note="dropless", a2a_overlap=True, tp_overlap=True),
     Row("26.02", "llama3_70b", 64, 256, 1, tp=4, pp=8, vp=5, tokens_per_gpu=1621),
     Row("26.02", "llama405b", 1024, 1536, 1, tp=8, pp=8, cp=2, vp=8, split="account", tokens_per_gpu=311),
     Row("26.02", "qwen3_30b", 16, 1024, 1, pp=2, vp=12, ep=8, tokens_per_gpu=5113, note="dropless"),
     Row("26.02", "qwen3_235b", 256, 8192, 1, tp=2, pp=8, vp=4, ep=32, split="account", tokens_per_gpu=1633,
-        note="dropless", a2a_overlap=True),
+        note="dropless", a2a_overlap=True, tp_overlap=True),
 ]
 
 
@@ -111,7 +114,7 @@ def _overrides(row: Row, cluster: str = "h100") -> list[str]:
            f"parallel.tensor={row.tp}", f"parallel.pipeline={row.pp}", f"parallel.context={row.cp}",
            f"parallel.expert={row.ep}", f"parallel.virtual_pipeline={row.vp if row.vp > 1 else 'null'}",
            f"parallel.sequence_parallel={'true' if row.tp > 1 else 'false'}",
-           f"parallel.tp_comm_overlap={'true' if row.tp > 1 and not moe else 'false'}",
+           f"parallel.tp_comm_overlap={'true' if _tp_overlap(row) else 'false'}",
            "parallel.first_stage_layers=null", "parallel.last_stage_layers=null",
            f"train.micro_batch_size={row.mbs}", f"train.global_batch_size={row.gbs}",
            f"schedule.kind={'interleaved' if row.vp > 1 else '1f1b'}",
@@ -129,6 +132,10 @@ def _overrides(row: Row, cluster: str = "h100") -> list[str]:
     if row.fsdp:
         out += _fsdp()
     return out + row.extra
+
+
+def _tp_overlap(row: Row) -> bool:
+    return row.tp > 1 and (row.tp_overlap if row.tp_overlap is not None else row.ep == 1)
 
 
 def _fsdp() -> list[str]:
