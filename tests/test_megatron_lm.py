@@ -475,3 +475,28 @@ def test_an_existing_recipe_is_not_overwritten(cli, tmp_path):
     assert code == 2 and "exists" in err and "--force" in err
     code, _, err = cli("import", str(FIXTURES / "llama3_8b_fp8_cp.sh"), "--output", str(tmp_path / "x.yaml"))
     assert code == 2 and "DIR/recipe/NAME.yaml" in err
+
+
+def test_arguments_a_job_does_not_read_are_ignored_and_the_vocabulary_can_be_given(tmp_path):
+    (tmp_path / "job.args").write_text(
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128 "
+        "--micro-batch-size 1 --train-iters 10 --lr 1e-3 --mock-data --split 99,1,0 --moe-router-topk 4 "
+        "--tokenizer-type Llama2Tokenizer --tokenizer-model /x/tokenizer.model\n")
+    from launcher.megatron_lm.translate import ImportError_
+    with pytest.raises(ImportError_, match="model.vocab_size=N"):
+        import_job(tmp_path / "job.args", output=tmp_path / "recipe" / "a.yaml", model_name="a")
+    done = import_job(tmp_path / "job.args", output=tmp_path / "recipe" / "a.yaml", model_name="a",
+                      extra={"model.vocab_size": 32000})
+    status = {e.flag: (e.status, e.detail) for e in done.report}
+    assert status["--split"] == ("ignored", "not read with mock data")
+    assert status["--moe-router-topk"] == ("ignored", "not read without --num-experts")
+    assert done.job.model.vocab_size == 32000 and done.job.model.moe_router_topk == 2
+
+
+def test_gpt2_vocab_and_merges_mean_the_gpt2_vocabulary():
+    from launcher.megatron_lm.translate import Launch, to_fields
+    values, _ = to_fields(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                           "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "1",
+                           "--train-iters", "10", "--lr", "1e-3", "--vocab-file", "v.json", "--merge-file", "m.txt",
+                           "--data-path", "/d/x_text_document"], Launch(gpus_per_node=8))
+    assert values["model.vocab_size"] == 50257

@@ -308,6 +308,7 @@ def import_job(source: Path, *, output: Optional[Path] = None, model_name: Optio
     command = load_command(source, script_args)
     root = output.resolve().parent.parent
     values, report = to_fields(command.args, _with_gpus(command.launch, cluster))
+    values.update({k: val for k, val in (extra or {}).items() if k in values or k.startswith("model.")})
     if command.launcher:
         report.insert(0, Entry("(launcher)", " ".join(shlex.quote(t) for t in command.launcher), "mapped",
                                f"nodes={values['nodes']} cluster.gpus_per_node={values['cluster.gpus_per_node']} "
@@ -321,7 +322,7 @@ def import_job(source: Path, *, output: Optional[Path] = None, model_name: Optio
     if matched is None:
         if "model.vocab_size" not in values:
             raise ImportError_("the vocabulary size is unknown (no --vocab-size, and no model entry matches); "
-                               "add --vocab-size N to the arguments")
+                               "give it: python -m launcher import ... model.vocab_size=N")
         matched = _safe(model_name or stem)
         new_model = root / "model" / f"{matched}.yaml"
         if new_model.exists() or (RECIPES_DIR / "model" / f"{matched}.yaml").exists():

@@ -23,8 +23,14 @@ ALWAYS = lambda v: True  # noqa: E731
 MOE = lambda v: bool(v.get("model.num_experts"))  # noqa: E731
 MLA = lambda v: bool(v.get("model.multi_latent_attention"))  # noqa: E731
 ROPE = lambda v: v.get("model.position_embedding") == "rope"  # noqa: E731
+ROPE_SCALING = lambda v: ROPE(v) and bool(v.get("model.rope_scaling"))  # noqa: E731
 DELAYED = lambda v: v.get("precision.fp8") == "delayed"  # noqa: E731
 INTERLEAVED = lambda v: (v.get("parallel.virtual_pipeline") or 1) > 1  # noqa: E731
+INDEXED = lambda v: v.get("data.kind") == "indexed"  # noqa: E731
+UNREAD = {MOE: "without --num-experts", MLA: "without --multi-latent-attention", ROPE: "without rope positions",
+          ROPE_SCALING: "without --use-rope-scaling", DELAYED: "without delayed FP8 scaling",
+          INTERLEAVED: "without a virtual pipeline", INDEXED: "with mock data"}
+"""Why an argument given for a job it does not apply to is not read (Megatron-LM does not read it either)."""
 
 
 def fmt(value: Any) -> str:
@@ -82,8 +88,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--rotary-base", "model.rotary_base", 10000.0, when=ROPE),
     Flag("--rotary-percent", "model.rotary_percent", 1.0, when=ROPE),
     Flag("--use-rope-scaling", "model.rope_scaling", False, switch=True, when=ROPE),
-    Flag("--rope-scaling-factor", "model.rope_scaling_factor", 8.0,
-         when=lambda v: ROPE(v) and bool(v.get("model.rope_scaling"))),
+    Flag("--rope-scaling-factor", "model.rope_scaling_factor", 8.0, when=ROPE_SCALING),
     Flag("--untie-embeddings-and-output-weights", "model.tie_embeddings", True, switch=False),
     Flag("--disable-bias-linear", "model.add_bias_linear", True, switch=False),
     Flag("--add-qkv-bias", "model.add_qkv_bias", False, switch=True),
@@ -147,8 +152,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--eval-iters", "train.eval_iters", 100),
     Flag("--exit-duration-in-mins", "train.exit_after_minutes", None),
     # ---- data, checkpoints, logging, cluster
-    Flag("--split", "data.split", "969,30,1", when=lambda v: v.get("data.kind") == "indexed",
-         parse=lambda t: t.replace(" ", "")),
+    Flag("--split", "data.split", "969,30,1", when=INDEXED, parse=lambda t: t.replace(" ", "")),
     Flag("--data-cache-path", "data.cache_dir", None),
     Flag("--num-workers", "data.num_workers", 2),
     Flag("--save-interval", "checkpoint.save_interval", 0),

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from launcher.core import derive
-from launcher.megatron_lm.table import FLAGS, IGNORED, LAUNCHER_ONLY, REQUIRED, UNSUPPORTED, Flag, fmt
+from launcher.megatron_lm.table import FLAGS, IGNORED, LAUNCHER_ONLY, REQUIRED, UNREAD, UNSUPPORTED, Flag, fmt
 from launcher.schema import (FP8_FORMATS, FP8_RECIPES, MOE_LOAD_BALANCING, SECTIONS, JobConfig)
 
 GPT2_BPE_VOCAB = 50257
@@ -175,7 +175,9 @@ def to_fields(argv: List[str], launch: Launch = Launch()) -> Tuple[Dict[str, Any
 
 
 def _simple(args: Args, v: dict, f: Flag) -> None:
-    if args.has(f.flag):
+    if args.has(f.flag) and not f.when(v):
+        args.use(f.flag, f"not read {UNREAD.get(f.when, 'for this job')}", "ignored")
+    elif args.has(f.flag):
         if f.switch is not None:
             if args.values(f.flag):
                 raise ImportError_(f"{f.flag} takes no value (got {' '.join(args.values(f.flag))})")
@@ -303,9 +305,10 @@ def _model_shape(args: Args, v: dict) -> None:
     if args.has("--vocab-size"):
         v["model.vocab_size"] = _need(args, "--vocab-size", "model.vocab_size")
         args.use("--vocab-size", f"model.vocab_size={v['model.vocab_size']}")
-    elif args.get("--tokenizer-type") == "GPT2BPETokenizer":
+    elif args.get("--tokenizer-type") == "GPT2BPETokenizer" or (
+            args.get("--tokenizer-type") is None and args.has("--vocab-file") and args.has("--merge-file")):
         v["model.vocab_size"] = GPT2_BPE_VOCAB
-        args.note("--vocab-size", "mapped", f"model.vocab_size={GPT2_BPE_VOCAB} (the GPT2BPETokenizer vocabulary)")
+        args.note("--vocab-size", "mapped", f"model.vocab_size={GPT2_BPE_VOCAB} (GPT-2 BPE vocab and merges files)")
 
 
 def parse_layer_pattern(text: str) -> List[int]:
