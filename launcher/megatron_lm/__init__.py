@@ -22,6 +22,13 @@ IMPORT_USAGE = ("usage: python -m launcher import SCRIPT_OR_ARGS_FILE [--output 
                 "[--force] [cluster=NAME] [name=NAME] [key=value ...] [-- SCRIPT ARGS ...]")
 
 
+IMPORT_HELP = """Turn a Megatron-LM pretrain_gpt.py job into a recipe. SCRIPT (a shebang or .sh file) is run by bash with
+stand-in torchrun/python/srun/sbatch that only record their arguments; an ARGS_FILE is split as the shell would.
+Every argument is reported as mapped, ignored (why) or unsupported (why); the recipe is written (default
+recipes/recipe/<stem>.yaml, with a new recipes/model/ entry unless an existing one has the architecture),
+composed back, validated and planned. key=value settings go into the recipe (cluster= picks the profile)."""
+
+
 def do_megatron_args(job, args) -> int:
     """action=megatron-args: print the job as a Megatron-LM pretrain_gpt.py launch (or --json)."""
     import json
@@ -40,6 +47,9 @@ def import_main(argv: List[str]) -> int:
     """``python -m launcher import ...``: exit 0 when the recipe is written and valid, 2 otherwise."""
     from launcher.megatron_lm.importer import import_job
     from launcher.megatron_lm.translate import ImportError_
+    if not argv or argv[0] in ("-h", "--help"):
+        print(IMPORT_USAGE + "\n\n" + IMPORT_HELP, file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
     try:
         opts = _parse_import(argv)
     except ValueError as exc:
