@@ -6,8 +6,10 @@ terms: what ``megatron/training/arguments.py`` of Megatron-LM 0.19.2 defaults to
 ``COMBINED`` names the arguments that only together determine a field (dtype, FP8, VPP, recompute, LR schedule
 lengths, data, checkpoints); ``launcher.megatron_lm.translate`` handles those. ``IGNORED`` are arguments that do
 not change what is trained (profiling, logging paths, kernel fusions), with why; ``UNSUPPORTED`` are arguments that
-would change the job but have no equivalent here, with why. ``tests/test_megatron_lm.py`` checks every name here
-against the parser Megatron-LM itself builds, when megatron is installed.
+would change the job but have no equivalent here, with why. ``LAUNCHER_ONLY`` names our fields no Megatron-LM
+argument sets. ``tests/test_megatron_lm.py`` checks every name here against the parser Megatron-LM itself builds
+(when megatron is installed) and that every schema field is in one of these tables, so a new field fails there
+until it is mapped or said to be launcher-only.
 
 Login-node code: no torch, no megatron.
 """
