@@ -453,6 +453,9 @@ def _validate_recompute_modules(c: _Checks, job: JobConfig, lay: Layout) -> None
         ("mla_up_proj" not in mods or model.multi_latent_attention, "mla_up_proj needs model.multi_latent_attention"),
         ("moe_act" not in mods or (model.num_experts and model.moe_grouped_gemm), "moe_act needs an MoE model with "
          "model.moe_grouped_gemm=true"),
+        ("moe_act" not in mods or lay.transformer_engine, "moe_act needs the grouped-GEMM experts (GPU clusters only)"),
+        (not ({"moe_act", "layernorm"} & set(mods)) or job.precision.fp8 != "delayed",
+         "moe_act and layernorm recompute do not work with precision.fp8=delayed (use tensorwise or blockwise)"),
         ("moe" not in mods or not job.parallel.moe_a2a_overlap, "moe cannot be recomputed with parallel.moe_a2a_overlap"),
     ]
     for ok, rule in rules:

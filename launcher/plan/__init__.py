@@ -19,7 +19,7 @@ from launcher.validate import validate
 __all__ = ["Plan", "PlanError", "plan_job", "oom_message", "flops_per_token", "flops_per_step"]
 
 LAYOUT_FIELDS = ("parallel.", "model.", "schedule.", "train.micro_batch_size", "train.global_batch_size", "nodes",
-                 "cluster.gpus_per_node")
+                 "cluster.gpus_per_node", "train.recompute")
 """Validation problems under these fields make a plan meaningless (the layout itself is invalid)."""
 
 

@@ -154,7 +154,8 @@ def _recompute_options(job: JobConfig) -> list[tuple[str, list]]:
     out = [("none", []), ("selective", [])]
     if job.model.multi_latent_attention:
         out.append(("selective", list(MODULE_RECOMPUTE["mla"])))
-    elif job.model.num_experts and job.model.moe_grouped_gemm:
+    elif job.model.num_experts and job.model.moe_grouped_gemm and derive(job).transformer_engine \
+            and job.precision.fp8 != "delayed":  # Megatron refuses these two with delayed FP8 scaling
         out.append(("selective", list(MODULE_RECOMPUTE["moe"])))
     return out + [("full", [])]
 
