@@ -11,7 +11,7 @@ import pytest
 from launcher.config import compose_job
 from launcher.core import derive
 from launcher.plan import plan_job
-from launcher.plan.memory import GB, memory_per_stage
+from launcher.plan.memory import memory_per_stage
 from launcher.plan.search import search
 from launcher.plan.timing import _a2a_time, _grouped_gemm_efficiency, stage_costs, step_time
 from launcher.validate import validate

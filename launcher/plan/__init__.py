@@ -119,7 +119,8 @@ class Plan:
                   "embedding counted as a layer" if lay["account_for_embedding"] else "",
                   "loss counted as a layer" if lay["account_for_loss"] else "",
                   f"layout {lay['pipeline_layout']}" if lay["pipeline_layout"] else "",
-                  "Megatron-FSDP" if lay["megatron_fsdp"] else "", "MoE all-to-all overlap" if lay["moe_a2a_overlap"] else ""]
+                  "Megatron-FSDP" if lay["megatron_fsdp"] else "",
+                  "MoE all-to-all overlap" if lay["moe_a2a_overlap"] else ""]
         extras = [e for e in extras if e]
         parts = list(self.stages[0].parts)
         mem = Table(title=title, title_justify="left")

@@ -211,10 +211,10 @@ def _selective_recompute(job: JobConfig, mods: frozenset, moe: bool, att: float,
     model = job.model
     rec = att if "core_attn" in mods else 0.0
     if "mla_up_proj" in mods and model.multi_latent_attention:
-        n, qk = model.num_attention_heads, model.qk_head_dim + model.qk_pos_emb_head_dim
-        up = (model.q_lora_rank or model.hidden_size) * n * qk + model.kv_lora_rank * n * (model.qk_head_dim + model.v_head_dim)
-        total = up + model.hidden_size * (model.kv_lora_rank + model.qk_pos_emb_head_dim) + n * model.v_head_dim * model.hidden_size
-        rec += g_attn * up / total
+        n, h, qk = model.num_attention_heads, model.hidden_size, model.qk_head_dim + model.qk_pos_emb_head_dim
+        up = (model.q_lora_rank or h) * n * qk + model.kv_lora_rank * n * (model.qk_head_dim + model.v_head_dim)
+        down = h * (model.kv_lora_rank + model.qk_pos_emb_head_dim) + n * model.v_head_dim * h  # kv down, out proj
+        rec += g_attn * up / (up + down)
     if "mlp" in mods and not moe:
         rec += g_mlp
     if "moe" in mods and moe:
