@@ -36,6 +36,7 @@ RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", 
 DATA_KINDS = ("indexed", "mock")
 CHECKPOINT_FORMATS = ("torch_dist",)
 CHECKPOINT_VERIFY = ("sizes", "checksum")
+OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable")
 NONFINITE_POLICIES = ("stop", "skip")
 WANDB_MODES = ("offline", "online", "disabled")
 LAUNCHERS = ("slurm", "local")
@@ -356,6 +357,9 @@ class CheckpointConfig:
     verify: str = choice("sizes", CHECKPOINT_VERIFY)
     """Check a checkpoint before loading it: sizes (every file has the size recorded at save) or checksum
     (also its CRC32, spread over the ranks)."""
+    optimizer_format: str = choice("dp_reshardable", OPTIMIZER_FORMATS)
+    """Distributed-optimizer state on disk: dp_reshardable (each DP rank's shard; resume needs the same DP size)
+    or fully_reshardable (gathered on DP rank 0; resumes at any DP size, about 10x the save time on CPU)."""
     async_save: bool = False
     """Write checkpoints asynchronously (GPU clusters)."""
 

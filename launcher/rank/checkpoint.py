@@ -46,10 +46,12 @@ class CheckpointError(Exception):
     """A checkpoint problem every rank agrees on: the run stops with this one line (no traceback)."""
 
 
-# Distributed-optimizer state layout. 0.19.2's default (fully_sharded_model_space) builds ShardedTensors
-# with flattened_range, which its own validation now rejects; dp_reshardable saves each DP rank's
-# contiguous shard (resume needs the same DP size; model weights still reshard freely).
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+# Distributed-optimizer state layout (checkpoint.optimizer_format). 0.19.2's default
+# (fully_sharded_model_space) builds ShardedTensors with flattened_range, which its own validation now
+# rejects. dp_reshardable saves each DP rank's contiguous shard (resume needs the same DP size; model weights
+# still reshard freely); fully_reshardable gathers each model-parallel shard's state on DP rank 0 and loads at
+# any DP size. The format a checkpoint was saved with is recorded in its manifest and used to load it.
+DEFAULT_OPTIMIZER_FORMAT = "dp_reshardable"
 
 
 def check_options(checkpoint) -> None:
@@ -387,13 +389,26 @@ def _model_keys(model: List[torch.nn.Module]) -> List[str]:
 
 
 def _sharded_state(model: List[torch.nn.Module], optimizer, scheduler, step: int, consumed: int,
-                   is_loading: bool) -> dict:
+                   is_loading: bool, optimizer_format: str = DEFAULT_OPTIMIZER_FORMAT) -> dict:
     state = {"step": step, "consumed_samples": consumed, "scheduler": scheduler.state_dict(),
              "rng_state": _rng_state()}
     model_sd = {key: _unwrap(chunk).sharded_state_dict() for key, chunk in zip(_model_keys(model), model)}
     state.update(model_sd)
-    state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA)
+    with _cpu_tensors_stay():
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                          metadata={"distrib_optim_sharding_type": optimizer_format})
     return state
+
+
+def _cpu_tensors_stay():
+    """On CPU, fully_reshardable's gather/scatter over DP calls ``Tensor.cuda()``: make it the identity there."""
+    import contextlib
+
+    if torch.cuda.is_available():
+        return contextlib.nullcontext()
+    from models.cpu_compat import _tensor_cuda_is_identity
+
+    return _tensor_cuda_is_identity()
 
 
 def sync_params_before_save(model: List[torch.nn.Module]) -> bool:
@@ -424,7 +439,8 @@ def _own_crcs(tmp: Path, checksum: bool) -> dict:
 
 
 def save(ckpt_dir: Path, *, model, optimizer, scheduler, step: int, consumed: int, keep_last=None,
-         identity: Optional[dict] = None, checksum: bool = False) -> Path:
+         identity: Optional[dict] = None, checksum: bool = False,
+         optimizer_format: str = DEFAULT_OPTIMIZER_FORMAT) -> Path:
     """Save collectively (every rank calls), then publish atomically from rank 0; returns the checkpoint.
 
     Never replaces a complete checkpoint of another run. A failed write (disk full, I/O error) raises
@@ -450,7 +466,8 @@ def save(ckpt_dir: Path, *, model, optimizer, scheduler, step: int, consumed: in
                 message = dir_error(ckpt_dir, exc)
     agree_or_raise(message)
     start = time.perf_counter()
-    state = _sharded_state(model, optimizer, scheduler, step, consumed, is_loading=False)
+    state = _sharded_state(model, optimizer, scheduler, step, consumed, is_loading=False,
+                           optimizer_format=optimizer_format)
     try:
         dist_checkpointing.save(state, str(tmp))
         message, crcs = None, _own_crcs(tmp, checksum)
@@ -468,7 +485,7 @@ def save(ckpt_dir: Path, *, model, optimizer, scheduler, step: int, consumed: in
     if message is None and rank == 0:
         try:
             _publish(ckpt_dir, tmp, final, step=step, identity=identity, crcs=all_crcs,
-                     seconds=time.perf_counter() - start)
+                     seconds=time.perf_counter() - start, rng=rng_layout(), optimizer_format=optimizer_format)
             _prune(ckpt_dir, keep_last, run_hash(identity))
         except OSError as exc:
             message = (f"publishing {final} failed: no space left on device" if exc.errno == errno.ENOSPC
@@ -480,11 +497,12 @@ def save(ckpt_dir: Path, *, model, optimizer, scheduler, step: int, consumed: in
 
 
 def _publish(ckpt_dir: Path, tmp: Path, final: Path, *, step: int, identity: dict, crcs: list,
-             seconds: float) -> None:
+             seconds: float, rng: list, optimizer_format: str) -> None:
     """Rank 0: the manifest last (it makes the directory a checkpoint), then the rename, then ``latest``."""
     merged = {k: v for part in crcs for k, v in part.items()}
     files = {rel: {"size": (tmp / rel).stat().st_size, "crc32": merged.get(rel)} for rel in _files_of(tmp)}
-    manifest = {"step": step, "run": run_hash(identity), "identity": identity, "files": files,
+    manifest = {"step": step, "run": run_hash(identity), "identity": identity, "files": files, "rng_layout": rng,
+                "optimizer_format": optimizer_format,
                 "saved_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "save_seconds": round(seconds, 3)}
     _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
@@ -599,7 +617,8 @@ def _plan_resume(ckpt_dir: Path, identity: dict, load_from: Optional[str]) -> di
 
 
 def resume(ckpt_dir: Path, *, identity: dict, load_from: Optional[str], checksum: bool, model, optimizer,
-           scheduler, warn: Callable[[str], None]) -> Tuple[int, int, Optional[Path]]:
+           scheduler, warn: Callable[[str], None], distributed_optimizer: bool = False
+           ) -> Tuple[int, int, Optional[Path]]:
     """Collective: load the newest loadable checkpoint; returns (step, consumed samples, its path or None).
 
     Each candidate is verified (every rank checks its share of the files), then loaded by all ranks; a failure
@@ -614,10 +633,24 @@ def resume(ckpt_dir: Path, *, identity: dict, load_from: Optional[str], checksum
         problems = [p for share in _gather(verify_files(path, manifest, checksum=checksum, rank=_rank(),
                                                         world=_world())) for p in share]
         error = f"{len(problems)} damaged file(s): {'; '.join(problems[:3])}" if problems else None
+        with_rng = manifest.get("rng_layout") in (None, rng_layout())
+        fmt = manifest.get("optimizer_format", DEFAULT_OPTIMIZER_FORMAT)
+        saved_dp = (manifest.get("rng_layout") or [None] * 3)[2]
+        if error is None and distributed_optimizer and fmt == "dp_reshardable" and saved_dp not in (None, rng_layout()[2]):
+            error = (f"its distributed-optimizer state was saved with checkpoint.optimizer_format=dp_reshardable at "
+                     f"DP={saved_dp}, this run has DP={rng_layout()[2]}; resume at DP={saved_dp}, or save with "
+                     "checkpoint.optimizer_format=fully_reshardable")
+        if not with_rng:
+            warn(f"note: {path} was saved at (PP, TP, DP) = {tuple(manifest['rng_layout'])}, this run is "
+                 f"{tuple(rng_layout())}: weights and optimizer are resharded, the RNG streams start afresh")
         if error is None:
             try:
-                step, consumed = load(path, model=model, optimizer=optimizer, scheduler=scheduler)
+                step, consumed = load(path, model=model, optimizer=optimizer, scheduler=scheduler,
+                                      with_rng=with_rng, optimizer_format=fmt)
             except Exception as exc:  # noqa: BLE001 - any load failure means: try the previous checkpoint
+                import traceback
+
+                traceback.print_exc()  # into this rank's log; the console gets the one-line warning
                 error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
             errors = [e for e in _gather(error) if e]
             error = errors[0] if errors else None
@@ -631,22 +664,59 @@ def resume(ckpt_dir: Path, *, identity: dict, load_from: Optional[str], checksum
     return 0, 0, None
 
 
-def load(path: Path, *, model, optimizer, scheduler) -> tuple:
+class _MissingIsNone(dict):
+    def __missing__(self, key):
+        return None
+
+
+def _tolerate_missing_adam_step() -> None:
+    """Upstream bug (0.19.2, torch Adam): load_parameter_state_from_fully_reshardable leaves torch Adam's 'step'
+    out of the tensors it hands to _set_main_param_and_optimizer_states, which then indexes them by every key of
+    the live state ('step' included): KeyError: 'step'. Missing keys now mean "keep"; the step itself is
+    restored from the saved param_groups by _restore_adam_steps. Idempotent."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+    if getattr(original, "_tolerant", False):
+        return
+
+    def tolerant(self, model_param, tensors):
+        return original(self, model_param, _MissingIsNone(tensors))
+
+    tolerant._tolerant = True
+    DistributedOptimizer._set_main_param_and_optimizer_states = tolerant
+
+
+def rng_layout() -> list:
+    """(PP, TP, DP) sizes: the shape of the per-rank RNG states in a checkpoint."""
+    from megatron.core import parallel_state
+
+    return [parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_data_parallel_world_size(with_context_parallel=True)]
+
+
+def load(path: Path, *, model, optimizer, scheduler, with_rng: bool = True,
+         optimizer_format: str = DEFAULT_OPTIMIZER_FORMAT) -> tuple:
     """Load a checkpoint into model/optimizer/scheduler/RNG; returns (step, consumed_samples)."""
     from megatron.core import dist_checkpointing, tensor_parallel
 
     _materialize_optimizer_state(optimizer)
-    template = _sharded_state(model, optimizer, scheduler, 0, 0, is_loading=True)
+    _tolerate_missing_adam_step()
+    template = _sharded_state(model, optimizer, scheduler, 0, 0, is_loading=True, optimizer_format=optimizer_format)
+    if not with_rng:  # saved per (PP, TP, DP) rank: another layout has no shard for this rank
+        template.pop("rng_state")
     state = dist_checkpointing.load(template, str(path))
     for key, chunk in zip(_model_keys(model), model):
         _unwrap(chunk).load_state_dict(state[key])
-    with torch.no_grad():  # fp32 distributed optimizer: main params are views of the (leaf) model params
+    with torch.no_grad(), _cpu_tensors_stay():  # fp32 dist. optimizer: main params are views of the model's
         optimizer.load_state_dict(state["optimizer"])
     _restore_adam_steps(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    rng = state["rng_state"]
-    _LOADED_RNG["snapshot"] = (rng["cpu"], rng["tracker"], rng.get("cuda") if torch.cuda.is_available() else None)
-    _rng_restore(_LOADED_RNG["snapshot"])
+    if with_rng:
+        rng = state["rng_state"]
+        _LOADED_RNG["snapshot"] = (rng["cpu"], rng["tracker"], rng.get("cuda") if torch.cuda.is_available() else None)
+        _rng_restore(_LOADED_RNG["snapshot"])
     return int(state["step"]), int(state["consumed_samples"])
 
 

@@ -105,7 +105,8 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
     else:
         lp.step, lp.consumed, latest = ckpt.resume(ckpt_dir, identity=identity, load_from=job.checkpoint.load,
                                                    checksum=checksum, model=model, optimizer=optimizer,
-                                                   scheduler=scheduler, warn=console.line)
+                                                   scheduler=scheduler, warn=console.line,
+                                                   distributed_optimizer=job.parallel.distributed_optimizer)
         if latest is not None:
             console.line(f"resumed from {latest} at step {lp.step} ({lp.consumed} samples consumed)")
     saved_at = lp.step
@@ -125,7 +126,7 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
         saved_at = lp.step
         path = ckpt.save(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler, step=lp.step,
                          consumed=lp.consumed, keep_last=job.checkpoint.keep_last, identity=identity,
-                         checksum=checksum)
+                         checksum=checksum, optimizer_format=job.checkpoint.optimizer_format)
         console.line(f"saved checkpoint {path}")
 
     minutes = tr.exit_after_minutes
