@@ -160,6 +160,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--save-interval", "checkpoint.save_interval", 0),
     Flag("--ckpt-format", "checkpoint.format", "torch_dist"),
     Flag("--async-save", "checkpoint.async_save", False, switch=True),
+    Flag("--dist-ckpt-optim-fully-reshardable", "checkpoint.optimizer_format", "dp_reshardable",
+         switch="fully_reshardable"),
     Flag("--log-interval", "logging.log_interval", 100),
     Flag("--wandb-project", "logging.wandb_project", None),
     Flag("--wandb-entity", "logging.wandb_entity", None),
