@@ -15,3 +15,10 @@ RUN pip freeze | grep -iE '^(torch|transformer[-_]engine|triton)==' > /tmp/conta
 
 ENV CUDA_DEVICE_MAX_CONNECTIONS=1 \
     PYTHONUNBUFFERED=1
+
+# Run as an unprivileged user (uid 10001; Ubuntu-based NGC images already have uid 1000). Under pyxis/enroot the
+# job runs as the submitting user anyway; this keeps `docker run` from defaulting to root. Caches (Triton,
+# torch extensions) go to the user's home; checkpoints and bundles go to mounted directories.
+RUN useradd --create-home --uid 10001 --shell /bin/bash launcher
+USER launcher
+ENV HOME=/home/launcher
