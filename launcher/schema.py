@@ -430,6 +430,9 @@ class ClusterConfig:
     max_restarts: Optional[int] = None
     """torchrun --max-restarts: restart all ranks of a node this many times after a rank dies (each restart
     resumes from the newest complete checkpoint); null means 3 on Slurm, 0 locally."""
+    health_check: Optional[bool] = None
+    """Before training, probe all-reduce bandwidth inside each node and point-to-point bandwidth between nodes,
+    naming any node far below the others; null means on for multi-node jobs."""
     env: Dict[str, str] = field(default_factory=dict)
     """Environment variables exported in the job (NCCL, CUDA_DEVICE_MAX_CONNECTIONS, ...)."""
     secret_env: List[str] = field(default_factory=lambda: ["WANDB_API_KEY", "HF_TOKEN"])

@@ -173,6 +173,7 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
         "nvlink_bandwidth_gbps", "network_bandwidth_gbps", "gemm_efficiency", "fp8_gemm_efficiency",
         "comm_efficiency", "memory_reserve_gb", "partition", "account", "container_image", "container_mounts",
         "workdir", "python", "env", "secret_env", "max_restarts")},
+    "cluster.health_check": _w(DIST, "pre-flight bandwidth probe"),
     # ---- slurm
     **{f"slurm.{name}": _w(LOGIN) for name in (
         "time", "job_name", "signal_lead_s", "requeue", "exclusive", "extra_args", "max_requeues")},

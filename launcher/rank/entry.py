@@ -59,6 +59,11 @@ def train(bundle: Path, console) -> int:
     layout, tr = derive(job), job.train
     elastic.init_process_group_for_restart(job.cluster.backend)  # before setup: a torchrun restart's own keys
     setup.init_distributed(cluster=job.cluster, layout=layout, seed=tr.seed)
+    if job.cluster.health_check or (job.cluster.health_check is None and job.nodes > 1):
+        from launcher.rank import health
+
+        for line in health.probe():
+            console.line(line)
     rank = torch.distributed.get_rank()
     backend.check_planned_backend(job.precision, layout)
     backend.initialize_tp_comm_overlap(model=job.model, parallel=job.parallel, precision=job.precision, train=tr,

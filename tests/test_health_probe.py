@@ -1,0 +1,44 @@
+"""Pre-flight link check: two torchrun agents on this machine form a 2-node job (c10d rendezvous), the probe
+runs over gloo before training and reports both nodes; the verdict names a node far below the median."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+from _rank_harness import ROOT, TINY, layout, write_bundle
+from launcher.rank.health import report, verdict
+
+
+def test_verdict_and_report_name_the_slow_node():
+    assert verdict({"0:a": 10.0, "1:b": 10.5, "2:c": 2.0}, 0.5) == ["2:c"]
+    assert verdict({"0:a": 10.0}, 0.5) == []
+    every = [{"node": "0:a", "rank": 0, "intra": 9.0, "inter": 5.0}, {"node": "0:a", "rank": 1, "intra": 9.5, "inter": None},
+             {"node": "1:b", "rank": 2, "intra": 9.0, "inter": 5.1}, {"node": "1:b", "rank": 3, "intra": 9.1, "inter": None},
+             {"node": "2:c", "rank": 4, "intra": 1.0, "inter": 5.0}, {"node": "2:c", "rank": 5, "intra": 1.1, "inter": None}]
+    lines = report(every, margin=0.5, size_mb=16)
+    assert lines[0] == "health: node 0:a: intra-node all-reduce 9.00 GB/s, link to the next node 5.00 GB/s (16 MB)"
+    assert lines[-1].startswith("warning: node 2:c intra-node bandwidth 1.00 GB/s is more than 50% below the median")
+    assert len(lines) == 4
+
+
+def test_two_node_job_on_one_machine_probes_before_training(tmp_path):
+    bundle = write_bundle(tmp_path / "b", TINY + layout() + ["nodes=2", "train.train_steps=1",
+                                                             "cluster.health_check=true"], 1)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=health", "-m", "launcher.rank", "--bundle", str(bundle)]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    out = "".join(outs)
+    health = [line for line in out.splitlines() if line.startswith("health: node ")]
+    assert len(health) == 2, out[-3000:]
+    assert health[0].startswith("health: node 0:") and "link to the next node" in health[0], health
+    assert health[1].startswith("health: node 1:"), health
+    assert out.index("health: node 0:") < out.index("step     1")
