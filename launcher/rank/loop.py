@@ -71,7 +71,9 @@ def any_rank(flag: bool) -> bool:
 def local_grads_nonfinite(model) -> bool:
     """Any NaN/Inf in this rank's gradient buffers (Megatron DDP's contiguous grad_data), after the reduce."""
     for chunk in model:
-        buffers = list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", []))
+        # Megatron DDP's `buffers` list shadows nn.Module.buffers(); anything else has no grad buffers
+        buffers = [b for name in ("buffers", "expert_parallel_buffers")
+                   for b in (getattr(chunk, name, None) if isinstance(getattr(chunk, name, None), list) else [])]
         for buf in buffers:
             if not bool(torch.isfinite(buf.grad_data).all()):
                 return True
