@@ -42,3 +42,13 @@ def test_two_node_job_on_one_machine_probes_before_training(tmp_path):
     assert health[0].startswith("health: node 0:") and "link to the next node" in health[0], health
     assert health[1].startswith("health: node 1:"), health
     assert out.index("health: node 0:") < out.index("step     1")
+
+
+def test_straggler_report_every_n_steps_in_a_real_run(tmp_path):
+    from _rank_harness import run_train
+
+    bundle = write_bundle(tmp_path / "s", TINY + layout(tp=2) + ["train.train_steps=4", "train.straggler_interval=2"], 2)
+    proc = run_train(bundle, 2)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("step ms per rank: ")]
+    assert len(lines) == 2 and all(" 0:" in f" {line.split(': ', 1)[1]}" and " 1:" in line for line in lines), lines
