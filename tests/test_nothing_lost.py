@@ -273,3 +273,42 @@ def test_disk_full_during_a_save_is_reported_as_such(tmp_path):
     errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "no space left on device" in errors[0], proc.stdout[-3000:]
     assert not [n for n in names if n.endswith(".tmp")], names  # the partial save was removed
+
+
+def test_a_second_run_is_refused_while_the_first_trains_on_the_dir(tmp_path):
+    shared = tmp_path / "shared"
+    first = write_bundle(tmp_path / "first", TINY + layout() + ["train.train_steps=100000",
+                                                                f"checkpoint.dir={shared}"], 1)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m",
+           "launcher.rank", "--bundle", str(first)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    try:
+        wait_for(lambda: (shared / "LOCK").is_file(), 120, "the first run's lock")
+        second = write_bundle(tmp_path / "second", TINY + layout() + ["train.train_steps=2",
+                                                                      f"checkpoint.dir={shared}"], 1)
+        out = run_train(second, 1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert out.returncode != 0
+    errors = [line for line in out.stdout.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: checkpoint.dir={shared} is in use by another run "
+                                                     "(pid "), out.stdout
+    assert f"bundle {first}" in errors[0]
+    assert "step     1" not in out.stdout
+
+
+def test_resume_false_sets_own_checkpoints_aside_and_refuses_another_runs(tmp_path):
+    shared = tmp_path / "shared"
+    base = TINY + layout() + ["train.train_steps=2", "checkpoint.save_interval=1", f"checkpoint.dir={shared}"]
+    train(tmp_path, "first", 1, base)
+    again = train(tmp_path, "again", 1, base + ["checkpoint.resume=false"])
+    assert "checkpoint.resume=false: moved 2 earlier checkpoint(s) of this run aside" in again.stdout
+    assert sorted(again.steps) == [1, 2]  # started fresh
+    other = write_bundle(tmp_path / "other", base + ["checkpoint.resume=false", "train.seed=9"], 1)
+    proc = run_train(other, 1)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "holds checkpoints of another run" in errors[0] and \
+        "checkpoint.resume=false would overwrite them" in errors[0], proc.stdout

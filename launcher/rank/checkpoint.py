@@ -543,6 +543,27 @@ def set_aside(ckpt_dir: Path, run: str) -> List[Path]:
     return moved
 
 
+def start_fresh(ckpt_dir: Path, identity: dict) -> List[Path]:
+    """Collective, for checkpoint.resume=false: refuse a dir holding another run's complete checkpoints (the new
+    run would overwrite them step by step), else set this run's old ones aside (rank 0) and return them."""
+    message, moved = None, []
+    if _rank() == 0:
+        run = run_hash(identity)
+        foreign = [(p, m) for p, m in complete_checkpoints(ckpt_dir) if m.get("run") != run]
+        if foreign:
+            path, manifest = foreign[0]
+            message = (f"checkpoint.dir={ckpt_dir} holds checkpoints of another run ({path.name}: "
+                       f"{identity_diff(manifest.get('identity', {}), identity)}); checkpoint.resume=false would "
+                       "overwrite them: use another checkpoint.dir")
+        else:
+            try:
+                moved = [str(p) for p in set_aside(ckpt_dir, run)]
+            except OSError as exc:
+                message = dir_error(Path(ckpt_dir), exc)
+    agree_or_raise(message)
+    return [Path(p) for p in _broadcast(moved)]
+
+
 def _materialize_optimizer_state(optimizer) -> None:
     """A fresh torch Adam has no state yet, and DistributedOptimizer.state_dict() (needed to build the load
     template) asserts one common 'step' across its states. Take one step with zero grads and lr=0 (params

@@ -102,11 +102,10 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
     lock.acquire()
     checksum = job.checkpoint.verify == "checksum"
     if not job.checkpoint.resume:
-        moved = ckpt.set_aside(ckpt_dir, ckpt.run_hash(identity)) if rank == 0 else []
+        moved = ckpt.start_fresh(ckpt_dir, identity)
         if moved:
             console.line(f"checkpoint.resume=false: moved {len(moved)} earlier checkpoint(s) of this run aside "
                          f"(e.g. {moved[0].name})")
-        torch.distributed.barrier()
     else:
         lp.step, lp.consumed, latest = ckpt.resume(ckpt_dir, identity=identity, load_from=job.checkpoint.load,
                                                    checksum=checksum, model=model, optimizer=optimizer,
