@@ -399,19 +399,24 @@ def fsdp_layer_params(job: JobConfig, lay: Layout) -> float:
     return best
 
 
-def stage_memory(job: JobConfig, lay: Layout, stage: int, cache: dict | None = None) -> StageMemory:
-    """Peak memory of one rank of ``stage`` (``cache``: shared by the stages of one layout, so stages alike in
-    their layer counts reuse the parameter and per-layer activation sums)."""
+def stage_memory(job: JobConfig, lay: Layout, stage: int, cache: dict | None = None,
+                 static_cache: dict | None = None) -> StageMemory:
+    """Peak memory of one rank of ``stage``. ``cache``: shared by the stages of one job, so stages alike reuse
+    the per-layer activation sums; ``static_cache``: shared by jobs that differ only in micro batch and
+    recomputation (the search), for the layer split and the weights, gradients and optimizer state."""
     model = job.model
     cache = {} if cache is None else cache
-    layers = stage_layers(lay, stage)
+    static_cache = {} if static_cache is None else static_cache
     p, t, cp = lay.pp, lay.tp, lay.cp
-    n_moe = sum(1 for i in layers if lay.moe_pattern[i])
-    key = (stage == 0, stage == p - 1, n_moe, len(layers))
-    if key not in cache:
+    if ("stage", stage) not in static_cache:
+        layers = stage_layers(lay, stage)
+        static_cache[("stage", stage)] = (len(layers), sum(1 for i in layers if lay.moe_pattern[i]))
+    n_layers, n_moe = static_cache[("stage", stage)]
+    key = (stage == 0, stage == p - 1, n_moe, n_layers)
+    if key not in static_cache:
         rp = stage_params(job, stage, lay)
-        cache[key] = (rp, static_bytes(job, rp, lay))  # FP8 copies: layer GEMMs only (the output layer stays BF16)
-    rp, static = cache[key]
+        static_cache[key] = (rp, static_bytes(job, rp, lay))  # FP8 copies: layer GEMMs only (output layer BF16)
+    rp, static = static_cache[key]
     parts = dict(static)
 
     def per_token(kind: bool, full: bool = False) -> float:
@@ -423,8 +428,8 @@ def stage_memory(job: JobConfig, lay: Layout, stage: int, cache: dict | None = N
     b, s, h = job.train.micro_batch_size, model.seq_length, model.hidden_size
     tokens = b * s / cp
     pattern = lay.moe_pattern
-    counts = {True: n_moe, False: len(layers) - n_moe}
-    frac = recompute_fraction(job, lay, len(layers))
+    counts = {True: n_moe, False: n_layers - n_moe}
+    frac = recompute_fraction(job, lay, n_layers)
     per_kind = {k: frac * per_token(k) + (1 - frac) * per_token(k, True) for k, n in counts.items() if n}
     last = stage == p - 1
     mtp = model.mtp_num_layers if last else 0
@@ -458,14 +463,16 @@ def stage_memory(job: JobConfig, lay: Layout, stage: int, cache: dict | None = N
     work = max((per_token(k, True) for k in per_kind), default=0.0) * tokens
     parts["workspace"] = work * (2 if frac > 0 else 1)
     parts["reserve"] = job.cluster.memory_reserve_gb * GB
-    return StageMemory(stage, len(layers), rp.total, in_flight, parts)
+    return StageMemory(stage, n_layers, rp.total, in_flight, parts)
 
 
-def memory_per_stage(job: JobConfig, lay: Layout | None = None) -> list[StageMemory]:
-    """Peak memory of every pipeline stage (``lay``: the job's layout, derived if None)."""
+def memory_per_stage(job: JobConfig, lay: Layout | None = None, static_cache: dict | None = None) -> list[StageMemory]:
+    """Peak memory of every pipeline stage (``lay``: the job's layout, derived if None; ``static_cache``: see
+    ``stage_memory``)."""
     lay = lay or derive(job)
     cache: dict = {}
-    return [stage_memory(job, lay, r, cache) for r in range(lay.pp)]
+    static_cache = {} if static_cache is None else static_cache
+    return [stage_memory(job, lay, r, cache, static_cache) for r in range(lay.pp)]
 
 
 def activation_formula_check(job: JobConfig) -> float:

@@ -29,6 +29,8 @@ MAX_ONE_LAYER_CHUNKS = 24
 """One decoder layer (or slot) per chunk is tried up to this many chunks per stage."""
 RECOMPUTE = ("none", "selective", "full")
 """Recompute modes tried."""
+STATIC_PARTS = ("weights", "grads", "optimizer", "fp8_weights", "reserve")
+"""Memory parts that neither the micro batch nor recomputation changes."""
 MODULE_RECOMPUTE = {"mla": ("mla_up_proj", "mlp"), "moe": ("moe_act", "layernorm")}
 """Per-module selective recomputation tried besides core attention: NVIDIA's DeepSeek-V3 H100 choice for MLA
 models; the cheap output-discarding pair for MoE models."""
@@ -201,12 +203,22 @@ def search(job: JobConfig, top: int = 10) -> list[Candidate]:
     cap = job.cluster.gpu_memory_gb * GB
     fitting = []
     fitted: set = set()  # layouts (all but recompute) that already fit with less recomputation
+    statics: dict = {}  # per parallel layout: its split and static bytes (micro batch and recompute do not change them)
+    hopeless: set = set()  # parallel layouts whose static bytes alone exceed the GPU
     for overrides, cand, lay in candidates(job):
         key = tuple(o for o in overrides if not o.startswith(("train.recompute=", "train.recompute_modules=",
                                                                "parallel.moe_a2a_overlap=")))
         if key in fitted:
             continue  # more recomputation than needed is never faster
-        peak = max(s.total for s in memory_per_stage(cand, lay))
+        layout_key = tuple(o for o in key if not o.startswith("train.micro_batch_size="))
+        if layout_key in hopeless:
+            continue
+        static = statics.setdefault(layout_key, {})
+        stages = memory_per_stage(cand, lay, static)
+        if max(sum(s.parts[k] for k in STATIC_PARTS) for s in stages) > cap:
+            hopeless.add(layout_key)  # weights, grads and optimizer alone do not fit: no batch or recompute helps
+            continue
+        peak = max(s.total for s in stages)
         if peak <= cap:
             fitted.add(key)
             fitting.append((overrides, cand, lay, peak, step_time(cand, lay, exact=False).step_s))
