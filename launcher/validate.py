@@ -922,6 +922,9 @@ def validate_sizes(job: JobConfig) -> list[Problem]:
     holds a table per layer and per (virtual) pipeline chunk."""
     c = _Checks()
     for name, value, most in (("model.num_layers", job.model.num_layers, MAX_LAYERS),
+                              ("model.mtp_num_layers", job.model.mtp_num_layers, MAX_LAYERS),
+                              ("parallel.first_stage_layers", job.parallel.first_stage_layers, MAX_LAYERS),
+                              ("parallel.last_stage_layers", job.parallel.last_stage_layers, MAX_LAYERS),
                               ("parallel.pipeline", job.parallel.pipeline, MAX_PIPELINE),
                               ("parallel.virtual_pipeline", job.parallel.virtual_pipeline, MAX_PIPELINE)):
         c.need(value is None or value <= most, name, value, f"must be at most {most} (a typo?)", f"{name}=1")
@@ -933,12 +936,14 @@ def validate_finite(job: JobConfig) -> list[Problem]:
     it). Checked before anything is derived, like the sizes."""
     c = _Checks()
     for name, (cls, kind) in _FIELD_TYPES.items():
-        if "float" not in kind:
-            continue
         section, _, attr = name.rpartition(".")
         value = getattr(getattr(job, section) if section else job, attr)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if "float" in kind:
             c.need(math.isfinite(value), name, value, "must be a finite number", f"{name}={_default_text(name)}")
+        elif "int" in kind:  # Python ints are unbounded; torch and the index files hold 64 bits
+            c.need(abs(value) < 2**63, name, value, "must fit in 64 bits", f"{name}={_default_text(name)}")
     return c.problems
 
 
@@ -1100,7 +1105,9 @@ def _default_text(key: str) -> str | None:
 @lru_cache(maxsize=4096)
 def _divisor_near(n: int, want: int) -> int:
     """The divisor of n closest to want (ties go lower): a valid value to suggest."""
-    n = max(1, int(n))
+    n, want = max(1, int(n)), max(1, int(want))
+    if n > 10**10:  # too many candidates to enumerate: the largest divisor of n that divides want
+        return math.gcd(n, want)
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]  # O(sqrt n): hints are built eagerly
     divisors = small + [n // d for d in small]
     return min(divisors, key=lambda d: (abs(d - want), d))
