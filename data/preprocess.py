@@ -29,6 +29,7 @@ import gzip
 import os
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -39,14 +40,44 @@ _STOP = object()
 
 
 def expand_inputs(patterns: List[str]) -> List[str]:
-    """Each argument is a file or a glob; globs expand sorted. Missing inputs are an error."""
+    """Each argument is a file or a glob (``**`` matches any depth); globs expand sorted. Missing inputs, and
+    ``.zst`` inputs without the ``zstandard`` module, are an error before any work starts."""
     paths: List[str] = []
     for pat in patterns:
-        hits = sorted(glob.glob(pat)) if glob.has_magic(pat) else ([pat] if os.path.exists(pat) else [])
+        hits = sorted(p for p in glob.glob(pat, recursive=True) if os.path.isfile(p)) if glob.has_magic(pat) \
+            else ([pat] if os.path.exists(pat) else [])
         if not hits:
             raise SystemExit(f"error: --input {pat!r}: no such file; give a JSONL file, .jsonl.gz, or a glob")
         paths.extend(hits)
+    zst = [p for p in paths if p.endswith(ZSTD_SUFFIXES)]
+    if zst and _zstandard() is None:
+        raise SystemExit(f"error: --input {zst[0]!r}: .zst input needs the 'zstandard' module (pip install "
+                         "zstandard), which is not installed; install it or recompress as .jsonl.gz")
     return paths
+
+
+ZSTD_SUFFIXES = (".zst", ".zstd")
+
+
+def _zstandard():
+    try:
+        import zstandard
+
+        return zstandard
+    except ImportError:
+        return None
+
+
+def open_text_stream(raw, path: str):
+    """A streaming binary reader over one input: gzip, zstandard (when installed) or the plain file."""
+    if path.endswith(".gz"):
+        return gzip.GzipFile(fileobj=raw)
+    if path.endswith(ZSTD_SUFFIXES):
+        zstandard = _zstandard()
+        if zstandard is None:
+            raise SystemExit(f"error: {path}: .zst input needs the 'zstandard' module (pip install zstandard)")
+        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+    return raw
 
 
 def _json_loads():
@@ -65,7 +96,7 @@ def iter_blocks(paths: List[str], chunk_bytes: int) -> Iterator[Tuple[bytes, int
     done_before = 0
     for path in paths:
         with open(path, "rb") as raw:
-            f = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
+            f = open_text_stream(raw, path)
             tail = b""
             while True:
                 data = f.read(chunk_bytes)
@@ -223,20 +254,104 @@ def _malloc_trim():
         return lambda pad: 0
 
 
+def _proc_start(pid: int) -> Optional[str]:
+    """Start time of a live process (clock ticks since boot, /proc/PID/stat field 22); None when the pid is
+    free or belongs to a zombie (killed, not yet reaped: it writes nothing more)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) "; comm may hold spaces and parentheses
+    if not fields or fields[0] in ("Z", "X"):
+        return None
+    return fields[19]
+
+
+def _owner_token() -> str:
+    """``PID-STARTTIME-HOST``: names this writer uniquely even after its pid is reused by another process."""
+    pid = os.getpid()
+    return f"{pid}-{_proc_start(pid) or 0}-{socket.gethostname()}"
+
+
 def _partial_paths(prefix: str) -> Tuple[str, str]:
-    return f"{prefix}.bin.partial-{os.getpid()}", f"{prefix}.idx.partial-{os.getpid()}"
+    token = _owner_token()
+    return f"{prefix}.bin.partial-{token}", f"{prefix}.idx.partial-{token}"
 
 
-def _remove_stale_partials(prefix: str) -> None:
-    """Leftovers of a killed earlier run (its pid no longer alive)."""
+def _lock_partial(path: str) -> Optional[int]:
+    """Create ``path`` and hold an exclusive flock on it for this process's life (released by the kernel when
+    the process dies, however it dies). None where the filesystem does not support flock."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _owner_alive(token: str) -> Optional[bool]:
+    """Whether the writer named by a partial's token still runs on this host; None when that cannot be told
+    from here (another host). Old-style tokens are a bare pid."""
+    pid_s, _, rest = token.partition("-")
+    start, _, host = rest.partition("-")
+    if not pid_s.isdigit():
+        return False
+    if host and host != socket.gethostname():
+        return None
+    now = _proc_start(int(pid_s))
+    return now is not None and (not start or start == "0" or now == start)
+
+
+def _locked_by_someone(path: str) -> Optional[bool]:
+    """True if another open file holds a flock on ``path``; None when flock is unsupported there."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _remove_stale_partials(prefix: str) -> List[str]:
+    """Remove the partial files of earlier writers that are gone; returns the removed paths.
+
+    A writer holds a flock on its ``.bin`` partial for its whole life, and its files are named
+    ``partial-PID-STARTTIME-HOST``. A partial is stale when nobody holds that lock and its writer (same pid
+    *and* start time, not a zombie) no longer runs here: a pid reused by another process, or a SIGKILLed writer
+    its parent has not reaped yet, no longer keeps old partials alive. Both tests are needed: the lock spans
+    hosts on a shared filesystem, the pid test covers filesystems without flock and the instant between a
+    writer creating its file and locking it.
+    """
+    removed = []
+    by_token: dict = {}
     for p in glob.glob(glob.escape(prefix) + ".*.partial-*"):
-        try:
-            pid = int(p.rsplit("-", 1)[1])
-            os.kill(pid, 0)
-        except (ValueError, ProcessLookupError):
-            os.remove(p)
-        except PermissionError:
-            pass
+        by_token.setdefault(p.rsplit(".partial-", 1)[1], []).append(p)
+    for token, paths in by_token.items():
+        locked = _locked_by_someone(f"{prefix}.bin.partial-{token}")
+        alive = _owner_alive(token)
+        if locked or alive or (locked is None and alive is None):
+            continue
+        for p in paths:
+            try:
+                os.remove(p)
+                removed.append(p)
+            except FileNotFoundError:
+                pass
+    return removed
 
 
 def _publish(prefix: str, tmp_bin: str, tmp_idx: str) -> None:
@@ -268,6 +383,7 @@ def preprocess(inputs: List[str], tokenizer: str, output_prefix: str, *, workers
     Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_partials(output_prefix)
     tmp_bin, tmp_idx = _partial_paths(output_prefix)
+    lock_fd = _lock_partial(tmp_bin)  # the builder reopens the same file; the lock stays with this fd
     writer = _Writer(tmp_bin, tok.vocab_size, tok.eod if append_eod else None, light_import=light_import)
     writer.start()
     progress = _Progress(sum(os.path.getsize(p) for p in paths), every_s=float("inf") if quiet else 2.0)
@@ -324,10 +440,12 @@ def preprocess(inputs: List[str], tokenizer: str, output_prefix: str, *, workers
             for p in (tmp_bin, tmp_idx):
                 if os.path.exists(p):
                     os.remove(p)
+        if lock_fd is not None:
+            os.close(lock_fd)
     progress.update(0, 0, progress.total, force=not quiet)
     elapsed = time.perf_counter() - progress.t0
     return {"documents": progress.docs, "tokens": progress.tokens, "seconds": elapsed, "backend": encoder.name,
-            "cache_rebuilds": getattr(encoder, "rebuilds", 0),
+            "cache_rebuilds": getattr(encoder, "rebuilds", 0), "vocab_size": tok.vocab_size,
             "bin": output_prefix + ".bin", "idx": output_prefix + ".idx"}
 
 
@@ -335,11 +453,11 @@ def _on_sigterm(signum, frame):  # turn SIGTERM into an exception so the partial
     raise SystemExit(128 + signum)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m data.preprocess", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--input", nargs="+", required=True, help="JSONL files (.jsonl or .jsonl.gz) or globs")
-    ap.add_argument("--tokenizer", required=True, help="local tokenizer.json (nothing is downloaded)")
-    ap.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    ap.add_argument("--input", nargs="+", help="JSONL files (.jsonl, .jsonl.gz, .jsonl.zst) or globs ('**' recurses)")
+    ap.add_argument("--tokenizer", help="local tokenizer.json (nothing is downloaded)")
+    ap.add_argument("--output-prefix", help="writes PREFIX.bin and PREFIX.idx (with --slurm: PREFIX-NNNNN-of-NNNNN.*)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer threads")
     ap.add_argument("--append-eod", action="store_true", help="append the end-of-document id after each document")
     ap.add_argument("--json-key", default="text", help="the JSON field holding the text")
@@ -349,8 +467,70 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--cache-budget-mb", type=int, default=256,
                     help="rebuild gigatoken's encode cache when memory grows past this (bounds peak RSS)")
     ap.add_argument("--quiet", action="store_true")
+    sl = ap.add_argument_group("cluster (a Slurm job array over shards; see data/slurm_array.py)")
+    sl.add_argument("--slurm", action="store_true", help="plan shards, render and submit the array and its final check")
+    sl.add_argument("--render-only", action="store_true", help="with --slurm: write manifest and scripts, submit nothing")
+    sl.add_argument("--shard-size-mb", type=float, default=4096, help="input bytes (on disk) per array task")
+    sl.add_argument("--retries", type=int, default=2, help="attempts after the first for a failed task")
+    sl.add_argument("--max-parallel", type=int, default=0, help="array tasks running at once (0: no limit)")
+    sl.add_argument("--time", default="04:00:00", help="time limit per task")
+    sl.add_argument("--partition", default=None)
+    sl.add_argument("--account", default=None)
+    sl.add_argument("--mem", default=None, help="memory per task, e.g. 8G")
+    sl.add_argument("--cpus-per-task", type=int, default=None, help="default: --workers")
+    sl.add_argument("--job-name", default="preprocess")
+    sl.add_argument("--python", default=None, help="interpreter on the compute nodes (default: this one)")
+    sl.add_argument("--workdir", default=None, help="checkout on the compute nodes (default: this one)")
+    sl.add_argument("--container-image", default=None, help="run tasks in this image (pyxis)")
+    sl.add_argument("--container-mounts", default="", help="SRC:DST,...; must cover inputs, outputs, tokenizer")
+    sl.add_argument("--secret-env", action="append", default=[], help="environment variable passed by name")
+    sl.add_argument("--sbatch-arg", action="append", default=[], dest="sbatch_args", help="extra #SBATCH line")
+    sl.add_argument("--manifest", default=None, help="(array tasks) the manifest written by --slurm")
+    sl.add_argument("--task-index", type=int, default=None, help="(array tasks) default $SLURM_ARRAY_TASK_ID")
+    sl.add_argument("--finalize", action="store_true", help="(final step) check all shards and write the blend")
+    return ap
+
+
+def _submit(args, argv) -> int:
+    from data import slurm_array
+
+    settings = {"tokenizer": args.tokenizer, "append_eod": args.append_eod, "json_key": args.json_key,
+                "eod_token": args.eod_token, "chunk_mb": args.chunk_mb, "backend": args.backend,
+                "cache_budget_mb": args.cache_budget_mb, "workers": args.workers}
+    if not os.path.isfile(args.tokenizer):
+        raise SystemExit(f"error: --tokenizer {args.tokenizer!r}: no such file (nothing is downloaded)")
+    opts = {k: getattr(args, k) for k in ("retries", "max_parallel", "time", "partition", "account", "mem",
+                                           "cpus_per_task", "job_name", "python", "workdir", "container_image",
+                                           "container_mounts", "secret_env", "sbatch_args")}
+    out = slurm_array.submit(expand_inputs(args.input), args.output_prefix, settings, opts,
+                             shard_bytes=max(1, int(args.shard_size_mb * 2**20)), render_only=args.render_only,
+                             argv=list(argv if argv is not None else sys.argv[1:]))
+    done = out["shards"] - len(out["pending"])
+    print(f"manifest {out['manifest']}: {out['shards']} shards, {done} already complete")
+    print(f"scripts {out['array_script']} and {out['finalize_script']}")
+    if args.render_only:
+        for cmd in out["commands"]:
+            print("would run:", " ".join(c for c in cmd if c))
+    else:
+        if out["array_job"]:
+            print(f"submitted: array job {out['array_job']} ({len(out['pending'])} tasks)")
+        print(f"submitted: final check job {out['final_job']}")
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    if args.manifest:
+        from data import slurm_array
+
+        return slurm_array.finalize(args.manifest) if args.finalize else slurm_array.run_task(args.manifest, args.task_index)
+    missing = [o for o in ("input", "tokenizer", "output_prefix") if not getattr(args, o)]
+    if missing:
+        ap.error("the following arguments are required: " + ", ".join("--" + m.replace("_", "-") for m in missing))
+    if args.slurm:
+        return _submit(args, argv)
     s = preprocess(args.input, args.tokenizer, args.output_prefix, workers=args.workers,
                    append_eod=args.append_eod, json_key=args.json_key, chunk_mb=args.chunk_mb,
                    backend=args.backend, eod_token=args.eod_token, cache_budget_mb=args.cache_budget_mb,

@@ -1,0 +1,198 @@
+"""data.preprocess --slurm: shards by bytes, rendering rules, manifest/resume, final check and blend; and the
+whole flow on the local Slurm cluster (slurm/localhost/start.sh) with one task SIGKILLed and resubmitted."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from data import slurm_array
+from data.testing import TOKENIZER, real_texts, write_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+SETTINGS = {"tokenizer": str(TOKENIZER), "append_eod": True, "json_key": "text", "eod_token": None,
+            "chunk_mb": 0.05, "backend": "tokenizers", "cache_budget_mb": 256, "workers": 1}
+
+
+def _corpus(root: Path, n_files: int = 6, repeat: int = 1) -> list:
+    """n_files JSONL inputs in two directories, alternately plain and gzip; returns them in sorted order."""
+    texts = real_texts(120, repeat=repeat)
+    per = len(texts) // n_files
+    for i in range(n_files):
+        sub = root / ("a" if i < n_files // 2 else "b")
+        sub.mkdir(parents=True, exist_ok=True)
+        write_jsonl(sub / (f"part{i}.jsonl" + (".gz" if i % 2 else "")), texts[i * per:(i + 1) * per])
+    return sorted(glob.glob(str(root / "**" / "*.jsonl*"), recursive=True))
+
+
+def test_group_by_bytes_keeps_order_and_never_splits_a_file(tmp_path):
+    sizes = [5, 5, 5, 30, 1, 1, 12]
+    paths = []
+    for i, n in enumerate(sizes):
+        (tmp_path / f"f{i}").write_bytes(b"x" * n)
+        paths.append(str(tmp_path / f"f{i}"))
+    groups = slurm_array.group_by_bytes(paths, 10)
+    assert [p for g in groups for p in g] == paths
+    assert [[os.path.getsize(p) for p in g] for g in groups] == [[5, 5], [5], [30], [1, 1], [12]]
+    assert slurm_array._array_spec([0, 1, 2, 5, 7, 8], 4) == "0-2,5,7-8%4"
+
+
+def test_render_quotes_values_refuses_unsafe_directives_and_checks_mounts(tmp_path):
+    files = _corpus(tmp_path / "in dir's", n_files=2)
+    hostile = slurm_array.plan(files, str(tmp_path / "out $(touch pwned)" / "c"), SETTINGS, shard_bytes=1 << 30)
+    with pytest.raises(SystemExit, match=r"--output-prefix \(its logs directory\)=.*may hold only"):
+        slurm_array.render(hostile, {})  # it would reach #SBATCH --output, which is not shell-quoted
+    manifest = slurm_array.plan(files, str(tmp_path / "out" / "c"), SETTINGS, shard_bytes=1 << 30)
+    python = str(tmp_path / "py $(touch pwned)" / "python")
+    texts = slurm_array.render(manifest, {"secret_env": ["HF_TOKEN"], "partition": "gpu", "time": "01:00:00",
+                                          "python": python})
+    for text in texts.values():
+        assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
+        assert "$(touch pwned)" not in text.replace(shlex.quote(python), "")  # only inside quotes
+        assert "#SBATCH --partition=gpu" in text and "HF_TOKEN" in text
+        assert not any(i["path"] in text for s in manifest["shards"] for i in s["inputs"])  # inputs: manifest only
+        assert os.environ.get("HF_TOKEN", "\0") not in text  # by name only
+    assert "attempts=3" in texts["array"] and "--finalize" in texts["finalize"]
+    with pytest.raises(SystemExit, match=r"--partition='gpu\\nrm -rf /'.*may hold only"):
+        slurm_array.render(manifest, {"partition": "gpu\nrm -rf /"})
+    with pytest.raises(SystemExit, match="--secret-env"):
+        slurm_array.render(manifest, {"secret_env": ["X=1"]})
+    with pytest.raises(SystemExit, match="does not mount"):
+        slurm_array.render(manifest, {"container_image": "img.sqsh", "container_mounts": f"{ROOT}:{ROOT}"})
+    text = slurm_array.render(manifest, {"container_image": "img.sqsh", "container_mounts": f"{tmp_path}:{tmp_path},{ROOT}"})
+    assert "--container-image=img.sqsh" in text["array"]
+
+
+def test_zst_without_zstandard_is_one_clear_error(tmp_path, monkeypatch):
+    from data import preprocess
+
+    (tmp_path / "a.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd")
+    monkeypatch.setattr(preprocess, "_zstandard", lambda: None)
+    with pytest.raises(SystemExit, match=r"\.zst input needs the 'zstandard' module"):
+        preprocess.expand_inputs([str(tmp_path / "*.zst")])
+
+
+def test_tasks_final_check_and_blend_equal_one_process_run(tmp_path):
+    """Without Slurm: each task in turn, a rerun skips, a changed input is refused, the blend pre-flights clean."""
+    from data.preflight import preflight
+    from data.preprocess import preprocess
+
+    files = _corpus(tmp_path / "corpus")
+    prefix = str(tmp_path / "out" / "c")
+    manifest = slurm_array.load_or_create_manifest(slurm_array.plan(files, prefix, SETTINGS, shard_bytes=300_000))
+    n = len(manifest["shards"])
+    assert n >= 3 and slurm_array.pending(manifest) == list(range(n))
+    mpath = str(slurm_array.paths_of(manifest["output_prefix"])["manifest"])
+    assert slurm_array.finalize(mpath) == 1  # nothing done yet: refused, no blend
+    for i in range(n):
+        assert slurm_array.run_task(mpath, i) == 0
+    assert slurm_array.pending(manifest) == []
+    assert slurm_array.finalize(mpath) == 0
+    done = json.loads(Path(mpath).read_text())
+    blend = json.loads(Path(prefix + ".blend.json").read_text())
+    tokens = [s["tokens"] for s in done["shards"]]
+    assert blend[1::2] == [s["prefix"] for s in done["shards"]]
+    assert blend[0::2] == pytest.approx([t / sum(tokens) for t in tokens])
+    data = SimpleNamespace(kind="indexed", blend=blend, tokenizer=str(TOKENIZER), split="99,1,0")
+    assert [p for p in preflight(data, vocab_size=8192, tokens_needed=1000) if p.severity == "error"] == []
+    preprocess(files, str(TOKENIZER), str(tmp_path / "one"), append_eod=True, quiet=True)
+    _assert_concatenation_equals(done, tmp_path / "one")
+    os.utime(files[0], ns=(1, 1))  # an input changed since: the manifest is refused, not silently reused
+    with pytest.raises(SystemExit, match="describes other inputs"):
+        slurm_array.load_or_create_manifest(slurm_array.plan(files, prefix, SETTINGS, shard_bytes=300_000))
+
+
+def _assert_concatenation_equals(manifest: dict, single: Path) -> None:
+    from data.preflight import read_index_header
+
+    joined = b"".join(Path(s["prefix"] + ".bin").read_bytes() for s in manifest["shards"])
+    assert joined == Path(str(single) + ".bin").read_bytes()
+    docs = sum(read_index_header(s["prefix"] + ".idx").document_count - 1 for s in manifest["shards"])
+    assert docs == read_index_header(str(single) + ".idx").document_count - 1 == manifest["documents"]
+
+
+# --- on the local Slurm cluster ---------------------------------------------------------------------------
+
+from test_slurm_localhost import FINAL, job_info, slurm  # noqa: E402,F401  (the cluster fixture)
+
+
+def _wait(job_id: str, timeout_s: float) -> dict:
+    deadline, info = time.monotonic() + timeout_s, {}
+    while time.monotonic() < deadline:
+        info = job_info(job_id) or info
+        if info.get("JobState") in FINAL:
+            return info
+        time.sleep(0.5)
+    subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+    raise AssertionError(f"job {job_id} not finished after {timeout_s:.0f} s: {info.get('JobState')}")
+
+
+def _submit(files_glob: str, prefix: str) -> str:
+    cmd = [sys.executable, "-m", "data.preprocess", "--input", files_glob, "--tokenizer", str(TOKENIZER),
+           "--output-prefix", prefix, "--append-eod", "--slurm", "--shard-size-mb", "0.45", "--retries", "0",
+           "--time", "00:05:00", "--workers", "1", "--backend", "tokenizers", "--chunk-mb", "0.05"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def _kill_when_writing(shard_prefix: str, array_job: str, timeout_s: float = 120) -> int:
+    """SIGKILL the task writing shard_prefix once it has written tokens (pid from its partial file's name)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for part in glob.glob(shard_prefix + ".bin.partial-*"):
+            try:
+                if os.path.getsize(part) > 0:
+                    pid = int(part.rsplit(".partial-", 1)[1].split("-")[0])
+                    os.kill(pid, signal.SIGKILL)
+                    return pid
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+        assert not os.path.exists(shard_prefix + ".idx"), "the task finished before it could be killed"
+        time.sleep(0.02)
+    subprocess.run(["scancel", array_job], capture_output=True, timeout=30)
+    raise AssertionError(f"no partial output of {shard_prefix} within {timeout_s} s")
+
+
+def test_array_on_local_slurm_killed_task_resubmitted_equals_one_process_run(slurm, tmp_path):
+    from data.preprocess import preprocess
+
+    files = _corpus(tmp_path / "corpus", n_files=6, repeat=2)  # ~2.4 MB: 3 shards of ~0.8 MB
+    prefix = str(tmp_path / "out" / "corpus")
+    out = _submit(str(tmp_path / "corpus" / "**" / "*.jsonl*"), prefix)
+    array_job = re.search(r"submitted: array job (\d+) \((\d+) tasks\)", out)
+    final_job = re.search(r"submitted: final check job (\d+)", out).group(1)
+    manifest = json.loads(Path(prefix + ".manifest.json").read_text())
+    n = len(manifest["shards"])
+    assert n >= 3 and int(array_job.group(2)) == n, out
+    victim = manifest["shards"][1]["prefix"]
+    _kill_when_writing(victim, array_job.group(1))
+    info = _wait(final_job, 180)  # afterany: the final step runs and reports the missing shard
+    logs = slurm_array.paths_of(prefix)["logs"]
+    final_log = (logs / f"final-{final_job}.out").read_text()
+    assert info["JobState"] == "FAILED", f"{info}\n{final_log}"
+    assert "shard 1: not complete" in final_log and "resubmits only the 1 incomplete shard" in final_log, final_log
+    assert not os.path.exists(victim + ".bin") and not os.path.exists(prefix + ".blend.json")
+    assert glob.glob(victim + ".*.partial-*"), "SIGKILL leaves the partial behind (no handler runs)"
+
+    out = _submit(str(tmp_path / "corpus" / "**" / "*.jsonl*"), prefix)  # the same command again
+    assert f"{n} shards, {n - 1} already complete" in out and "(1 tasks)" in out, out
+    final_job = re.search(r"submitted: final check job (\d+)", out).group(1)
+    info = _wait(final_job, 180)
+    final_log = (logs / f"final-{final_job}.out").read_text()
+    assert info["JobState"] == "COMPLETED", f"{info}\n{final_log}"
+    assert f"all {n} shards checked" in final_log, final_log
+    assert not glob.glob(prefix + "*.partial-*")  # the stale partial of the killed task is gone
+    preprocess(files, str(TOKENIZER), str(tmp_path / "one"), append_eod=True, quiet=True)
+    _assert_concatenation_equals(json.loads(Path(prefix + ".manifest.json").read_text()), tmp_path / "one")
