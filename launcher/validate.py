@@ -590,7 +590,7 @@ def _validate_experts(c: _Checks, p: ParallelConfig, model: ModelConfig, lay: La
     # parallel_state.py builds the expert groups for every model: "world_size is not divisible by
     # expert_tensor_model_pipeline_parallel size" (ETP x EP x PP).
     etp_named = p.expert_tensor is not None and per_stage % lay.etp != 0
-    c.need(lay.expert_dp > 0, "parallel.expert_tensor" if etp_named else "parallel.expert",
+    c.need(lay.expert_dp > 0 or not lay.dp, "parallel.expert_tensor" if etp_named else "parallel.expert",
            p.expert_tensor if etp_named else p.expert,
            f"parallel.expert_tensor x parallel.expert = {lay.etp}x{lay.ep} must divide the ranks per pipeline "
            f"stage ({per_stage})",
@@ -768,7 +768,7 @@ def validate_data(data: DataConfig) -> list[Problem]:
         return c.problems  # reported by validate_choices
     parts = [s.strip() for s in str(data.split).split(",")]
     c.need(len(parts) == 3 and all(is_number(s) and 0 <= float(s) < math.inf for s in parts) and any(float(s) > 0 for s in parts if is_number(s)),
-           "data.split", data.split, "must be three non-negative weights train,valid,test", "data.split=969,30,1")
+           "data.split", data.split, "must be three non-negative weights train,valid,test", "data.split='969,30,1'")
     c.need(data.kind != "mock" or not data.blend, "data.kind", data.kind,
            "mock data ignores data.blend: a blend was given but would never be read",
            "data.blend=[] or data.kind=indexed")

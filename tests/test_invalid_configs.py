@@ -11,6 +11,8 @@ from conftest import ROOT
 L405 = ["recipe=llama405b"]
 L70 = ["recipe=llama3_70b"]
 L8 = ["recipe=llama3_8b"]
+SMOKE = ["recipe=smoke"]
+MOE = ["recipe=smoke", "model.num_experts=4", "parallel.sequence_parallel=true"]
 
 # (case id, overrides, field the message must name)
 CASES = [
@@ -94,6 +96,59 @@ CASES = [
     ("zero-tensor", L70 + ["parallel.tensor=0"], "parallel.tensor="),
     ("zero-virtual-pipeline", L70 + ["parallel.virtual_pipeline=0"], "parallel.virtual_pipeline="),
     ("absurd-pipeline", L70 + ["parallel.pipeline=100000"], "parallel.pipeline="),
+    # --- validation that agrees with Megatron-Core: each class of the issue, one or two examples each
+    ("attention-dropout-named", SMOKE + ["model.attention_dropout=1.5"], "model.attention_dropout="),
+    ("adam-beta1-named", SMOKE + ["train.adam_beta1=1.0"], "train.adam_beta1="),
+    ("shared-expert-tp", MOE + ["model.moe_shared_expert_intermediate_size=129"],
+     "model.moe_shared_expert_intermediate_size="),
+    ("shared-expert-zero", MOE + ["model.moe_shared_expert_intermediate_size=0"],
+     "model.moe_shared_expert_intermediate_size="),
+    ("expert-ffn-etp", MOE + ["model.moe_ffn_hidden_size=33"], "model.moe_ffn_hidden_size="),
+    ("expert-ffn-etp-explicit", MOE + ["parallel.expert_tensor=2", "model.moe_ffn_hidden_size=65"],
+     "parallel.expert_tensor="),
+    ("top1-needs-pre-softmax", MOE + ["model.moe_router_topk=1"], "model.moe_router_topk="),
+    ("sinkhorn-aux-loss", MOE + ["model.moe_router_load_balancing_type=sinkhorn", "model.moe_aux_loss_coeff=0.01"],
+     "model.moe_aux_loss_coeff="),
+    ("shared-expert-bias", MOE + ["parallel.tensor=1", "parallel.sequence_parallel=false",
+                                  "model.moe_shared_expert_intermediate_size=128", "model.add_bias_linear=true"],
+     "model.moe_shared_expert_intermediate_size="),
+    ("moe-bias-etp", MOE + ["model.add_bias_linear=true"], "model.add_bias_linear="),
+    ("kv-channels-zero", SMOKE + ["model.kv_channels=0"], "model.kv_channels="),
+    ("kv-channels-odd-rope", SMOKE + ["model.kv_channels=7"], "model.kv_channels="),
+    ("init-std-negative", SMOKE + ["model.init_method_std=-0.02"], "model.init_method_std="),
+    ("expert-tensor-zero", SMOKE + ["parallel.expert_tensor=0"], "parallel.expert_tensor="),
+    ("expert-tensor-negative", SMOKE + ["parallel.expert_tensor=-2"], "parallel.expert_tensor="),
+    ("expert-tensor-world", MOE + ["parallel.expert_tensor=3"], "parallel.expert_tensor="),
+    ("expert-tensor-dense-world", SMOKE + ["parallel.expert_tensor=3"], "parallel.expert_tensor="),
+    ("recompute-layers-negative", SMOKE + ["train.recompute_num_layers=-1"], "train.recompute_num_layers="),
+    ("recompute-layers-too-many", SMOKE + ["train.recompute=full", "train.recompute_num_layers=3"],
+     "train.recompute_num_layers="),
+    ("recompute-layers-selective", SMOKE + ["train.recompute=selective", "train.recompute_num_layers=1"],
+     "train.recompute_num_layers="),
+    ("ep-fp16", L8 + ["model.num_experts=8", "parallel.expert=2", "precision.dtype=fp16", "precision.fp8=null",
+                      "precision.fp8_param=false"], "precision.dtype="),
+    ("fp16-on-cpu", SMOKE + ["precision.dtype=fp16"], "precision.dtype="),
+    ("mtp-learned-absolute", SMOKE + ["model.mtp_num_layers=1", "model.position_embedding=learned_absolute"],
+     "model.position_embedding="),
+    ("mla-gqa", L8 + ["model=deepseek_v3", "model.num_query_groups=8"], "model.num_query_groups="),
+    ("world-hint-cp2", L8 + ["nodes=1", "parallel.context=2", "parallel.pipeline=3"], "parallel.pipeline="),
+    ("context-5", SMOKE + ["parallel.context=5"], "parallel.context="),
+    ("negative-lr", SMOKE + ["train.lr=-3e-4"], "train.lr="),
+    ("negative-gbs", SMOKE + ["train.global_batch_size=-4"], "train.global_batch_size="),
+    ("lr-inf", SMOKE + ["train.lr=inf"], "train.lr="),
+    ("norm-eps-nan", SMOKE + ["model.norm_epsilon=nan"], "model.norm_epsilon="),
+    ("cluster-float-nan", L8 + ["cluster.gpu_memory_gb=nan"], "cluster.gpu_memory_gb="),
+    ("blend-weight-inf", SMOKE + ["data.blend=[inf,data/assets/smoke_text_document]"], "data.blend="),
+    ("async-save", SMOKE + ["checkpoint.async_save=true"], "checkpoint.async_save="),
+    ("wandb-project-semicolon", SMOKE + ["logging.wandb_project='a;b'"], "logging.wandb_project="),
+    ("wandb-project-slash", SMOKE + ["logging.wandb_project=team/proj"], "logging.wandb_project="),
+    ("wrong-type-float", SMOKE + ["train.lr=fast"], "train.lr="),
+    ("wrong-type-bool", SMOKE + ["parallel.sequence_parallel=maybe"], "parallel.sequence_parallel="),
+    ("secret-interpolation", SMOKE + ["+cluster.env.X=${oc.env:WANDB_API_KEY}"], "cluster.env.X="),
+    ("secret-listed-interpolation", SMOKE + ["cluster.secret_env=[MY_PASS_VAR]", "logging.wandb_entity=${oc.env:MY_PASS_VAR}"],
+     "logging.wandb_entity="),
+    ("huge-int", SMOKE + ["train.seed=99999999999999999999"], "train.seed="),
+    ("huge-first-stage", L70 + ["parallel.first_stage_layers=2147483648"], "parallel.first_stage_layers="),
 ]
 
 HINTED = ["fp8-param-needs-distopt", "param-gather-needs-grad-overlap", "tp-overlap-needs-sp", "tp-overlap-needs-te"]
@@ -127,6 +182,69 @@ def test_hint_is_itself_valid(case):
     for alternative in problem.hint.split(" or "):
         fixed = validate(compose_job([*overrides, alternative]))
         assert not [p for p in fixed if p.severity == "error"], (alternative, [p.line() for p in fixed])
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+def test_every_printed_alternative_validates(case):
+    """Each override alternative a refusal prints makes its problem go away without a new error."""
+    from launcher.config import ConfigError, compose_job
+    from launcher.validate import _key, _overrides, raw_problems, validate
+
+    overrides = next(o for cid, o, _ in CASES if cid == case)
+    try:
+        job = compose_job(overrides)
+    except ConfigError:
+        return  # refused while composing (unknown key, wrong type): its hint is checked by the CLI tests
+    problems = validate(job)
+    before = {_key(p) for p in problems if p.severity == "error"}
+    for problem in (p for p in problems if p.severity == "error"):
+        for alternative in problem.hint.split(" or "):
+            pairs = _overrides(alternative)
+            if not pairs:
+                continue
+            fixed = compose_job([*overrides, *(f"{k}={v}" for k, v in pairs)])
+            after = {_key(p) for p in raw_problems(fixed) if p.severity == "error"}
+            assert _key(problem) not in after and not after - before, (problem.line(), alternative, after - before)
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (L8 + ["data.kind=indexed", "data.blend=[/nonexistent/a_text_document]",
+           "data.tokenizer=data/assets/tokenizer.json"], "data.blend"),
+    (SMOKE + ["data.tokenizer=/nonexistent/tokenizer.json"], "data.tokenizer="),
+    (SMOKE + ["model.vocab_size=256"], "model.vocab_size"),
+], ids=["missing-blend", "missing-tokenizer", "vocab-below-largest-id"])
+def test_validate_runs_the_data_preflight(overrides, field, cli):
+    code, out, err = cli("action=validate", *overrides)
+    assert code == 2 and "Traceback" not in err
+    assert any(field in line for line in err.splitlines() if line.startswith("error:")), err
+
+
+def test_type_error_names_the_field_and_its_range(cli):
+    code, _, err = cli("recipe=smoke", "parallel.tensor=two", "action=validate")
+    assert code == 2
+    assert err.strip() == "error: parallel.tensor='two': must be a positive integer; try parallel.tensor=2"
+
+
+def test_tri_state_accepts_bare_false(cli):
+    code, out, err = cli("recipe=smoke", "precision.transformer_engine=false", "action=validate")
+    assert code == 0, err
+    code, _, err = cli("recipe=smoke", "precision.transformer_engine=False", "action=validate")
+    assert code == 0, err
+
+
+def test_secret_interpolation_never_prints_the_value(cli, monkeypatch, tmp_path):
+    monkeypatch.setenv("WANDB_API_KEY", "s3cr3t-value")
+    code, out, err = cli("recipe=smoke", "+cluster.env.X=${oc.env:WANDB_API_KEY}", f"output_dir={tmp_path}")
+    assert code == 2 and "s3cr3t-value" not in out + err and "cluster.env.X" in err
+    assert list(tmp_path.iterdir()) == []
+    code, _, err = cli("recipe=smoke", "+cluster.env.HOME_DIR=${oc.env:HOME,/root}", "action=validate")
+    assert code == 0, err  # a variable that is not a secret may be interpolated
+
+
+@pytest.mark.parametrize("action", ["validate", "plan"])
+def test_zero_gpus_per_node_does_not_crash(action, cli):
+    code, _, err = cli("recipe=llama3_8b", "cluster.gpus_per_node=0", f"action={action}")
+    assert code == 2 and "Traceback" not in err and "cluster.gpus_per_node" in err
 
 
 def test_several_failures_are_all_reported(cli):
