@@ -7,8 +7,14 @@ after another on the same file and the same tokenizer.json:
 * classic:  ``tools/preprocess_data.py``   (multiprocessing pool, one HF tokenizer per worker)
 * fast:     ``tools/preprocess_data_fast.py`` (gigatoken ``encode_files``: whole file in memory)
 
-and prints wall time, tokens/s, peak RSS (the sum over the process tree, sampled every 50 ms) and the ratios,
-and checks that the three outputs are byte-identical.
+and prints wall time, tokens/s, peak memory and the ratios, and checks that the three outputs are byte-identical.
+
+How the figures are made: the tools run interleaved (ours, classic, fast, ours, ...) ``--repeat`` times, so a
+noisy neighbour slows every tool alike; tokens/s and every ratio use each tool's *median* wall (and CPU) time,
+never its single fastest run. Peak memory is the peak, over the run, of the PSS (proportional set size) summed
+over the process tree, sampled every 50 ms: a page shared by the classic tool's forked workers is counted once
+in total, not once per process as summed RSS would (which inflates a forking tool several-fold). Summed RSS
+is printed beside it for comparison. PSS needs /proc/PID/smaps_rollup of the tool's processes (same user).
 
 The references are run from a Megatron-LM checkout outside this repository (``--megatron-lm``) with a Python
 that has their extra needs (transformers, gigatoken, torch); nothing of theirs is copied here. Example:
@@ -25,6 +31,7 @@ import gzip
 import hashlib
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -88,14 +95,29 @@ def build_corpus(path: Path, size_mb: int) -> dict:
     return {"path": str(path), "bytes": written, "documents": docs, "passes": passes}
 
 
-class _RssSampler(threading.Thread):
-    """Peak of the summed RSS of a process and all its descendants."""
+def _pss_bytes(pid: int) -> int:
+    """PSS of one process from /proc/PID/smaps_rollup (kB), the kernel's own proportional count; 0 for a
+    process that is exiting (no mappings left). PermissionError when it belongs to another user."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+            for line in f:
+                if line.startswith(b"Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return 0
+
+
+class _MemSampler(threading.Thread):
+    """Peaks of the summed PSS and of the summed RSS of a process and all its descendants."""
 
     def __init__(self, pid: int):
         super().__init__(daemon=True)
         import psutil
 
-        self.proc, self.peak, self.done = psutil.Process(pid), 0, threading.Event()
+        self.proc, self.done = psutil.Process(pid), threading.Event()
+        self.peak_pss = self.peak_rss = 0
+        self.pss_ok = True
 
     def run(self):
         import psutil
@@ -103,15 +125,18 @@ class _RssSampler(threading.Thread):
         while not self.done.is_set():
             try:
                 procs = [self.proc] + self.proc.children(recursive=True)
-                total = 0
-                for p in procs:
-                    try:
-                        total += p.memory_info().rss
-                    except psutil.Error:
-                        pass
-                self.peak = max(self.peak, total)
             except psutil.Error:
-                pass
+                procs = []
+            pss = rss = 0
+            for p in procs:
+                try:
+                    rss += p.memory_info().rss
+                    pss += _pss_bytes(p.pid)
+                except psutil.Error:
+                    pass
+                except PermissionError:
+                    self.pss_ok = False
+            self.peak_pss, self.peak_rss = max(self.peak_pss, pss), max(self.peak_rss, rss)
             self.done.wait(0.05)
 
 
@@ -122,7 +147,7 @@ def run_tool(name: str, cmd: list[str], env: dict, log: Path) -> dict:
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     with open(log, "w") as lf:
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env)
-        sampler = _RssSampler(proc.pid)
+        sampler = _MemSampler(proc.pid)
         sampler.start()
         rc = proc.wait()
         sampler.done.set()
@@ -133,7 +158,8 @@ def run_tool(name: str, cmd: list[str], env: dict, log: Path) -> dict:
     if rc != 0:
         sys.stderr.write(log.read_text()[-3000:])
         raise SystemExit(f"{name} failed with exit code {rc}: {' '.join(cmd)}")
-    return {"name": name, "wall_s": wall, "cpu_s": cpu, "peak_rss_mb": sampler.peak / 2**20}
+    return {"name": name, "wall_s": wall, "cpu_s": cpu, "peak_pss_mb": sampler.peak_pss / 2**20 if sampler.pss_ok
+            else None, "peak_rss_mb": sampler.peak_rss / 2**20}
 
 
 def _sha(path: str) -> str:
@@ -164,6 +190,43 @@ def _command(name, args, corpus, env, ref_env, ref_tok):
             "--output-prefix", out, "--use-gigatoken", *ref_tok], ref_env
 
 
+def _median(xs):
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def _mb(x) -> str:
+    return "n/a" if x is None else f"{x:8.1f} MB"
+
+
+def summarise(name: str, runs: list) -> dict:
+    """One tool's figures: medians of wall and CPU time (tokens/s from them), the largest peak PSS/RSS."""
+    wall, cpu, tokens = _median([r["wall_s"] for r in runs]), _median([r["cpu_s"] for r in runs]), runs[-1]["tokens"]
+    pss = [r["peak_pss_mb"] for r in runs]
+    return {"name": name, "tokens": tokens, "runs": len(runs), "walls_s": [r["wall_s"] for r in runs],
+            "median_wall_s": wall, "median_cpu_s": cpu, "tok_per_s": tokens / wall, "tok_per_cpu_s": tokens / cpu,
+            "peak_pss_mb": None if None in pss else max(pss), "peak_rss_mb": max(r["peak_rss_mb"] for r in runs)}
+
+
+def ratio_line(ours: dict, ref: dict) -> str:
+    mem = (f"{ours['peak_pss_mb'] / ref['peak_pss_mb']:.2f}x peak PSS" if ours["peak_pss_mb"] and ref["peak_pss_mb"]
+           else f"{ours['peak_rss_mb'] / ref['peak_rss_mb']:.2f}x peak summed RSS (PSS unavailable)")
+    return (f"ours / {ref['name']} (medians): {ours['tok_per_s'] / ref['tok_per_s']:.2f}x tokens/s wall, "
+            f"{ours['tok_per_cpu_s'] / ref['tok_per_cpu_s']:.2f}x tokens/cpu-s, {mem}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="preprocess benchmark: ours vs Megatron-LM classic and fast")
     ap.add_argument("--size-mb", type=int, default=100)
@@ -173,7 +236,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ref-python", default=sys.executable, help="python with transformers+gigatoken+torch")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--only", nargs="+", default=["ours", "classic", "fast"], choices=["ours", "classic", "fast"])
-    ap.add_argument("--repeat", type=int, default=3, help="runs per tool, interleaved; the best wall time is reported")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per tool, interleaved; medians are reported")
     ap.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "pp_bench_out")
     args = ap.parse_args(argv)
 
@@ -200,26 +263,23 @@ def main(argv=None) -> int:
             res["tokens"] = _tokens(prefixes[name])
             runs[name].append(res)
             print(f"  run {rep + 1} {name:8s} {res['wall_s']:7.2f} s wall {res['cpu_s']:7.2f} s cpu "
-                  f"{res['peak_rss_mb']:8.1f} MB", flush=True)
-    print(f"corpus {corpus} ({corpus.stat().st_size / 1e6:.0f} MB); best of {args.repeat} runs; "
-          f"load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+                  f"PSS {_mb(res['peak_pss_mb'])} RSS {res['peak_rss_mb']:8.1f} MB", flush=True)
+    print(f"corpus {corpus} ({corpus.stat().st_size / 1e6:.0f} MB); medians of {args.repeat} interleaved runs; "
+          f"load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {_cpu_model()}"
+          f", {time.strftime('%Y-%m-%d', time.gmtime())}")
     for name in args.only:
-        best = min(runs[name], key=lambda r: r["wall_s"])
-        walls = sorted(r["wall_s"] for r in runs[name])
-        res = dict(best, median_wall_s=walls[len(walls) // 2], tok_per_s=best["tokens"] / best["wall_s"],
-                   tok_per_cpu_s=best["tokens"] / best["cpu_s"], peak_rss_mb=max(r["peak_rss_mb"] for r in runs[name]))
-        results.append(res)
-        print(f"{name:8s} {res['tokens']:>13,d} tokens  {res['wall_s']:7.2f} s (median {res['median_wall_s']:.2f})  "
-              f"{res['tok_per_s'] / 1e6:6.2f} M tok/s wall  {res['tok_per_cpu_s'] / 1e6:6.2f} M tok/cpu-s  "
-              f"peak RSS {res['peak_rss_mb']:8.1f} MB", flush=True)
+        results.append(summarise(name, runs[name]))
+        res = results[-1]
+        print(f"{name:8s} {res['tokens']:>13,d} tokens  median {res['median_wall_s']:7.2f} s "
+              f"(runs {', '.join(f'{w:.2f}' for w in res['walls_s'])})  {res['tok_per_s'] / 1e6:6.2f} M tok/s wall  "
+              f"{res['tok_per_cpu_s'] / 1e6:6.2f} M tok/cpu-s  peak PSS {_mb(res['peak_pss_mb'])}  "
+              f"(summed RSS {res['peak_rss_mb']:.1f} MB)", flush=True)
 
     by = {r["name"]: r for r in results}
     if "ours" in by:
         for ref in ("classic", "fast"):
             if ref in by:
-                print(f"ours / {ref}: {by['ours']['tok_per_s'] / by[ref]['tok_per_s']:.2f}x tokens/s wall, "
-                      f"{by['ours']['tok_per_cpu_s'] / by[ref]['tok_per_cpu_s']:.2f}x tokens/cpu-s, "
-                      f"{by['ours']['peak_rss_mb'] / by[ref]['peak_rss_mb']:.2f}x peak RSS")
+                print(ratio_line(by["ours"], by[ref]))
     digests = {n: (_sha(p + ".bin"), _sha(p + ".idx")) for n, p in prefixes.items()}
     same = len(set(digests.values())) == 1
     print("outputs byte-identical:" if same else "OUTPUTS DIFFER:", {n: d[0][:12] + "/" + d[1][:12] for n, d in digests.items()})

@@ -150,3 +150,63 @@ def test_interrupting_a_rebuild_keeps_no_mismatched_pair(tmp_path):
     proc.kill()
     proc.wait(timeout=30)
     assert (Path(str(prefix) + ".bin").read_bytes(), Path(str(prefix) + ".idx").read_bytes()) == before
+
+
+def test_stale_partials_recognised_despite_pid_reuse_and_zombies(tmp_path):
+    """A partial is stale when no writer holds its lock and its writer (pid *and* start time) is gone: a pid now
+    used by another process, or a SIGKILLed writer not yet reaped (kill(pid, 0) still succeeds), does not keep it."""
+    import socket
+
+    from data.preprocess import _lock_partial, _proc_start, _remove_stale_partials
+
+    prefix = str(tmp_path / "corpus")
+    host = socket.gethostname()
+    me = os.getpid()
+    reused = f"{prefix}.bin.partial-{me}-{int(_proc_start(me)) + 1}-{host}"  # our pid, another start time
+    Path(reused).write_bytes(b"x")
+    zombie = subprocess.Popen(["sleep", "30"])
+    zstart = _proc_start(zombie.pid)
+    zombie.kill()
+    time.sleep(0.2)  # not waited for: a zombie
+    os.kill(zombie.pid, 0)  # the old pid-only test would call this writer alive
+    dead = [f"{prefix}.{kind}.partial-{zombie.pid}-{zstart}-{host}" for kind in ("bin", "idx")]
+    for p in dead:
+        Path(p).write_bytes(b"x")
+    other_host = f"{prefix}.bin.partial-1-1-not-{host}"  # another node's writer, its lock released
+    Path(other_host).write_bytes(b"x")
+    mine = f"{prefix}.bin.partial-{me}-{_proc_start(me)}-{host}"  # alive (the instant before it locks)
+    Path(mine).write_bytes(b"x")
+    held = f"{prefix}.bin.partial-99999999-1-not-{host}"
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl,os,sys,time; fd=os.open(sys.argv[1], os.O_RDWR);"
+                               "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(30)", held],
+                              stdout=subprocess.PIPE, text=True) if Path(held).write_bytes(b"x") else None
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        removed = _remove_stale_partials(prefix)
+        assert sorted(removed) == sorted([reused, *dead, other_host])
+        assert os.path.exists(mine) and os.path.exists(held)
+        fd = _lock_partial(f"{prefix}.bin.partial-x")  # our own writer's lock is seen as held by another fd
+        from data.preprocess import _locked_by_someone
+
+        assert fd is not None and _locked_by_someone(f"{prefix}.bin.partial-x") is True
+        os.close(fd)
+    finally:
+        holder.kill()
+        holder.wait()
+        zombie.wait()
+
+
+def test_benchmark_ratios_come_from_medians_and_memory_from_pss():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import preprocess_bench as bench
+
+    def run(wall, cpu, pss):
+        return {"wall_s": wall, "cpu_s": cpu, "peak_pss_mb": pss, "peak_rss_mb": 3 * pss, "tokens": 1000}
+
+    ours = bench.summarise("ours", [run(1.0, 2.0, 100), run(9.0, 9.0, 110), run(2.0, 3.0, 90)])
+    ref = bench.summarise("fast", [run(4.0, 6.0, 200), run(1.0, 1.0, 200), run(6.0, 9.0, 220)])
+    assert ours["median_wall_s"] == 2.0 and ref["median_wall_s"] == 4.0  # not the fastest run
+    assert ours["peak_pss_mb"] == 110
+    line = bench.ratio_line(ours, ref)
+    assert "2.00x tokens/s wall" in line and "2.00x tokens/cpu-s" in line and "0.50x peak PSS" in line, line
+    assert bench._pss_bytes(os.getpid()) > 0
