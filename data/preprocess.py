@@ -1,7 +1,11 @@
 """Tokenise JSONL text into a Megatron indexed dataset (``PREFIX.bin`` + ``PREFIX.idx``), fast and streaming.
 
-    python -m data.preprocess --input corpus.jsonl[.gz] [more files or 'shards/*.jsonl'] \\
+    python -m data.preprocess --input corpus.jsonl[.gz|.zst] [more files or 'shards/**/*.jsonl'] \\
         --tokenizer tokenizer.json --output-prefix out/corpus --workers 2 --append-eod [--json-key text]
+
+With ``--slurm`` the same command tokenises a large corpus as a Slurm job array over byte-sized shards, with a
+manifest, resubmission of unfinished shards only, and a final check writing a token-weighted blend (see
+``data/slurm_array.py``).
 
 Output is written at exactly ``--output-prefix`` (``out/corpus.bin``/``.idx``), and is byte-identical to what
 Megatron-LM's ``tools/preprocess_data.py`` writes for the same tokenizer.json (ids of
@@ -17,7 +21,8 @@ How it is fast and bounded (see benchmarks/preprocess_bench.py for numbers):
   gigatoken's encode cache, which is rebuilt whenever it grows past ``--cache-budget-mb`` (default 256).
 * ``megatron.core`` (a few seconds to import) is imported in the writer thread while the first block is
   parsed and encoded.
-* Output goes to ``PREFIX.bin.partial-PID``/``PREFIX.idx.partial-PID`` and is renamed into place only after the
+* Output goes to ``PREFIX.bin.partial-PID-START-HOST``/``PREFIX.idx.partial-...`` (the writer holds an flock on
+  the ``.bin`` partial; see ``_remove_stale_partials``) and is renamed into place only after the
   index is complete (old ``.idx`` removed first, ``.bin`` renamed, then ``.idx``): an interrupted run never
   leaves a pair at the final prefix that looks valid.
 """

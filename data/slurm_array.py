@@ -120,13 +120,13 @@ def load_or_create_manifest(new: dict) -> dict:
     return new
 
 
-def write_json(path: Path, obj) -> None:
+def write_json(path: Path, obj, *, one_line: bool = False) -> None:
     """Atomic: a temporary sibling renamed over the target."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1)
+            json.dump(obj, f, indent=None if one_line else 1)
             f.write("\n")
         os.replace(tmp, path)
     except BaseException:
@@ -221,7 +221,8 @@ def finalize(manifest_path: str) -> int:
     manifest.update(tokens=total, documents=sum(s["documents"] for s in manifest["shards"]),
                     blend=str(paths_of(manifest["output_prefix"])["blend"]))
     write_json(Path(manifest_path), manifest)
-    write_json(paths_of(manifest["output_prefix"])["blend"], blend)
+    # One line, so that `"data.blend=$(cat PREFIX.blend.json)"` is a launcher override as it stands.
+    write_json(paths_of(manifest["output_prefix"])["blend"], blend, one_line=True)
     print(f"preprocess: all {len(manifest['shards'])} shards checked: {manifest['documents']:,} documents, "
           f"{total:,} tokens; blend written to {manifest['blend']}")
     return 0

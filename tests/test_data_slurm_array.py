@@ -103,6 +103,11 @@ def test_tasks_final_check_and_blend_equal_one_process_run(tmp_path):
     tokens = [s["tokens"] for s in done["shards"]]
     assert blend[1::2] == [s["prefix"] for s in done["shards"]]
     assert blend[0::2] == pytest.approx([t / sum(tokens) for t in tokens])
+    from launcher.config import compose_job  # the file as it stands is a launcher override
+
+    override = "data.blend=" + Path(prefix + ".blend.json").read_text().rstrip("\n")  # as "$(cat FILE)" gives it
+    job = compose_job(["recipe=smoke", "data.kind=indexed", override])
+    assert list(job.data.blend) == blend
     data = SimpleNamespace(kind="indexed", blend=blend, tokenizer=str(TOKENIZER), split="99,1,0")
     assert [p for p in preflight(data, vocab_size=8192, tokens_needed=1000) if p.severity == "error"] == []
     preprocess(files, str(TOKENIZER), str(tmp_path / "one"), append_eod=True, quiet=True)
@@ -196,3 +201,15 @@ def test_array_on_local_slurm_killed_task_resubmitted_equals_one_process_run(slu
     assert not glob.glob(prefix + "*.partial-*")  # the stale partial of the killed task is gone
     preprocess(files, str(TOKENIZER), str(tmp_path / "one"), append_eod=True, quiet=True)
     _assert_concatenation_equals(json.loads(Path(prefix + ".manifest.json").read_text()), tmp_path / "one")
+
+
+def test_zst_input_streams_when_zstandard_is_installed(tmp_path):
+    zstandard = pytest.importorskip("zstandard")  # not installed here: .zst is then refused (test above)
+    from data.preprocess import preprocess
+
+    texts = real_texts(30)
+    plain = write_jsonl(tmp_path / "c.jsonl", texts)
+    (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(plain.read_bytes()))
+    preprocess([str(plain)], str(TOKENIZER), str(tmp_path / "a"), append_eod=True, quiet=True)
+    preprocess([str(tmp_path / "c.jsonl.zst")], str(TOKENIZER), str(tmp_path / "b"), append_eod=True, quiet=True)
+    assert Path(str(tmp_path / "a") + ".bin").read_bytes() == Path(str(tmp_path / "b") + ".bin").read_bytes()
