@@ -37,5 +37,5 @@ def test_time_limit_checkpoints_requeues_and_finishes_without_retraining_a_step(
             assert f"requeueing job {job.id} (requeue {i + 1} of 6;" in text, text[-3000:]
     assert prev_last == total
     assert f"launcher: done: trained to step {total} (DONE)" in attempts[-1]
-    assert "launcher: done; not requeueing" in attempts[-1]
+    assert "launcher: done (DONE written); no requeue needed" in attempts[-1]
     assert not (bundle.path / "STOP").exists()

@@ -135,7 +135,8 @@ def probe_values(log: str) -> dict[str, str]:
 
 def test_trivial_bundle_runs_to_completion(slurm, tmp_path):
     bundle = render(tmp_path, "slurm.time=00:10:00")
-    replace_launch(bundle, PRINT_ENV)
+    # Like training, the stand-in writes DONE when it has finished (a run ending without DONE is requeued).
+    replace_launch(bundle, PRINT_ENV + 'touch "$LAUNCHER_BUNDLE/DONE"\n')
     with Job(bundle) as job:
         assert (bundle.path / "submission.json").read_text().count(job.id) == 1
         info = job.wait(90)
@@ -163,7 +164,7 @@ def test_usr1_leaves_stop_file_and_job_is_requeued(slurm, tmp_path):
     assert "#SBATCH --requeue" in bundle.sbatch.read_text()
     assert "#SBATCH --signal=B:USR1@80" in bundle.sbatch.read_text()
     replace_launch(bundle, PRINT_ENV + """\
-if (( ${SLURM_RESTART_COUNT:-0} >= 1 )); then echo "probe: requeued run, nothing left to do"; exit 0; fi
+if (( ${SLURM_RESTART_COUNT:-0} >= 1 )); then echo "probe: requeued run, nothing left to do"; touch "$LAUNCHER_BUNDLE/DONE"; exit 0; fi
 for i in $(seq 110); do
   if [[ -f "$LAUNCHER_BUNDLE/STOP" ]]; then echo "probe: STOP file seen after ${i} s"; exit 0; fi
   sleep 1
