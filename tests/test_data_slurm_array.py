@@ -213,3 +213,30 @@ def test_zst_input_streams_when_zstandard_is_installed(tmp_path):
     preprocess([str(plain)], str(TOKENIZER), str(tmp_path / "a"), append_eod=True, quiet=True)
     preprocess([str(tmp_path / "c.jsonl.zst")], str(TOKENIZER), str(tmp_path / "b"), append_eod=True, quiet=True)
     assert Path(str(tmp_path / "a") + ".bin").read_bytes() == Path(str(tmp_path / "b") + ".bin").read_bytes()
+
+
+def test_array_task_retries_a_failed_attempt_a_bounded_number_of_times(tmp_path):
+    """The rendered task script, run by bash with a stand-in srun that fails its first FAILS calls."""
+    files = _corpus(tmp_path / "corpus", n_files=2)
+    manifest = slurm_array.plan(files, str(tmp_path / "out" / "c"), SETTINGS, shard_bytes=1 << 30)
+    script = tmp_path / "array.sbatch"
+    script.write_text(slurm_array.render(manifest, {"retries": 2})["array"])
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/bash\nn=$(cat "$COUNT" 2>/dev/null || echo 0); echo $((n + 1)) >"$COUNT"\n'
+                                  '(( n < FAILS )) && exit 7\necho "ran: $*"\n')
+    (bin_dir / "srun").chmod(0o755)
+
+    def run(fails: int):
+        count = tmp_path / f"count{fails}"
+        env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", COUNT=str(count), FAILS=str(fails),
+                   SLURM_ARRAY_TASK_ID="0", SLURM_ARRAY_JOB_ID="42")
+        proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=30)
+        return proc, int(count.read_text())
+
+    proc, calls = run(2)
+    assert proc.returncode == 0 and calls == 3, proc.stdout + proc.stderr
+    assert "attempt 3 of 3" in proc.stdout and "--task-index 0" in proc.stdout
+    proc, calls = run(5)
+    assert proc.returncode == 7 and calls == 3, proc.stdout + proc.stderr  # bounded: 1 + retries attempts
+    assert "shard 0 failed 3 time(s)" in proc.stdout
