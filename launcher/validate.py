@@ -76,11 +76,15 @@ class Bound:
         elif integer and self.lo == 0 and self.hi is None:
             text = "an integer >= 0"
         elif self.hi is None:
-            text = f"{'an integer' if integer else 'a number'} {'>' if self.lo_open else '>='} {self.lo:g}"
+            text = f"{'an integer' if integer else 'a number'} {'>' if self.lo_open else '>='} {_num(self.lo)}"
         else:
-            text = (f"{'an integer' if integer else 'a number'} in {'(' if self.lo_open else '['}{self.lo:g}, "
-                    f"{self.hi:g}{')' if self.hi_open else ']'}")
+            text = (f"{'an integer' if integer else 'a number'} in {'(' if self.lo_open else '['}{_num(self.lo)}, "
+                    f"{_num(self.hi)}{')' if self.hi_open else ']'}")
         return text + (f" ({self.why})" if self.why else "")
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
 POSITIVE, NON_NEGATIVE, FRACTION = Bound(1), Bound(0), Bound(0, 1, lo_open=True)
