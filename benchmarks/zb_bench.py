@@ -1,9 +1,10 @@
 """ZB-H1 vs 1F1B, measured on this machine: idle fraction, step time, T_F / T_B / T_W and the closed form.
 
-Runs the real rank wing (``python -m launcher.rank`` under torchrun, gloo) twice on the same job, PP=2 on 2
-processes with one thread each (OMP_NUM_THREADS=1, so the two ranks do not share a core), a model big enough
-that GEMMs dominate (hidden 512, FFN 2048, 4 layers, sequence 256, vocabulary 1024), 8 microbatches per step:
-once with Megatron's 1F1B, once with our ZB-H1, each with ``schedule.record_timeline=true``.
+PP=2 on 2 processes (torchrun, gloo) with one thread each (OMP_NUM_THREADS=1, so the two ranks do not share a
+core), a model big enough that GEMMs dominate (hidden 512, FFN 2048, 4 layers, sequence 256, vocabulary 1024),
+8 microbatches per step. The same job is built twice in the same ranks — Megatron's 1F1B and our ZB-H1, same
+weights and data, the rank wing's own Loop.train_step — and trained in alternating steps, so a busy shared
+machine slows both alike; every step is recorded (the ``schedule.record_timeline`` recorder).
 
 - step time: the median of the logged step times after the first (warm-up) step;
 - idle fraction: per recorded step (all after the first), 1 - compute / (ranks x makespan of the
@@ -30,33 +31,31 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 P, MICROBATCHES = 2, 8
-JOB = ["data=mock", "parallel.tensor=1", f"parallel.pipeline={P}", "cluster.gpus_per_node=2",
+JOB = ["data=mock", "schedule.kind=1f1b", "parallel.tensor=1", f"parallel.pipeline={P}", "cluster.gpus_per_node=2",
        "model.num_layers=4", "model.hidden_size=512", "model.ffn_hidden_size=2048", "model.num_attention_heads=8",
        "model.num_query_groups=8", "model.seq_length=256", "model.vocab_size=1024",
        "model.make_vocab_size_divisible_by=64", "train.micro_batch_size=1",
        f"train.global_batch_size={MICROBATCHES}", "train.eval_interval=0", "logging.tensorboard=false",
-       "checkpoint.save_at_end=false", "schedule.record_timeline=true"]
+       "checkpoint.save_at_end=false"]
 
 
-def run(kind: str, steps: int, work: Path) -> dict:
-    from launcher.config import compose_job, job_to_yaml
-
-    bundle = work / kind
-    bundle.mkdir(parents=True, exist_ok=True)
-    (bundle / "config.yaml").write_text(job_to_yaml(compose_job(JOB + [f"schedule.kind={kind}",
-                                                                       f"train.train_steps={steps}"])))
+def run(steps: int, work: Path) -> dict:
+    """Both schedules in one torchrun, alternating steps (benchmarks/_zb_bench_worker.py)."""
+    out = work / "record.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={P}", "--standalone",
-           "-m", "launcher.rank", "--bundle", str(bundle)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+           str(ROOT / "benchmarks" / "_zb_bench_worker.py"), str(out), str(steps), *JOB,
+           f"train.train_steps={steps}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode:
-        raise SystemExit(f"{kind} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    report = json.loads((bundle / "report" / "metrics.json").read_text())
-    spans = json.loads((bundle / "timeline" / "spans.json").read_text())
-    pipe = sorted(spans["ranks"], key=lambda r: r["pp"])
-    steps = [[[tuple(s) for s in r["steps"][i]] for r in pipe] for i in range(1, len(pipe[0]["steps"]))]
-    return {"ms": [h["ms_per_step"] for h in report["steps"]], "loss": [h["loss"] for h in report["steps"]],
-            "timelines": [[tuple(s) for s in r["spans"]] for r in pipe], "steps": steps}
+        raise SystemExit(f"benchmark failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    ranks = json.loads(out.read_text())
+    res = {}
+    for kind in ("1f1b", "zb_h1"):
+        per_step = [[[tuple(s) for s in r["record"][kind]["steps"][i]] for r in ranks] for i in range(steps)]
+        res[kind] = {"ms": ranks[0]["record"][kind]["ms"], "loss": ranks[0]["record"][kind]["loss"],
+                     "timelines": per_step[-1], "steps": per_step[1:]}
+    return res
 
 
 def median_span(steps, kind: str) -> float:
@@ -74,8 +73,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from launcher.core import timeline
 
+    load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else "?"
     with tempfile.TemporaryDirectory() as tmp:
-        res = {kind: run(kind, args.steps, Path(tmp)) for kind in ("1f1b", "zb_h1")}
+        res = run(args.steps, Path(tmp))
+    print(f"machine load average before {' '.join(load)}, after "
+          f"{' '.join(Path('/proc/loadavg').read_text().split()[:3]) if load != '?' else '?'} "
+          f"(cores: {os.cpu_count()}; a load above the core count slows and jitters every span)")
     for kind, r in res.items():  # medians over the steps after the first (warm-up)
         r["step_ms"] = statistics.median(r["ms"][1:])
         r["idle"] = statistics.median(timeline.idle_fraction(step) for step in r["steps"])
@@ -99,6 +102,11 @@ def main(argv=None) -> int:
     print(f"zb_h1 / 1f1b: idle fraction {b['idle'] / a['idle']:.3f} (closed form "
           f"{(pred['zb_h1'] / (busy + pred['zb_h1'])) / (pred['1f1b'] / (busy + pred['1f1b'])):.3f}), "
           f"step time {b['step_ms'] / a['step_ms']:.3f} (closed form {(busy + pred['zb_h1']) / (busy + pred['1f1b']):.3f})")
+    paired = statistics.median(z / o for z, o in zip(b["ms"][1:], a["ms"][1:]))
+    paired_idle = statistics.median(timeline.idle_fraction(z) / timeline.idle_fraction(o)
+                                    for z, o in zip(b["steps"], a["steps"]))
+    print(f"paired (alternating steps, median of per-pair ratios): step time {paired:.3f}, idle fraction "
+          f"{paired_idle:.3f}")
     same = all(abs(x - y) <= 1e-6 * abs(x) for x, y in zip(a["loss"], b["loss"]))
     print(f"losses equal (rel 1e-6): {same}; 1f1b {a['loss'][-1]:.6f} zb_h1 {b['loss'][-1]:.6f} at step {args.steps}")
     if args.figure:

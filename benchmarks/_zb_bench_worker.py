@@ -1,0 +1,74 @@
+"""torchrun worker of benchmarks/zb_bench.py: the same job built twice in the same ranks (Megatron's 1F1B and
+our ZB-H1, same weights and data), trained in alternating steps so both see the same machine load, each step
+recorded (launcher.rank.zero_bubble.Recorder) and timed.
+
+Usage: torchrun --nproc_per_node=2 benchmarks/_zb_bench_worker.py OUT.json STEPS override [override ...]
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def build(job, layout, kind: str, cache: str):
+    from megatron.core import parallel_state as ps
+
+    from launcher.rank import data, loop, optim
+    from models import build_model
+
+    tr = job.train
+    chunks = build_model(model=job.model, parallel=job.parallel, precision=job.precision, layout=layout,
+                         schedule=dataclasses.replace(job.schedule, kind=kind), seed=tr.seed)
+    model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision, layout=layout)
+    optimizer = optim.build_optimizer(model, train=tr, parallel=job.parallel, precision=job.precision)
+    scheduler = optim.build_scheduler(optimizer, train=tr, steps=layout.steps)
+    optim.hook_model_config(model, optimizer, parallel=job.parallel)
+    lp = loop.Loop(model=model, optimizer=optimizer, scheduler=scheduler, train=tr, seq_length=job.model.seq_length,
+                   num_microbatches=layout.microbatches, kind=kind, dp_size=layout.dp, record_timeline=True)
+    iters, _ = data.build_train_valid_iterators(
+        data=job.data, model=job.model, train=tr, steps=layout.steps, consumed_samples=0,
+        dp_rank=ps.get_data_parallel_rank(), dp_size=layout.dp, num_chunks=1, cache_dir=cache)
+    return lp, iters
+
+
+def main() -> int:
+    out, steps, overrides = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from launcher.config import compose_job
+    from launcher.core import derive
+    from launcher.rank import setup
+    from launcher.rank.loop import reduce_report
+
+    job = compose_job(overrides)
+    layout = derive(job)
+    setup.init_distributed(cluster=job.cluster, layout=layout, seed=job.train.seed)
+    runs = {kind: build(job, layout, kind, str(out.parent / "cache")) for kind in ("1f1b", "zb_h1")}
+    record = {kind: {"ms": [], "loss": [], "steps": []} for kind in runs}
+    for _ in range(steps):
+        for kind, (lp, iters) in runs.items():  # alternate: 1f1b step, zb_h1 step, ...
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            res = lp.train_step(iters)
+            loss, _ = reduce_report(res["local_loss"], False)
+            record[kind]["ms"].append((time.perf_counter() - start) * 1e3)
+            record[kind]["loss"].append(loss)
+            record[kind]["steps"].append(list(lp.recorder.spans))
+    mine = {"pp": ps.get_pipeline_model_parallel_rank(), "record": record}
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    if torch.distributed.get_rank() == 0:
+        out.write_text(json.dumps(sorted(everyone, key=lambda r: r["pp"])))
+    setup.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
