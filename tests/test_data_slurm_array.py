@@ -110,6 +110,14 @@ def test_tasks_final_check_and_blend_equal_one_process_run(tmp_path):
     assert list(job.data.blend) == blend
     data = SimpleNamespace(kind="indexed", blend=blend, tokenizer=str(TOKENIZER), split="99,1,0")
     assert [p for p in preflight(data, vocab_size=8192, tokens_needed=1000) if p.severity == "error"] == []
+    from data.datasets import build_gpt_datasets  # the rank side reads the blend as training would
+
+    train, _, _ = build_gpt_datasets(data=job.data.__class__(kind="indexed", blend=blend, split="100,0,0",
+                                                             tokenizer=str(TOKENIZER)),
+                                     seq_length=64, seed=1, train_samples=400, valid_samples=0, test_samples=0,
+                                     cache_dir=str(tmp_path / "cache"))
+    drawn = {int(i) for i in train.dataset_index}
+    assert drawn == set(range(n)) and train[0]["tokens"].shape[0] == 64 and int(train[0]["tokens"].max()) < 8192
     preprocess(files, str(TOKENIZER), str(tmp_path / "one"), append_eod=True, quiet=True)
     _assert_concatenation_equals(done, tmp_path / "one")
     os.utime(files[0], ns=(1, 1))  # an input changed since: the manifest is refused, not silently reused
