@@ -22,7 +22,7 @@ import pytest
 
 from _rank_harness import ROOT, TINY, layout, train
 
-from launcher.core.schedules import Op, build_schedule, schedule_1f1b, schedule_zb_h1
+from launcher.core.schedules import build_schedule, schedule_1f1b, schedule_zb_h1
 from launcher.core import timeline
 
 RTOL = 1e-6
@@ -166,8 +166,6 @@ def test_te_spec_passes_delay_wgrad_compute_and_w_calls_backward_dw(monkeypatch)
     for name in ("TELayerNormColumnParallelLinear", "TEColumnParallelLinear", "TERowParallelLinear", "TELinear"):
         monkeypatch.setattr(mte, name, type(name, (FakeTELinear,), {}))
     zb._te_class.cache_clear()
-    spec = ModuleSpec(module=object, submodules=types.SimpleNamespace())
-
     @dataclasses.dataclass
     class Sub:
         linear_qkv: type
