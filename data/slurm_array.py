@@ -300,6 +300,24 @@ def _array_spec(indices: List[int], max_parallel: int) -> str:
     return ",".join(runs) + (f"%{max_parallel}" if max_parallel > 0 else "")
 
 
+def _refuse_while_active(log: Path) -> None:
+    """A resubmission while the previous array or final step is still queued or running would run a shard
+    twice; refuse and name the jobs."""
+    try:
+        last = json.loads(log.read_text().splitlines()[-1])
+    except (OSError, ValueError, IndexError):
+        return
+    ids = [j for j in (last.get("array_job"), last.get("final_job")) if j]
+    if not ids:
+        return
+    proc = subprocess.run(["squeue", "-h", "-o", "%i %T", "-j", ",".join(ids)], capture_output=True, text=True,
+                          timeout=60)
+    active = [line for line in proc.stdout.splitlines() if line.strip()]
+    if proc.returncode == 0 and active:
+        raise ArrayError(f"the previous submission is still queued or running ({'; '.join(active[:4])}); wait for "
+                         f"its final step, or scancel {' '.join(ids)}, then run this command again")
+
+
 def _sbatch(args: List[str]) -> str:
     proc = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True, timeout=60)
     if proc.returncode != 0:
@@ -321,6 +339,8 @@ def submit(inputs: List[str], output_prefix: str, settings: dict, opts: dict, *,
     out = {"manifest": str(p["manifest"]), "shards": len(manifest["shards"]), "pending": todo,
            "array_script": str(p["array"]), "finalize_script": str(p["finalize"]), "array_job": None, "final_job": None}
     array_args = [f"--array={_array_spec(todo, int(opts.get('max_parallel') or 0))}", str(p["array"])] if todo else None
+    if not render_only:
+        _refuse_while_active(p["state"] / "submissions.jsonl")
     if render_only:
         out["commands"] = ([["sbatch", *array_args]] if todo else []) + [
             ["sbatch", "--dependency=afterany:<array job>" if todo else "", str(p["finalize"])]]

@@ -248,3 +248,18 @@ def test_array_task_retries_a_failed_attempt_a_bounded_number_of_times(tmp_path)
     proc, calls = run(5)
     assert proc.returncode == 7 and calls == 3, proc.stdout + proc.stderr  # bounded: 1 + retries attempts
     assert "shard 0 failed 3 time(s)" in proc.stdout
+
+
+def test_resubmission_is_refused_while_the_previous_one_is_active(tmp_path, monkeypatch):
+    log = tmp_path / "submissions.jsonl"
+    log.write_text(json.dumps({"array_job": "123", "final_job": "124", "pending": [0]}) + "\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "squeue").write_text('#!/bin/bash\n[[ -n "${ACTIVE:-}" ]] && echo "123_1 RUNNING"; exit 0\n')
+    (bin_dir / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("ACTIVE", "1")
+    with pytest.raises(SystemExit, match=r"still queued or running \(123_1 RUNNING\).*scancel 123 124"):
+        slurm_array._refuse_while_active(log)
+    monkeypatch.delenv("ACTIVE")
+    slurm_array._refuse_while_active(log)  # finished: resubmitting is fine
