@@ -474,7 +474,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--quiet", action="store_true")
     sl = ap.add_argument_group("cluster (a Slurm job array over shards; see data/slurm_array.py)")
     sl.add_argument("--slurm", action="store_true", help="plan shards, render and submit the array and its final check")
-    sl.add_argument("--render-only", action="store_true", help="with --slurm: write manifest and scripts, submit nothing")
+    sl.add_argument("--render-only", action="store_true",
+                    help="with --slurm: write manifest and scripts, submit nothing")
     sl.add_argument("--shard-size-mb", type=float, default=4096, help="input bytes (on disk) per array task")
     sl.add_argument("--retries", type=int, default=2, help="attempts after the first for a failed task")
     sl.add_argument("--max-parallel", type=int, default=0, help="array tasks running at once (0: no limit)")
@@ -530,7 +531,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.manifest:
         from data import slurm_array
 
-        return slurm_array.finalize(args.manifest) if args.finalize else slurm_array.run_task(args.manifest, args.task_index)
+        if args.finalize:
+            return slurm_array.finalize(args.manifest)
+        return slurm_array.run_task(args.manifest, args.task_index)
     missing = [o for o in ("input", "tokenizer", "output_prefix") if not getattr(args, o)]
     if missing:
         ap.error("the following arguments are required: " + ", ".join("--" + m.replace("_", "-") for m in missing))

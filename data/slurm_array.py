@@ -143,7 +143,8 @@ def done_record(manifest: dict, index: int) -> Optional[dict]:
         return None
     prefix = manifest["shards"][index]["prefix"]
     try:
-        ok = (os.path.getsize(prefix + ".bin") == rec["bin_bytes"] and os.path.getsize(prefix + ".idx") == rec["idx_bytes"]
+        ok = (os.path.getsize(prefix + ".bin") == rec["bin_bytes"]
+              and os.path.getsize(prefix + ".idx") == rec["idx_bytes"]
               and rec.get("fingerprint") == manifest["fingerprint"])
     except OSError:
         return None
@@ -178,7 +179,8 @@ def run_task(manifest_path: str, index: Optional[int]) -> int:
                        quiet=True, light_import=True)
     rec = {"index": index, "prefix": shard["prefix"], "documents": stats["documents"], "tokens": stats["tokens"],
            "vocab_size": stats["vocab_size"], "seconds": round(stats["seconds"], 3),
-           "bin_bytes": os.path.getsize(shard["prefix"] + ".bin"), "idx_bytes": os.path.getsize(shard["prefix"] + ".idx"),
+           "bin_bytes": os.path.getsize(shard["prefix"] + ".bin"),
+           "idx_bytes": os.path.getsize(shard["prefix"] + ".idx"),
            "fingerprint": manifest["fingerprint"], "host": os.uname().nodename,
            "job": f"{os.environ.get('SLURM_ARRAY_JOB_ID', '-')}_{os.environ.get('SLURM_ARRAY_TASK_ID', '-')}"}
     write_json(paths_of(manifest["output_prefix"])["done"] / f"{index:05d}.json", rec)
@@ -321,7 +323,8 @@ def _refuse_while_active(log: Path) -> None:
 def _sbatch(args: List[str]) -> str:
     proc = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True, timeout=60)
     if proc.returncode != 0:
-        raise ArrayError(f"sbatch {' '.join(map(shlex.quote, args))} failed: {proc.stderr.strip() or proc.stdout.strip()}")
+        why = proc.stderr.strip() or proc.stdout.strip()
+        raise ArrayError(f"sbatch {' '.join(map(shlex.quote, args))} failed: {why}")
     return proc.stdout.strip().split(";")[0]
 
 

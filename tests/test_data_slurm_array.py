@@ -69,7 +69,8 @@ def test_render_quotes_values_refuses_unsafe_directives_and_checks_mounts(tmp_pa
         slurm_array.render(manifest, {"secret_env": ["X=1"]})
     with pytest.raises(SystemExit, match="does not mount"):
         slurm_array.render(manifest, {"container_image": "img.sqsh", "container_mounts": f"{ROOT}:{ROOT}"})
-    text = slurm_array.render(manifest, {"container_image": "img.sqsh", "container_mounts": f"{tmp_path}:{tmp_path},{ROOT}"})
+    mounts = f"{tmp_path}:{tmp_path},{ROOT}"
+    text = slurm_array.render(manifest, {"container_image": "img.sqsh", "container_mounts": mounts})
     assert "--container-image=img.sqsh" in text["array"]
 
 
