@@ -87,7 +87,7 @@ def secret_problems(cfg: DictConfig) -> list[Problem]:
                 shown = "a computed variable name" if name == "${" else f"the secret variable {name}"
                 problems.append(Problem(path, text, f"reads {shown} through an interpolation, so its value would be "
                                         "written into the run bundle (config.yaml, env.sh)",
-                                        "pass it by name only: list it in cluster.secret_env and export it in your shell"))
+                                        "listing it in cluster.secret_env (passed by name, never written) and exporting it in your shell"))
                 break
     return problems
 

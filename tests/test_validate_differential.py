@@ -5,7 +5,8 @@ every numeric, boolean and choice field of ``model``,
 ``parallel``, ``schedule``, ``train`` and ``precision`` is set to edge values (0, -1, 1, odd, large, not
 dividing, inf/nan, null, each allowed value and one that is not), alone and in seeded random pairs. For each job:
 
-- ``validate`` never raises, and when it refuses the job one of its error lines names the mutated field;
+- ``validate`` never raises, and when it refuses the job one of its error lines names the mutated field (and,
+  for single mutations, every override alternative it prints removes its problem without adding an error);
 - otherwise the ranks' side accepts it: ``tests/_mcore_probe.py`` (one subprocess for all of them) constructs
   the exact Megatron-Core config objects, initialises Megatron's process groups for the job's real world size
   on torch's fake process group, builds rank 0's and the last rank's model chunks, DDP, the optimizer and the
@@ -30,7 +31,7 @@ import pytest
 from conftest import ROOT
 from launcher.config import compose_job
 from launcher.schema import SECTIONS
-from launcher.validate import errors, validate
+from launcher.validate import _key, _overrides, errors, parse_value, raw_problems, validate
 
 SECTIONS_MUTATED = ("model", "parallel", "schedule", "train", "precision")
 BASES = {
@@ -108,7 +109,7 @@ def _names_a_field(problems, changes) -> bool:
 def verdicts():
     """(login-side refusals, accepted jobs keyed by case id, counts) over every base and mutation."""
     start = time.time()
-    refused, accepted, tried, failures = 0, {}, 0, []
+    refused, accepted, tried, failures, hints = 0, {}, 0, [], 0
     for base_name, overrides in BASES.items():
         base = compose_job(overrides)
         assert not errors(validate(base)), base_name
@@ -129,15 +130,38 @@ def verdicts():
                 refused += 1
                 if not _names_a_field(problems, changes):
                     failures.append(f"{case}: refused without naming the field: {[p.line() for p in errors(problems)]}")
+                if len(changes) == 1:
+                    hints += 1
+                    failures += [f"{case}: {bad}" for bad in _invalid_alternatives(job, problems)]
             else:
                 accepted[case] = job
     return {"refused": refused, "accepted": accepted, "tried": tried, "failures": failures,
-            "login_s": time.time() - start}
+            "login_s": time.time() - start, "hints": hints}
+
+
+def _invalid_alternatives(job, problems) -> list[str]:
+    """Printed override alternatives that do not remove their problem, or that add an error."""
+    before = {_key(p) for p in errors(problems)}
+    bad = []
+    for problem in errors(problems):
+        for alternative in problem.hint.split(" or "):
+            pairs = _overrides(alternative)
+            if not pairs:
+                continue
+            fixed = copy.deepcopy(job)
+            for key, text in pairs:
+                section, _, attr = key.rpartition(".")
+                setattr(getattr(fixed, section) if section else fixed, attr, parse_value(key, text))
+            after = {_key(p) for p in errors(raw_problems(fixed))}
+            if _key(problem) in after or after - before:
+                bad.append(f"{problem.line()} -> {alternative} leaves {sorted(after - before) or 'the problem'}")
+    return bad
 
 
 def test_login_side_never_raises_and_names_the_field(verdicts):
-    print(f"\ndifferential: {verdicts['tried']} configurations, {verdicts['refused']} refused, "
-          f"{len(verdicts['accepted'])} accepted, login side {verdicts['login_s']:.1f} s")
+    print(f"\ndifferential: {verdicts['tried']} configurations, {verdicts['refused']} refused "
+          f"(hints of {verdicts['hints']} re-validated), {len(verdicts['accepted'])} accepted, "
+          f"login side {verdicts['login_s']:.1f} s")
     assert verdicts["tried"] >= 1000
     assert not verdicts["failures"], "\n".join(verdicts["failures"][:40])
 
