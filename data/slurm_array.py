@@ -283,7 +283,9 @@ def render(manifest: dict, opts: dict) -> dict:
            "mem": _directive("--mem", opts.get("mem")),
            "cpus": int(opts.get("cpus_per_task") or manifest["settings"]["workers"]),
            "extra_args": [_directive("--sbatch-arg", a) for a in opts.get("sbatch_args", [])],
-           "python": opts.get("python") or sys.executable, "workdir": workdir,
+           # In a container the login node's interpreter path means nothing: the image's python then.
+           "python": opts.get("python") or ("python" if opts.get("container_image") else sys.executable),
+           "workdir": workdir,
            "retries": int(opts.get("retries", 2)), "shards": len(manifest["shards"]),
            "container_image": opts.get("container_image") or "", "container_mounts": ",".join(mounts),
            "secret_names": list(opts.get("secret_env", []))}

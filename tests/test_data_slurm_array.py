@@ -264,3 +264,23 @@ def test_resubmission_is_refused_while_the_previous_one_is_active(tmp_path, monk
         slurm_array._refuse_while_active(log)
     monkeypatch.delenv("ACTIVE")
     slurm_array._refuse_while_active(log)  # finished: resubmitting is fine
+
+
+GOLDEN = ROOT / "tests" / "golden"
+
+
+@pytest.mark.parametrize("name", ["array", "finalize"])
+def test_rendered_scripts_match_golden(name):
+    """Regenerate after an intended template change with: UPDATE_GOLDEN=1 pytest tests/test_data_slurm_array.py"""
+    shards = [{"index": i, "prefix": f"/lustre/c4-{i:05d}-of-00002",
+               "inputs": [{"path": f"/lustre/corpus/{i}.jsonl.zst", "bytes": 1, "mtime_ns": 1}]} for i in range(2)]
+    manifest = {"output_prefix": "/lustre/c4", "shards": shards,
+                "settings": dict(SETTINGS, tokenizer="/lustre/tokenizer.json", workers=16)}
+    texts = slurm_array.render(manifest, {"partition": "cpu", "account": "llm", "time": "04:00:00", "mem": "32G",
+                                          "workdir": "/opt/launcher", "container_image": "/lustre/img.sqsh",
+                                          "container_mounts": "/lustre:/lustre,/opt/launcher",
+                                          "secret_env": ["HF_TOKEN"], "retries": 2})
+    golden = GOLDEN / f"preprocess.{name}.sbatch"
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(texts[name])
+    assert texts[name] == golden.read_text()
