@@ -284,3 +284,15 @@ def test_rendered_scripts_match_golden(name):
     if os.environ.get("UPDATE_GOLDEN"):
         golden.write_text(texts[name])
     assert texts[name] == golden.read_text()
+
+
+def test_submitting_side_imports_no_torch(tmp_path):
+    """`--slurm` runs on the login node: planning and rendering must not import torch or megatron."""
+    _corpus(tmp_path / "corpus", n_files=2)
+    code = ("import sys; from data.preprocess import main; "
+            f"main(['--input', {str(tmp_path / 'corpus' / '**' / '*.jsonl*')!r}, '--tokenizer', {str(TOKENIZER)!r}, "
+            f"'--output-prefix', {str(tmp_path / 'out' / 'c')!r}, '--slurm', '--render-only']); "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')]; assert not bad, bad")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "would run: sbatch --array=0" in proc.stdout
