@@ -49,10 +49,6 @@ class _Checks:
             self.problems.append(Problem(field, value, rule, hint, severity))
         return bool(cond)
 
-    def positive(self, field: str, value) -> bool:
-        return self.need(value is not None and value >= 1, field, value, "must be a positive integer",
-                         f"{field}=1")
-
 
 # ----------------------------------------------------------------------------------------------- bounds
 @dataclasses.dataclass(frozen=True)
