@@ -122,6 +122,9 @@ def test_resume_plan_refuses_other_runs_and_unmanifested_dirs(tmp_path):
     legacy = tmp_path / "legacy"
     _fake(legacy, 9, manifest=False)
     assert "without launcher.json" in ckpt._plan_resume(legacy, ours, None)["error"]
+    # named explicitly, such a checkpoint is loaded (nothing recorded to verify it against)
+    assert ckpt._plan_resume(tmp_path / "x", ours, str(legacy / "iter_0000009"))["candidates"] == [
+        (str(legacy / "iter_0000009"), {"files": {}, "step": None})]
 
 
 def test_set_aside_moves_only_this_runs_checkpoints(tmp_path):

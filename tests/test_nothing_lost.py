@@ -312,3 +312,18 @@ def test_resume_false_sets_own_checkpoints_aside_and_refuses_another_runs(tmp_pa
     errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "holds checkpoints of another run" in errors[0] and \
         "checkpoint.resume=false would overwrite them" in errors[0], proc.stdout
+
+
+def test_a_checkpoint_without_manifest_is_refused_unless_named_by_checkpoint_load(tmp_path):
+    base = TINY + layout() + ["train.train_steps=2", "checkpoint.save_at_end=true"]
+    first = train(tmp_path, "first", 1, base)
+    saved = first.bundle / "checkpoints" / "iter_0000002"
+    (saved / "launcher.json").unlink()  # e.g. written by another tool
+    (first.bundle / "DONE").unlink()
+    proc = run_train(first.bundle, 1)
+    assert proc.returncode != 0 and "holds checkpoints without launcher.json" in proc.stdout, proc.stdout[-2000:]
+    named = write_bundle(tmp_path / "named", base + ["train.train_steps=3", f"checkpoint.load={saved}"], 1)
+    proc = run_train(named, 1)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert f"resumed from {saved} at step 2" in proc.stdout
+    assert sorted(Run(named, proc).steps) == [3]

@@ -618,6 +618,8 @@ def _plan_resume(ckpt_dir: Path, identity: dict, load_from: Optional[str]) -> di
         src = Path(load_from)
         if read_manifest(src) is not None:
             return {"candidates": [(str(src), read_manifest(src))], "source": "load"}
+        if (src / "metadata.json").is_file():  # named explicitly: a dist_checkpointing checkpoint without our
+            return {"candidates": [(str(src), {"files": {}, "step": None})], "source": "load"}  # manifest
         listed = [(str(p), m) for p, m in complete_checkpoints(src)]
         if not listed:
             return {"error": f"checkpoint.load={load_from}: no complete checkpoint there (a directory with "
@@ -654,14 +656,14 @@ def resume(ckpt_dir: Path, *, identity: dict, load_from: Optional[str], checksum
         problems = [p for share in _gather(verify_files(path, manifest, checksum=checksum, rank=_rank(),
                                                         world=_world())) for p in share]
         error = f"{len(problems)} damaged file(s): {'; '.join(problems[:3])}" if problems else None
-        with_rng = manifest.get("rng_layout") in (None, rng_layout())
+        with_rng = manifest.get("rng_layout") == rng_layout()  # unknown (no manifest): not restored
         fmt = manifest.get("optimizer_format", DEFAULT_OPTIMIZER_FORMAT)
         saved_dp = (manifest.get("rng_layout") or [None] * 3)[2]
         if error is None and distributed_optimizer and fmt == "dp_reshardable" and saved_dp not in (None, rng_layout()[2]):
             error = (f"its distributed-optimizer state was saved with checkpoint.optimizer_format=dp_reshardable at "
                      f"DP={saved_dp}, this run has DP={rng_layout()[2]}; resume at DP={saved_dp}, or save with "
                      "checkpoint.optimizer_format=fully_reshardable")
-        if not with_rng:
+        if not with_rng and manifest.get("rng_layout"):
             warn(f"note: {path} was saved at (PP, TP, DP) = {tuple(manifest['rng_layout'])}, this run is "
                  f"{tuple(rng_layout())}: weights and optimizer are resharded, the RNG streams start afresh")
         if error is None:
