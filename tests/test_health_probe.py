@@ -52,3 +52,15 @@ def test_straggler_report_every_n_steps_in_a_real_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("step ms per rank: ")]
     assert len(lines) == 2 and all(" 0:" in f" {line.split(': ', 1)[1]}" and " 1:" in line for line in lines), lines
+
+
+def test_a_save_too_slow_for_the_slurm_signal_lead_is_flagged(tmp_path, monkeypatch):
+    from _rank_harness import run_train
+
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")  # as under Slurm; the lead below leaves no time to save
+    bundle = write_bundle(tmp_path / "s", TINY + layout() + ["train.train_steps=1", "checkpoint.save_at_end=true",
+                                                            "slurm.signal_lead_s=30"], 1)
+    proc = run_train(bundle, 1)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert " s to save; slurm.signal_lead_s=30 leaves less than twice that plus " \
+           "60 s before the time limit: submit with slurm.signal_lead_s=" in proc.stdout, proc.stdout

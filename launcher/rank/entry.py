@@ -128,10 +128,16 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
     def save():
         nonlocal saved_at
         saved_at = lp.step
+        started = time.perf_counter()
         path = ckpt.save(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler, step=lp.step,
                          consumed=lp.consumed, keep_last=job.checkpoint.keep_last, identity=identity,
                          checksum=checksum, optimizer_format=job.checkpoint.optimizer_format)
         console.line(f"saved checkpoint {path}")
+        took, lead = time.perf_counter() - started, job.slurm.signal_lead_s
+        if os.environ.get("SLURM_JOB_ID") and 2 * took + 60 > lead:  # USR1 -> the stop step -> this save
+            console.line(f"warning: this checkpoint took {took:.0f} s to save; slurm.signal_lead_s={lead} leaves "
+                         f"less than twice that plus 60 s before the time limit: submit with "
+                         f"slurm.signal_lead_s={int(2 * took + 60 + 0.999)} or more")
 
     minutes = tr.exit_after_minutes
     fpt = flops_per_token(job.model)
