@@ -14,12 +14,13 @@ TINY_STEPS = ["model.num_layers=4", "model.hidden_size=64", "model.ffn_hidden_si
 
 
 def test_time_limit_checkpoints_requeues_and_finishes_without_retraining_a_step(slurm, tmp_path):
-    total = 300
-    # slurmctld sends USR1 up to 30 s before the lead: 50-80 s after each start, well before 300 steps end.
-    bundle = render(tmp_path, *TINY_STEPS, f"train.train_steps={total}", "slurm.time=00:03:00",
-                    "slurm.signal_lead_s=100", "slurm.max_requeues=6")
+    total = 800
+    # slurmctld sends USR1 up to 30 s before the lead: 20-50 s after each start. 800 steps need more than one
+    # attempt whether a step takes 50 ms (idle cores) or 150 ms (a loaded machine), and fewer than 13.
+    bundle = render(tmp_path, *TINY_STEPS, f"train.train_steps={total}", "slurm.time=00:02:00",
+                    "slurm.signal_lead_s=70", "slurm.max_requeues=12")
     with Job(bundle) as job:
-        info = job.wait(900)
+        info = job.wait(1500)
     log = log_of(bundle, job.id)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{log[-6000:]}"
     attempts = re.split(rf"^launcher: job {job.id} restart \d+ on .*$", log, flags=re.MULTILINE)[1:]
@@ -34,7 +35,7 @@ def test_time_limit_checkpoints_requeues_and_finishes_without_retraining_a_step(
             assert "launcher: SIGUSR1 received" in text, text[-3000:]
             assert re.search(rf"^launcher: stopped at step {prev_last} of {total}: STOP file; checkpointed", text,
                              re.MULTILINE), text[-3000:]
-            assert f"requeueing job {job.id} (requeue {i + 1} of 6;" in text, text[-3000:]
+            assert f"requeueing job {job.id} (requeue {i + 1} of 12;" in text, text[-3000:]
     assert prev_last == total
     assert f"launcher: done: trained to step {total} (DONE)" in attempts[-1]
     assert "launcher: done (DONE written); no requeue needed" in attempts[-1]
