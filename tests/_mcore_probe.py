@@ -72,7 +72,7 @@ def build(job, rank: int) -> None:
     transformer_config(model=job.model, parallel=job.parallel, precision=job.precision, layout=lay,
                        schedule=job.schedule, recompute=tr.recompute, recompute_num_layers=tr.recompute_num_layers,
                        te=False)
-    optim.ddp_config(parallel=job.parallel, precision=job.precision, layout=lay, on_gpu=False)
+    optim.ddp_config(parallel=job.parallel, precision=job.precision, on_gpu=False)
     optim.optimizer_config(train=tr, parallel=job.parallel, precision=job.precision, on_gpu=False)
     optim.scheduler_kwargs(train=tr, steps=lay.steps)
     torch.distributed.init_process_group("fake", rank=rank, world_size=lay.world, store=FakeStore())

@@ -247,7 +247,7 @@ def _config_differences(argv, env, nodes, gpus, job, monkeypatch, skip=()):
     # ... and the DDP and optimizer configs Megatron-LM's training.py makes from the same arguments
     from launcher.rank import optim
     from megatron.training.training import get_megatron_ddp_config, get_megatron_optimizer_config
-    pairs = [(optim.ddp_config(parallel=job.parallel, precision=job.precision, layout=lay, on_gpu=True),
+    pairs = [(optim.ddp_config(parallel=job.parallel, precision=job.precision, on_gpu=True),
               get_megatron_ddp_config(ns)),
              (optim.optimizer_config(train=tr, parallel=job.parallel, precision=job.precision, on_gpu=True),
               get_megatron_optimizer_config(ns)[0])]

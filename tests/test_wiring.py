@@ -157,7 +157,7 @@ def _built(job, layout, calls, monkeypatch) -> dict:
     last = _gpt_kwargs(monkeypatch, job, layout, layout.pp - 1) if layout.pp > 1 else []
     return {
         TC: tc,
-        DDP: optim.ddp_config(parallel=job.parallel, precision=job.precision, layout=layout, on_gpu=True),
+        DDP: optim.ddp_config(parallel=job.parallel, precision=job.precision, on_gpu=True),
         OPT: optim.optimizer_config(train=tr, parallel=job.parallel, precision=job.precision, on_gpu=True),
         MPU: setup.parallel_state_kwargs(layout),
         SCHED: optim.scheduler_kwargs(train=tr, steps=layout.steps),

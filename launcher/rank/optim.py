@@ -17,7 +17,7 @@ LR_STYLES = {"cosine": "cosine", "linear": "linear", "constant": "constant", "ws
 assert set(LR_STYLES) == set(LR_SCHEDULES)
 
 
-def ddp_config(*, parallel: ParallelConfig, precision: PrecisionConfig, layout: Layout, on_gpu: bool):
+def ddp_config(*, parallel: ParallelConfig, precision: PrecisionConfig, on_gpu: bool):
     """Megatron-Core's DistributedDataParallelConfig for this job."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
@@ -46,7 +46,7 @@ def wrap_ddp(chunks: List[torch.nn.Module], *, parallel: ParallelConfig, precisi
 
     from models.zero_bubble import te_modules
 
-    config = ddp_config(parallel=parallel, precision=precision, layout=layout, on_gpu=torch.cuda.is_available())
+    config = ddp_config(parallel=parallel, precision=precision, on_gpu=torch.cuda.is_available())
     # zb_h1 on TE: weights with delayed wgrad get DDP's grad hook through their module's backward_dw
     config.delay_wgrad_compute = any(te_modules(chunk) for chunk in chunks)
     model_config = get_model_config(chunks[0])
