@@ -1,8 +1,9 @@
 """ZB-H1 vs 1F1B, measured on this machine: idle fraction, step time, T_F / T_B / T_W and the closed form.
 
 PP=2 on 2 processes (torchrun, gloo) with one thread each (OMP_NUM_THREADS=1, so the two ranks do not share a
-core), a model big enough that GEMMs dominate (hidden 512, FFN 2048, 4 layers, sequence 256, vocabulary 1024),
-8 microbatches per step. The same job is built twice in the same ranks — Megatron's 1F1B and our ZB-H1, same
+core), a model big enough that GEMMs dominate (hidden 1024, FFN 4096, 4 layers, sequence 128) with a
+64-token vocabulary so the last stage's output layer and loss do not make it the slower stage (an unbalanced
+pipeline idles its faster stage under every schedule, which hides the bubble), 8 microbatches per step. The same job is built twice in the same ranks — Megatron's 1F1B and our ZB-H1, same
 weights and data, the rank wing's own Loop.train_step — and trained in alternating steps, so a busy shared
 machine slows both alike; every step is recorded (the ``schedule.record_timeline`` recorder).
 
@@ -32,8 +33,8 @@ sys.path.insert(0, str(ROOT))
 
 P, MICROBATCHES = 2, 8
 JOB = ["data=mock", "schedule.kind=1f1b", "parallel.tensor=1", f"parallel.pipeline={P}", "cluster.gpus_per_node=2",
-       "model.num_layers=4", "model.hidden_size=512", "model.ffn_hidden_size=2048", "model.num_attention_heads=8",
-       "model.num_query_groups=8", "model.seq_length=256", "model.vocab_size=1024",
+       "model.num_layers=4", "model.hidden_size=1024", "model.ffn_hidden_size=4096", "model.num_attention_heads=16",
+       "model.num_query_groups=16", "model.seq_length=128", "model.vocab_size=64",
        "model.make_vocab_size_divisible_by=64", "train.micro_batch_size=1",
        f"train.global_batch_size={MICROBATCHES}", "train.eval_interval=0", "logging.tensorboard=false",
        "checkpoint.save_at_end=false"]
@@ -89,8 +90,10 @@ def main(argv=None) -> int:
     t_bw = median_span(res["1f1b"]["steps"], "BW")
     busy = MICROBATCHES * (t_f + t_b + t_w)
     pred = {"1f1b": (P - 1) * (t_f + t_b + t_w), "zb_h1": (P - 1) * max(t_f + t_b - t_w, 0.0)}
-    print(f"PP={P}, {MICROBATCHES} microbatches, 1 thread per rank; hidden 512, FFN 2048, 4 layers, seq 256; "
-          f"{args.steps} steps (medians over the steps after the first)")
+    shape = {k.split(".")[-1]: v for k, v in (a.split("=", 1) for a in JOB) if k.startswith("model.")}
+    print(f"PP={P}, {MICROBATCHES} microbatches, 1 thread per rank; hidden {shape['hidden_size']}, FFN "
+          f"{shape['ffn_hidden_size']}, {shape['num_layers']} layers, seq {shape['seq_length']}, vocabulary "
+          f"{shape['vocab_size']}; {args.steps} steps (medians over the steps after the first)")
     print(f"measured T_F {t_f * 1e3:.1f} ms, T_B {t_b * 1e3:.1f} ms, T_W {t_w * 1e3:.1f} ms "
           f"(1F1B's BW {t_bw * 1e3:.1f} ms; T_B+T_W {1e3 * (t_b + t_w):.1f} ms)")
     print(f"{'schedule':10} {'step ms':>9} {'fwd-bwd makespan ms':>21} {'idle fraction':>14} "
