@@ -96,6 +96,31 @@ def test_plan_draws_the_three_schedules_with_the_core_op_orders(cli, tmp_path):
            {t for t, _ in panels}
 
 
+def test_search_treats_the_schedule_as_a_dimension():
+    """For an uninterleaved dense pipeline the search times both 1F1B and ZB-H1 (ZB-H1 with what its executor
+    trains: no recompute, gradients reduced after the last W); with DP=1 nothing is lost by not overlapping the
+    gradient reduction, so the ZB-H1 twin of every 1F1B layout is predicted faster. MoE gets no ZB-H1."""
+    from launcher.config import compose_job
+    from launcher.plan.search import candidates
+    from launcher.plan.timing import step_time
+
+    job = compose_job(["recipe=llama3_8b", "cluster=h100", "train.global_batch_size=8"])
+    by_kind: dict = {}
+    for overrides, cand, lay in candidates(job):
+        if lay.pp > 1 and lay.vpp == 1 and lay.dp == 1:
+            key = tuple(o for o in overrides if not o.startswith(("schedule.kind=", "parallel.overlap_grad_reduce=")))
+            by_kind.setdefault(key, {})[cand.schedule.kind] = (cand, lay)
+    pairs = [v for v in by_kind.values() if "zb_h1" in v and "1f1b" in v]
+    assert pairs, "no ZB-H1 candidate next to a 1F1B one"
+    for pair in pairs:
+        zb, lay = pair["zb_h1"]
+        assert not zb.parallel.overlap_grad_reduce and zb.train.recompute == "none"
+        assert step_time(zb, lay).step_s < step_time(*pair["1f1b"]).step_s
+    assert all(len(v) == 2 or "zb_h1" not in v for v in by_kind.values())  # never ZB-H1 without its twin
+    moe = compose_job(["recipe=llama3_8b", "cluster=h100", "model.num_experts=8", "train.global_batch_size=8"])
+    assert all(c.schedule.kind != "zb_h1" for _, c, _ in candidates(moe))
+
+
 # ------------------------------------------------------------------------------- deferred W (one process)
 def test_deferred_linear_queues_w_and_accumulates_like_1f1b():
     import torch

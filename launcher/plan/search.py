@@ -1,4 +1,4 @@
-"""Layout search: enumerate valid TP/PP/VPP/CP/EP/micro-batch/recompute layouts, drop those that do not fit,
+"""Layout search: enumerate valid TP/PP/VPP/CP/EP/schedule/micro-batch/recompute layouts, drop those that do not fit,
 rank the rest by predicted throughput.
 
 Candidates keep everything else of the job (model, precision, global batch, cluster, nodes). Each candidate's
@@ -162,10 +162,33 @@ def _recompute_options(job: JobConfig) -> list[tuple[str, list]]:
     return out + [("full", [])]
 
 
+def _zb_h1_allowed(job: JobConfig) -> bool:
+    """What launcher/rank/zero_bubble.py trains (launcher.validate.validate_schedule refuses the rest)."""
+    m = job.model
+    return not m.num_experts and not m.mtp_num_layers and not job.parallel.tp_comm_overlap
+
+
+def _schedules(job: JobConfig, pp: int, vp: int) -> list[str]:
+    """Schedules tried at this layout: the schedule is a search dimension (1F1B and ZB-H1 for an
+    uninterleaved pipeline, interleaved for VPP > 1)."""
+    if vp > 1:
+        return ["interleaved"]
+    if pp > 1 and _zb_h1_allowed(job):
+        return ["1f1b", "zb_h1"]
+    return ["1f1b"]
+
+
 def _batch_and_recompute(job, tp, cp, pp, vp, ep, split, fsdp=False):
-    kind = "interleaved" if vp > 1 else ("zb_h1" if job.schedule.kind == "zb_h1" and pp > 1 else "1f1b")
+    for kind in _schedules(job, pp, vp):
+        yield from _batch_and_recompute_for(job, kind, tp, cp, pp, vp, ep, split, fsdp)
+
+
+def _batch_and_recompute_for(job, kind, tp, cp, pp, vp, ep, split, fsdp=False):
+    zb = kind == "zb_h1"
     par = dict(tensor=tp, pipeline=pp, virtual_pipeline=vp if vp > 1 else None, context=cp, expert=ep,
                sequence_parallel=tp > 1, distributed_optimizer=True, data=None, megatron_fsdp=fsdp, **split)
+    if zb:  # ZB-H1 reduces gradients once after the last W (validate_schedule)
+        par["overlap_grad_reduce"] = False
     overlap = _moe_overlap_allowed(job, pp, vp, ep)
     sched = dict(kind=kind, overlap_p2p_comm=kind == "interleaved",
                  batch_p2p_comm=job.schedule.batch_p2p_comm and not (kind == "interleaved" and pp == 2),
@@ -178,13 +201,16 @@ def _batch_and_recompute(job, tp, cp, pp, vp, ep, split, fsdp=False):
                "parallel.distributed_optimizer=true", *_split_overrides(split),
                f"parallel.megatron_fsdp={'true' if fsdp else 'false'}",
                f"schedule.kind={kind}", f"schedule.overlap_p2p_comm={'true' if kind == 'interleaved' else 'false'}"]
+    if zb:
+        layout.append("parallel.overlap_grad_reduce=false")
+    recomputes = [("none", [])] if zb else _recompute_options(job)  # the ZB-H1 executor has no recompute yet
     for mbs in MICRO_BATCH_SIZES:
         sized = _with(job, parallel=par, schedule=sched, train=dict(micro_batch_size=mbs))
         lay = derive(sized)  # recomputation does not change the layout: one derivation serves all of them
         # The batch must split into micro-batches over DP, and ETP x EP must tile each stage's ranks.
         if not lay.microbatches or not lay.expert_dp:
             continue
-        for rec, mods in _recompute_options(job):
+        for rec, mods in recomputes:
             a2a = overlap and rec != "full" and "moe" not in mods
             cand = _with(sized, train=dict(recompute=rec, recompute_modules=mods),
                          parallel=dict(par, moe_a2a_overlap=a2a))
