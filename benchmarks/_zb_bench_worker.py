@@ -25,7 +25,7 @@ def build(job, layout, kind: str, cache: str):
     tr = job.train
     chunks = build_model(model=job.model, parallel=job.parallel, precision=job.precision, layout=layout,
                          schedule=dataclasses.replace(job.schedule, kind=kind), seed=tr.seed)
-    model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision, layout=layout)
+    model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision)
     optimizer = optim.build_optimizer(model, train=tr, parallel=job.parallel, precision=job.precision)
     scheduler = optim.build_scheduler(optimizer, train=tr, steps=layout.steps)
     optim.hook_model_config(model, optimizer, parallel=job.parallel)

@@ -109,7 +109,7 @@ def main(argv=None) -> dict:
     layout, train, parallel, precision = derive(job), job.train, job.parallel, job.precision
     setup.init_distributed(cluster=job.cluster, layout=layout, seed=train.seed)
     chunks = build_model(model=job.model, parallel=parallel, precision=precision, layout=layout)
-    model = optim.wrap_ddp(chunks, parallel=parallel, precision=precision, layout=layout)
+    model = optim.wrap_ddp(chunks, parallel=parallel, precision=precision)
     optimizer = optim.build_optimizer(model, train=train, parallel=parallel, precision=precision)
     scheduler = optim.build_scheduler(optimizer, train=train, steps=layout.steps)
     optim.hook_model_config(model, optimizer, parallel=parallel)

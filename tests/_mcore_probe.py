@@ -85,7 +85,7 @@ def build(job, rank: int) -> None:
         chunks = build_model(model=job.model, parallel=job.parallel, precision=job.precision, layout=lay,
                              schedule=job.schedule, seed=tr.seed, recompute=tr.recompute,
                              recompute_num_layers=tr.recompute_num_layers)
-        model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision, layout=lay)
+        model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision)
         optimizer = optim.build_optimizer(model, train=tr, parallel=job.parallel, precision=job.precision)
         optim.build_scheduler(optimizer, train=tr, steps=max(lay.steps, 1))
         if lay.pp == 1 and lay.world == 1 and job.model.seq_length * tr.micro_batch_size <= MAX_STEP_TOKENS \

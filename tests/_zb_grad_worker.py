@@ -28,7 +28,7 @@ def one_step(job, layout, kind: str, bundle: Path):
     schedule = dataclasses.replace(job.schedule, kind=kind)
     chunks = build_model(model=job.model, parallel=job.parallel, precision=job.precision, layout=layout,
                          schedule=schedule, seed=job.train.seed)
-    model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision, layout=layout)
+    model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision)
     optimizer = optim.build_optimizer(model, train=job.train, parallel=job.parallel, precision=job.precision)
     optim.hook_model_config(model, optimizer, parallel=job.parallel)
     iters, _ = data.build_train_valid_iterators(

@@ -72,7 +72,7 @@ def _measure(config_yaml: str, tmp: str):
                          schedule=job.schedule, seed=job.train.seed)
     params = sum(p.numel() for c in chunks for p in c.parameters())
     weights = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
-    model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision, layout=layout)
+    model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision)
     grads = sum(b.grad_data.numel() * b.grad_data.element_size()
                 for ddp in model for b in ddp.buffers + ddp.expert_parallel_buffers)
     opt = optim.build_optimizer(model, train=job.train, parallel=job.parallel, precision=job.precision)

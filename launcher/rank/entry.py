@@ -71,7 +71,7 @@ def train(bundle: Path, console) -> int:
     chunks = build_model(model=job.model, parallel=job.parallel, precision=job.precision, layout=layout,
                          schedule=job.schedule, seed=tr.seed, recompute=tr.recompute,
                          recompute_num_layers=tr.recompute_num_layers, recompute_modules=tr.recompute_modules)
-    model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision, layout=layout)
+    model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision)
     optimizer = optim.build_optimizer(model, train=tr, parallel=job.parallel, precision=job.precision)
     scheduler = optim.build_scheduler(optimizer, train=tr, steps=layout.steps)
     optim.hook_model_config(model, optimizer, parallel=job.parallel)

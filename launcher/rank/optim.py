@@ -9,7 +9,6 @@ from typing import List
 
 import torch
 
-from launcher.core import Layout
 from launcher.schema import LR_SCHEDULES, ParallelConfig, PrecisionConfig, TrainConfig
 
 LR_STYLES = {"cosine": "cosine", "linear": "linear", "constant": "constant", "wsd": "WSD"}
@@ -38,8 +37,8 @@ def ddp_config(*, parallel: ParallelConfig, precision: PrecisionConfig, on_gpu: 
         check_for_nan_in_grad=False)
 
 
-def wrap_ddp(chunks: List[torch.nn.Module], *, parallel: ParallelConfig, precision: PrecisionConfig,
-             layout: Layout) -> List[torch.nn.Module]:
+def wrap_ddp(chunks: List[torch.nn.Module], *, parallel: ParallelConfig,
+             precision: PrecisionConfig) -> List[torch.nn.Module]:
     """Megatron-Core DistributedDataParallel around each chunk (contiguous grad buffers, DP reduce)."""
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.utils import get_model_config
