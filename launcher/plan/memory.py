@@ -12,6 +12,7 @@ Everything is in bytes, for one rank of the given stage. Pure Python: no torch, 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from launcher.core import Layout, derive, moe_layer_pattern
@@ -164,9 +165,14 @@ def model_params(model: ModelConfig, tp: int = 1, padded_vocab: int | None = Non
         lp = layer_params(model, is_moe)
         out.dense += lp.tp_sharded / tp + lp.replicated
         out.expert += lp.expert
-    emb = vocab * model.hidden_size / tp
+    h = model.hidden_size
+    mtp = model.mtp_num_layers or 0
+    out.dense += mtp * (2 * h * h / tp + 3 * _norm_params(model) * h)  # MTP eh_proj, enorm/hnorm/final norm
+    emb = vocab * h / tp
     out.embedding = emb * (1 if model.tie_embeddings else 2)
-    out.dense += out.embedding + model.hidden_size
+    if model.position_embedding == "learned_absolute":
+        out.embedding += (model.max_position_embeddings or model.seq_length) * h
+    out.dense += out.embedding + _norm_params(model) * h  # + final layernorm
     return out
 
 
@@ -484,5 +490,12 @@ def activation_formula_check(job: JobConfig) -> float:
 
 
 def param_count(model: ModelConfig) -> dict[str, float]:
-    """Parameter counts (unpadded vocabulary): embedding, output, per-layer attention/MLP, total, active."""
-    return model_params(model, tp=1, padded_vocab=model.vocab_size).as_dict()
+    """Parameter counts (unpadded vocabulary): dense, expert, embedding and total as ``model_params``; ``mtp``
+    (the MTP modules, sharing the main model's embedding and output layer), ``main`` (total without them) and
+    ``active`` (main-model parameters one token passes through: every non-expert one, top-k of the experts)."""
+    counts = model_params(model, tp=1, padded_vocab=model.vocab_size).as_dict()
+    mtp_model = dataclasses.replace(model, mtp_num_layers=0)
+    main = model_params(mtp_model, tp=1, padded_vocab=model.vocab_size)
+    routed = model.moe_router_topk / model.num_experts if model.num_experts else 0.0
+    return {**counts, "main": main.total, "mtp": counts["total"] - main.total,
+            "active": main.dense + main.expert * routed}
