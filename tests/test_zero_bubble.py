@@ -55,6 +55,43 @@ def test_timeline_helpers_and_trace_format(tmp_path):
     assert timeline.draw(tmp_path / "t.png", [("zb", tl)]).stat().st_size > 1000
 
 
+def test_recorder_times_gpu_ops_with_events_resolved_once_per_step():
+    """On a GPU the recorder stamps CUDA events (a host clock would time kernel launches) and turns them into
+    seconds with one synchronize per step, when the spans are read; here a fake event stands in for CUDA's."""
+    from launcher.rank.zero_bubble import Recorder
+
+    clock = {"t": 0.0, "syncs": 0}
+
+    class FakeEvent:  # torch.cuda.Event's interface: record(), elapsed_time(other) in ms, synchronize()
+        def record(self):
+            self.t = clock["t"]
+
+        def elapsed_time(self, other):
+            return 1e3 * (other.t - self.t)
+
+        def synchronize(self):
+            clock["syncs"] += 1
+
+    rec = Recorder(event_factory=FakeEvent)
+    for step in range(3):
+        clock["t"] = 100.0 * step
+        rec.start_step()
+        for mb in range(4):
+            with rec.span("F", mb):
+                clock["t"] += 0.5
+            clock["t"] += 0.25
+    assert clock["syncs"] == 0  # nothing synchronised while ops run
+    assert rec.spans == [("F", mb, 0, 0.75 * mb, 0.75 * mb + 0.5) for mb in range(4)]
+    assert clock["syncs"] == 1 and rec.spans and clock["syncs"] == 1  # once per step, cached
+    assert [len(h) for h in rec.history] == [4, 4, 4] and rec.history[0] == rec.spans  # each step from its origin
+    cpu = Recorder()  # no CUDA here: host clock floats
+    cpu.start_step()
+    with cpu.span("W", 0):
+        pass
+    (span,) = cpu.spans
+    assert span[:3] == ("W", 0, 0) and 0 <= span[3] <= span[4] < 1.0
+
+
 # ------------------------------------------------------------------------- validation and planner pictures
 @pytest.mark.parametrize("override,field", [
     ("parallel.pipeline=1", "schedule.kind"),

@@ -34,30 +34,73 @@ from launcher.core.schedules import schedule_1f1b, schedule_zb_h1
 
 
 class Recorder:
-    """Wall-clock spans of what this rank ran in the current step (opt-in: ``schedule.record_timeline``).
-    Times are seconds from the step's start; the step starts after a barrier so ranks share an origin."""
+    """Spans of what this rank ran in the current step (opt-in: ``schedule.record_timeline``): seconds from the
+    step's start; the step starts after a barrier so ranks share an origin.
+
+    On CPU a span's ends are ``time.perf_counter()`` stamps. On a GPU the host clock would time kernel
+    *launches*, not their execution, so each end is a CUDA event recorded on the current stream instead, and the
+    events are turned into seconds once per step (one synchronize when the step's spans are first read, not one
+    per op: that is what keeps the recorder cheap)."""
 
     KEEP = 16
     """Steps kept (the newest); the drawing shows the last one, spans.json holds all kept."""
 
-    def __init__(self) -> None:
-        self.spans: List[tuple] = []
-        self.history: "collections.deque[List[tuple]]" = collections.deque(maxlen=self.KEEP)
-        self.t0 = time.perf_counter()
+    def __init__(self, event_factory: Optional[Callable] = None) -> None:
+        if event_factory is None and torch.cuda.is_available():
+            event_factory = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+        self._event = event_factory
+        self._raw: List[tuple] = []
+        self._resolved: Optional[List[tuple]] = []
+        self._history: "collections.deque[list]" = collections.deque(maxlen=self.KEEP)
+        self._origin = self.now()
+
+    def now(self):
+        """A time stamp: a float on CPU, a recorded CUDA event on GPU."""
+        if self._event is None:
+            return time.perf_counter()
+        ev = self._event()
+        ev.record()
+        return ev
+
+    def add(self, kind: str, microbatch: int, chunk: int, start, end) -> None:
+        """One executed op between two stamps of :meth:`now`."""
+        self._raw.append((kind, microbatch, chunk, start, end))
+        self._resolved = None
 
     def start_step(self) -> None:
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
-        self.spans, self.t0 = [], time.perf_counter()
-        self.history.append(self.spans)
+        self._raw, self._resolved = [], []
+        self._origin = self.now()
+        self._history.append((self._origin, self._raw))
+
+    def _seconds(self, origin, stamp) -> float:
+        return stamp - origin if self._event is None else origin.elapsed_time(stamp) / 1e3
+
+    def _resolve(self, origin, raw: List[tuple]) -> List[tuple]:
+        if self._event is not None and raw:
+            raw[-1][4].synchronize()  # the step's last event: every earlier one on this stream has completed
+        return [(k, mb, c, self._seconds(origin, s), self._seconds(origin, e)) for k, mb, c, s, e in raw]
+
+    @property
+    def spans(self) -> List[tuple]:
+        """This step's spans as (kind, microbatch, chunk, start s, end s)."""
+        if self._resolved is None:
+            self._resolved = self._resolve(self._origin, self._raw)
+        return self._resolved
+
+    @property
+    def history(self) -> List[List[tuple]]:
+        """The last ``KEEP`` steps' spans, oldest first."""
+        return [self.spans if raw is self._raw else self._resolve(origin, raw) for origin, raw in self._history]
 
     @contextlib.contextmanager
     def span(self, kind: str, microbatch: int, chunk: int = 0):
-        start = time.perf_counter()
+        start = self.now()
         try:
             yield
         finally:
-            self.spans.append((kind, microbatch, chunk, start - self.t0, time.perf_counter() - self.t0))
+            self.add(kind, microbatch, chunk, start, self.now())
 
 
 def _span(recorder: Optional[Recorder], kind: str, mb: int):
@@ -202,19 +245,19 @@ def recorded_forward(forward_step_func, recorder: Recorder):
     counter = {"f": 0}
 
     def wrapped(data_iterator, model, *args, **kwargs):
-        start = time.perf_counter()
+        start = recorder.now()
         out, loss_func = forward_step_func(data_iterator, model, *args, **kwargs)
         mb = counter["f"]
         counter["f"] += 1
 
         def timed_loss(*a, **k):
             result = loss_func(*a, **k)
-            recorder.spans.append(("F", mb, 0, start - recorder.t0, time.perf_counter() - recorder.t0))
+            recorder.add("F", mb, 0, start, recorder.now())
             return result
 
         if _is_last_stage():
             return out, timed_loss
-        recorder.spans.append(("F", mb, 0, start - recorder.t0, time.perf_counter() - recorder.t0))
+        recorder.add("F", mb, 0, start, recorder.now())
         return out, loss_func
 
     return wrapped
@@ -241,7 +284,7 @@ def write_timeline(recorder: Recorder, out_dir, kind: str):
 
     mine = {"rank": torch.distributed.get_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
             "tp": ps.get_tensor_model_parallel_rank(), "dp": ps.get_data_parallel_rank(),
-            "cp": ps.get_context_parallel_rank(), "spans": recorder.spans, "steps": list(recorder.history)}
+            "cp": ps.get_context_parallel_rank(), "spans": recorder.spans, "steps": recorder.history}
     everyone = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, mine)
     if torch.distributed.get_rank() != 0:
