@@ -32,6 +32,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from launcher import ROOT
 from launcher.config import job_to_yaml
 from launcher.core import derive
+from launcher.core.signal_lead import lead_for_render
 from launcher.schema import JobConfig
 
 TEMPLATES = ROOT / "slurm"
@@ -68,9 +69,13 @@ def _environment() -> Environment:
     return env
 
 
-def template_context(job: JobConfig, bundle_dir: Path) -> dict:
-    """Everything the templates interpolate, derived from the job (no I/O)."""
+def template_context(job: JobConfig, bundle_dir: Path, signal_lead: dict | None = None) -> dict:
+    """Everything the templates interpolate, derived from the job (no I/O). ``signal_lead`` is
+    ``signal_lead.lead_for_render``'s answer; without it a null slurm.signal_lead_s is derived with no plan and
+    no measured save (the floor)."""
     cluster, slurm = job.cluster, job.slurm
+    if signal_lead is None:
+        signal_lead = lead_for_render(job, _time_limit_s(job))
     is_gpu = cluster.gpu != "cpu"
     return {
         "name": job.name,
@@ -84,7 +89,7 @@ def template_context(job: JobConfig, bundle_dir: Path) -> dict:
         "account": cluster.account,
         "exclusive": slurm.exclusive,
         "requeue": slurm.requeue,
-        "signal_lead_s": slurm.signal_lead_s,
+        "signal_lead_s": signal_lead["seconds"],
         "max_requeues": slurm.max_requeues,
         # torchrun restarts after a rank dies: on by default where a node can fail under a long job.
         "max_restarts": cluster.max_restarts if cluster.max_restarts is not None
@@ -103,15 +108,45 @@ def template_context(job: JobConfig, bundle_dir: Path) -> dict:
     }
 
 
-def render_texts(job: JobConfig, bundle_dir: Path) -> dict[str, str]:
+def render_texts(job: JobConfig, bundle_dir: Path, signal_lead: dict | None = None) -> dict[str, str]:
     """The bundle's text files, keyed by file name (pure: used by the golden-file tests)."""
-    env, ctx = _environment(), template_context(job, bundle_dir)
+    env, ctx = _environment(), template_context(job, bundle_dir, signal_lead)
     return {
         "config.yaml": job_to_yaml(job),
         "job.sbatch": env.get_template("job.sbatch.j2").render(**ctx),
         "launch.sh": env.get_template("launch.sh.j2").render(**ctx),
         "env.sh": env.get_template("env.sh.j2").render(**ctx),
     }
+
+
+def _time_limit_s(job: JobConfig) -> int:
+    from launcher.validate import _slurm_seconds
+
+    return _slurm_seconds(job.slurm.time) or 0
+
+
+def signal_lead_of(job: JobConfig, plan: dict | None) -> dict:
+    """The --signal lead (launcher/core/signal_lead.py): explicit, or derived from the newest measured save in
+    checkpoint.dir and the plan; a derived lead that leaves under 60 s of the time limit is refused."""
+    ckpt_dir = Path(job.checkpoint.dir) if job.checkpoint.dir else None
+    if ckpt_dir is not None and not ckpt_dir.is_absolute():
+        ckpt_dir = Path.cwd() / ckpt_dir
+    limit = _time_limit_s(job)
+    lead = lead_for_render(job, limit, plan, ckpt_dir)
+    if lead["source"] == "derived" and lead["seconds"] + 60 > limit:
+        raise RenderError(
+            f"slurm.time={job.slurm.time}: too short to stop in time: a checkpoint save takes about "
+            f"{lead['save_s']:.0f} s ({'measured in ' + lead['measured_in'] if lead['measured_in'] else 'estimated'}), "
+            f"so the stop must start {lead['seconds']} s before the limit ({lead['factor']:g} x save + a step + "
+            f"{lead['margin_s']} s); use slurm.time={_hours(2 * (max(lead['seconds'], 300) + 60))}, or set "
+            "slurm.signal_lead_s explicitly")
+    return lead
+
+
+def _hours(seconds: float) -> str:
+    """A Slurm time limit of whole hours covering ``seconds``."""
+    hours = max(1, -(-int(seconds) // 3600))
+    return f"{hours // 24}-{hours % 24:02d}:00:00" if hours >= 24 else f"{hours:02d}:00:00"
 
 
 def git_revision() -> dict:
@@ -142,13 +177,14 @@ def write_bundle(job: JobConfig, *, argv: list[str], plan: dict | None = None,
                  bundle_dir: Path | None = None) -> Bundle:
     """Render, cross-check and write the bundle atomically (temp dir + rename); never overwrites one."""
     final = (bundle_dir or new_bundle_dir(job)).resolve()
-    texts = render_texts(job, final)
+    lead = signal_lead_of(job, plan)
+    texts = render_texts(job, final, lead)
     issues = cross_check(job, texts)
     if issues:
         raise RenderError("rendered bundle failed its cross-check: " + "; ".join(issues))
     final.parent.mkdir(parents=True, exist_ok=True)
     meta = {"created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "argv": argv, "name": job.name, **git_revision()}
+            "argv": argv, "name": job.name, **git_revision(), "signal_lead": lead}
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
         for name, text in texts.items():

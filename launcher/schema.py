@@ -404,6 +404,9 @@ class ClusterConfig:
     """Intra-node bandwidth per GPU per direction in GB/s (NVLink)."""
     network_bandwidth_gbps: float = 1.0
     """Inter-node bandwidth per GPU per direction in GB/s (InfiniBand / RoCE)."""
+    checkpoint_write_gbps: float = 1.0
+    """Checkpoint write bandwidth per node to checkpoint.dir in GB/s (the planner's save-time estimate, from
+    which a null slurm.signal_lead_s is derived)."""
     gemm_efficiency: float = 0.7
     """Fraction of peak that large GEMMs reach (planner constant; see launcher/plan notes)."""
     fp8_gemm_efficiency: float = 0.5
@@ -447,8 +450,16 @@ class SlurmConfig:
     """Wall-time limit (HH:MM:SS or D-HH:MM:SS)."""
     job_name: Optional[str] = None
     """Job name; null means the recipe name."""
-    signal_lead_s: int = 300
-    """Seconds before the time limit at which SIGUSR1 asks the job to checkpoint and exit."""
+    signal_lead_s: Optional[int] = None
+    """Seconds before the time limit at which SIGUSR1 asks the job to checkpoint and exit. Null derives it at
+    render time: signal_save_factor x the save time (the newest checkpoint's measured one in checkpoint.dir, else
+    the planner's estimate from cluster.checkpoint_write_gbps) + a step + signal_margin_s, at least 300 s (a
+    quarter of a shorter time limit). Either way the ranks also stop by themselves once the job's time left is below that,
+    with their own measured save time (a requeue reruns the same --signal lead)."""
+    signal_save_factor: float = 2.0
+    """How many of the last measured save times to keep in hand before the time limit (>= 1)."""
+    signal_margin_s: int = 60
+    """Seconds kept in hand beyond the save and one step (teardown, the job script's requeue)."""
     requeue: bool = True
     """Requeue the job after preemption or a clean time-limit exit."""
     max_requeues: int = 3

@@ -120,6 +120,13 @@ BOUNDS: dict[str, Bound] = {
                                                  "network_bandwidth_gbps")},
     **{f"cluster.{n}": FRACTION for n in ("gemm_efficiency", "fp8_gemm_efficiency", "comm_efficiency")},
     "slurm.signal_lead_s": NON_NEGATIVE, "nodes": POSITIVE,
+    # nothing lost, nothing hangs: requeue/restart budgets, the stop-in-time arithmetic, the straggler report
+    "slurm.max_requeues": Bound(0, why="0: never requeue"),
+    "cluster.max_restarts": Bound(0, why="torchrun --max-restarts; null: 3 on Slurm, 0 locally"),
+    "slurm.signal_save_factor": Bound(1, why="the next save may be as slow as the last"),
+    "slurm.signal_margin_s": NON_NEGATIVE, "cluster.checkpoint_write_gbps": POSITIVE_NUMBER,
+    "train.straggler_interval": Bound(0, why="0 disables"),
+    "train.straggler_margin": Bound(0, lo_open=True, why="relative to the median step time"),
 }
 """Every numeric field's range, declared once: checked by ``validate_bounds`` and quoted when Hydra cannot
 even convert a value (``field_rule``). Cross-field rules live in the sections below."""
@@ -879,8 +886,12 @@ def validate_slurm(job: JobConfig) -> list[Problem]:
     s = job.slurm
     seconds = _slurm_seconds(s.time)
     c.need(seconds is not None, "slurm.time", s.time, "must be [D-]HH:MM:SS", "slurm.time=04:00:00")
-    if seconds is not None:
-        c.need(0 <= s.signal_lead_s < seconds, "slurm.signal_lead_s", s.signal_lead_s,
+    if seconds is not None and s.signal_lead_s is None:  # derived at render (launcher/core/signal_lead.py)
+        c.need(not 0 <= s.signal_margin_s or s.signal_margin_s + 60 <= seconds // 2, "slurm.signal_margin_s",
+               s.signal_margin_s, f"must leave half of the {seconds} s time limit for training (margin + 60 s)",
+               f"slurm.signal_margin_s={min(60, max(0, seconds // 2 - 60))}")
+    elif seconds is not None:  # (a negative lead is BOUNDS' to report)
+        c.need(s.signal_lead_s < seconds or s.signal_lead_s < 0, "slurm.signal_lead_s", s.signal_lead_s,
                f"must be shorter than the time limit ({seconds} s)", f"slurm.signal_lead_s={seconds // 10}")
         # slurmctld checks time limits every ~30 s, so USR1 can come that much earlier than asked; a lead that
         # close to the limit makes every requeued run stop as soon as it starts.
@@ -902,11 +913,7 @@ def validate_slurm(job: JobConfig) -> list[Problem]:
     for arg in s.extra_args:
         c.need(str(arg).startswith("--") and "\n" not in str(arg), "slurm.extra_args", arg,
                "each entry is one long sbatch option", "slurm.extra_args=[--qos=high]")
-    c.need(s.max_requeues >= 0, "slurm.max_requeues", s.max_requeues, "must be >= 0 (0: never requeue)",
-           "slurm.max_requeues=3")
-    restarts = job.cluster.max_restarts
-    c.need(restarts is None or restarts >= 0, "cluster.max_restarts", restarts,
-           "must be >= 0 (torchrun --max-restarts; null: 3 on Slurm, 0 locally)", "cluster.max_restarts=3")
+    # slurm.max_requeues, cluster.max_restarts, the signal factor and margin: ranges in BOUNDS
     return c.problems
 
 

@@ -54,13 +54,25 @@ def test_straggler_report_every_n_steps_in_a_real_run(tmp_path):
     assert len(lines) == 2 and all(" 0:" in f" {line.split(': ', 1)[1]}" and " 1:" in line for line in lines), lines
 
 
-def test_a_save_too_slow_for_the_slurm_signal_lead_is_flagged(tmp_path, monkeypatch):
+def test_a_save_too_slow_for_the_slurm_signal_lead_is_flagged_and_the_ranks_stop_in_time(tmp_path, monkeypatch):
+    """Under Slurm (job.sbatch exports the job's end time): the ranks stop by themselves, checkpointed, once
+    less than 2 x the last save + a step + slurm.signal_margin_s is left, whatever the rendered lead."""
+    import time
+
     from _rank_harness import run_train
 
     monkeypatch.setenv("SLURM_JOB_ID", "4242")  # as under Slurm; the lead below leaves no time to save
-    bundle = write_bundle(tmp_path / "s", TINY + layout() + ["train.train_steps=1", "checkpoint.save_at_end=true",
-                                                            "slurm.signal_lead_s=30"], 1)
+    monkeypatch.setenv("LAUNCHER_JOB_END", str(int(time.time()) + 400))  # the margin below says: stop now
+    bundle = write_bundle(tmp_path / "s", TINY + layout() + ["train.train_steps=4", "checkpoint.save_at_end=true",
+                                                            "slurm.signal_lead_s=30", "slurm.signal_margin_s=600"], 1)
     proc = run_train(bundle, 1)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    assert " s to save; slurm.signal_lead_s=30 leaves less than twice that plus " \
-           "60 s before the time limit: submit with slurm.signal_lead_s=" in proc.stdout, proc.stdout
+    assert "slurm: the job ends at " in proc.stdout and " s estimated) + a step + 600 s is left" in proc.stdout
+    assert " s to save; slurm.signal_lead_s=30 leaves less than 2 x that + a step + 600 s before the time limit " \
+           "(training stops by itself " in proc.stdout, proc.stdout
+    assert "s before it instead): submit with slurm.signal_lead_s=6" in proc.stdout, proc.stdout
+    assert "stopped at step 1 of 4 (checkpointed; a requeued run resumes)" in proc.stdout, proc.stdout
+    stopped = (bundle / "STOPPED").read_text()
+    assert stopped.startswith("at step 1 of 4: the Slurm time limit is ") and "+ 600 s" in stopped, stopped
+    assert (bundle / "checkpoints" / "iter_0000001" / "launcher.json").is_file()
+    assert not (bundle / "DONE").exists()

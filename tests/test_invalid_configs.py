@@ -149,6 +149,20 @@ CASES = [
      "logging.wandb_entity="),
     ("huge-int", SMOKE + ["train.seed=99999999999999999999"], "train.seed="),
     ("huge-first-stage", L70 + ["parallel.first_stage_layers=2147483648"], "parallel.first_stage_layers="),
+    # --- nothing lost, nothing hangs: restart/requeue budgets, the stop-in-time arithmetic, the straggler report
+    ("max-requeues-negative", SMOKE + ["slurm.max_requeues=-1"], "slurm.max_requeues="),
+    ("max-restarts-negative", SMOKE + ["cluster.max_restarts=-2"], "cluster.max_restarts="),
+    ("signal-lead-negative", SMOKE + ["slurm.signal_lead_s=-5"], "slurm.signal_lead_s="),
+    ("signal-lead-over-limit", SMOKE + ["slurm.time=00:10:00", "slurm.signal_lead_s=600"], "slurm.signal_lead_s="),
+    ("signal-factor-below-1", SMOKE + ["slurm.signal_save_factor=0.5"], "slurm.signal_save_factor="),
+    ("signal-factor-inf", SMOKE + ["slurm.signal_save_factor=inf"], "slurm.signal_save_factor="),
+    ("signal-margin-negative", SMOKE + ["slurm.signal_margin_s=-1"], "slurm.signal_margin_s="),
+    ("signal-margin-over-limit", SMOKE + ["slurm.time=00:02:00"], "slurm.signal_margin_s="),
+    ("checkpoint-write-zero", SMOKE + ["cluster.checkpoint_write_gbps=0"], "cluster.checkpoint_write_gbps="),
+    ("straggler-interval-negative", SMOKE + ["train.straggler_interval=-5"], "train.straggler_interval="),
+    ("straggler-margin-zero", SMOKE + ["train.straggler_margin=0"], "train.straggler_margin="),
+    ("straggler-margin-nan", SMOKE + ["train.straggler_margin=nan"], "train.straggler_margin="),
+    ("health-check-not-bool", SMOKE + ["cluster.health_check=maybe"], "cluster.health_check="),
 ]
 
 HINTED = ["fp8-param-needs-distopt", "param-gather-needs-grad-overlap", "tp-overlap-needs-sp", "tp-overlap-needs-te"]

@@ -31,6 +31,10 @@ def test_time_limit_checkpoints_requeues_and_finishes_without_retraining_a_step(
         assert steps and steps[0] == prev_last + 1, (i, steps[:3], prev_last)
         assert steps == list(range(steps[0], steps[-1] + 1)), i
         prev_last = steps[-1]
+        # every start reads its own end time from Slurm (a requeue gets a new one): the ranks' stop guard is armed
+        assert re.search(r"^slurm: the job ends at \d\d:\d\d:\d\d UTC \(in \d+ s\); training stops for a "
+                         r"checkpoint once less than 2 x the last save .* \(--signal lead 70 s\)$", text,
+                         re.MULTILINE), text[:3000]
         if i < len(attempts) - 1:
             assert "launcher: SIGUSR1 received" in text, text[-3000:]
             assert re.search(rf"^launcher: stopped at step {prev_last} of {total}: STOP file; checkpointed", text,

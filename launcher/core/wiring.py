@@ -172,10 +172,11 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
         "name", "launcher", "gpu", "gpus_per_node", "gpu_memory_gb", "peak_tflops_fp8", "hbm_bandwidth_gbps",
         "nvlink_bandwidth_gbps", "network_bandwidth_gbps", "gemm_efficiency", "fp8_gemm_efficiency",
         "comm_efficiency", "memory_reserve_gb", "partition", "account", "container_image", "container_mounts",
-        "workdir", "python", "env", "secret_env", "max_restarts")},
+        "workdir", "python", "env", "secret_env", "max_restarts", "checkpoint_write_gbps")},
     "cluster.health_check": _w(DIST, "pre-flight bandwidth probe"),
     # ---- slurm
     **{f"slurm.{name}": _w(LOGIN) for name in (
-        "time", "job_name", "signal_lead_s", "requeue", "exclusive", "extra_args", "max_requeues")},
+        "time", "job_name", "signal_lead_s", "requeue", "exclusive", "extra_args", "max_requeues",
+        "signal_save_factor", "signal_margin_s")},
 }
 """Schema field (dotted path) -> its destinations."""

@@ -203,6 +203,26 @@ def agree_or_raise(message: Optional[str]) -> None:
         raise CheckpointError(messages[0])
 
 
+def agree_loaded(error: Optional[str]) -> Optional[str]:
+    """Collective, right after every rank's load attempt: all ranks learn whether all of them loaded.
+
+    dist_checkpointing reads each shard inside the rank's own data-parallel group only, so a damaged shard of
+    one TP/PP rank fails there alone while the others load fine; without this they would go on to the next
+    collective and wait for the failed rank until the process-group timeout (10 min). Each rank contributes a
+    success flag (all_reduce MIN over the world group: one tensor on the backend's device, gloo or NCCL); only
+    when it is 0 are the messages gathered, so every rank returns the same first error and falls back (or
+    stops) together."""
+    if _world() == 1:
+        return error
+    flag = torch.tensor([0.0 if error else 1.0], dtype=torch.float64,
+                        device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    if flag.item() == 1.0:
+        return None
+    errors = [f"rank {r}: {e}" for r, e in enumerate(_gather(error)) if e]
+    return errors[0]
+
+
 # ---- lock --------------------------------------------------------------------------------------------------
 
 def _pid_alive(pid: int) -> bool:
@@ -670,13 +690,16 @@ def resume(ckpt_dir: Path, *, identity: dict, load_from: Optional[str], checksum
             try:
                 step, consumed = load(path, model=model, optimizer=optimizer, scheduler=scheduler,
                                       with_rng=with_rng, optimizer_format=fmt)
-            except Exception as exc:  # noqa: BLE001 - any load failure means: try the previous checkpoint
+            except BaseException as exc:  # noqa: BLE001 - any load failure means: try the previous checkpoint
+                # (torch.distributed.checkpoint's CheckpointException is a BaseException: caught by `except
+                # Exception`, the rank whose shard was bad died while the others waited for it)
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    raise
                 import traceback
 
                 traceback.print_exc()  # into this rank's log; the console gets the one-line warning
                 error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
-            errors = [e for e in _gather(error) if e]
-            error = errors[0] if errors else None
+            error = agree_loaded(error)
         if error is None:
             return step, consumed, path
         tried.append(path.name)
@@ -735,6 +758,10 @@ def load(path: Path, *, model, optimizer, scheduler, with_rng: bool = True,
     with torch.no_grad(), _cpu_tensors_stay():  # fp32 dist. optimizer: main params are views of the model's
         optimizer.load_state_dict(state["optimizer"])
     _restore_adam_steps(optimizer, state["optimizer"])
+    # Megatron's OptimizerParamScheduler.load_state_dict *adds* the saved num_steps (step(increment=...)): after
+    # a fallback (a newer checkpoint loaded on some ranks, failed on others) those ranks would count both.
+    if hasattr(scheduler, "num_steps"):
+        scheduler.num_steps = 0
     scheduler.load_state_dict(state["scheduler"])
     if with_rng:
         rng = state["rng_state"]

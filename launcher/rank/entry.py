@@ -9,6 +9,7 @@ process that re-imports this module).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 from dataclasses import asdict
@@ -92,6 +93,7 @@ def train(bundle: Path, console) -> int:
 
 
 def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp, ckpt_dir, identity, lock) -> int:
+    from launcher.core import signal_lead
     from launcher.core.flops import flops_per_token
     from launcher.rank import checkpoint as ckpt, data, loop, metrics, setup
     from megatron.core import parallel_state as ps
@@ -101,6 +103,7 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
     tr, rank = job.train, torch.distributed.get_rank()
     lock.acquire()
     checksum = job.checkpoint.verify == "checksum"
+    latest = None
     if not job.checkpoint.resume:
         moved = ckpt.start_fresh(ckpt_dir, identity)
         if moved:
@@ -114,7 +117,9 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
         if latest is not None:
             console.line(f"resumed from {latest} at step {lp.step} ({lp.consumed} samples consumed)")
     saved_at = lp.step
-    ckpt.preflight_dir(ckpt_dir, ckpt.checkpoint_bytes(model, distributed_optimizer=job.parallel.distributed_optimizer))
+    need_bytes = ckpt.checkpoint_bytes(model, distributed_optimizer=job.parallel.distributed_optimizer)
+    ckpt.preflight_dir(ckpt_dir, need_bytes)
+    guard = _stop_guard(job, latest, need_bytes, console)
     train_iters, valid_iters = data.build_train_valid_iterators(
         data=job.data, model=job.model, train=tr, steps=layout.steps, consumed_samples=lp.consumed,
         dp_rank=ps.get_data_parallel_rank(), dp_size=layout.dp, num_chunks=len(model),
@@ -133,17 +138,22 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
                          consumed=lp.consumed, keep_last=job.checkpoint.keep_last, identity=identity,
                          checksum=checksum, optimizer_format=job.checkpoint.optimizer_format)
         console.line(f"saved checkpoint {path}")
-        took, lead = time.perf_counter() - started, job.slurm.signal_lead_s
-        if os.environ.get("SLURM_JOB_ID") and 2 * took + 60 > lead:  # USR1 -> the stop step -> this save
+        took = time.perf_counter() - started
+        guard.saved(took)
+        lead = int(os.environ.get(signal_lead.LEAD_ENV) or job.slurm.signal_lead_s or 0)
+        need = guard.needed()
+        if os.environ.get("SLURM_JOB_ID") and need > lead:  # USR1 -> the step in flight -> the stop save
             console.line(f"warning: this checkpoint took {took:.0f} s to save; slurm.signal_lead_s={lead} leaves "
-                         f"less than twice that plus 60 s before the time limit: submit with "
-                         f"slurm.signal_lead_s={int(2 * took + 60 + 0.999)} or more")
+                         f"less than {job.slurm.signal_save_factor:g} x that + a step + {job.slurm.signal_margin_s} s "
+                         f"before the time limit (training stops by itself {need:.0f} s before it instead): submit "
+                         f"with slurm.signal_lead_s={math.ceil(need)} or more, or null to derive it from this save")
 
     minutes = tr.exit_after_minutes
     fpt = flops_per_token(job.model)
 
     def on_step(record):
         log.step(record)
+        guard.step_took(record["ms_per_step"] / 1e3)
         lock.refresh()
 
     ckpt.restore_loaded_rng()  # exactly the saved RNG state at the first step (dropout resumes exactly)
@@ -151,7 +161,7 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
                  on_eval=log.eval, on_checkpoint=save, save_interval=job.checkpoint.save_interval,
                  flops_per_token=fpt, tokens_per_step=layout.tokens_per_step, world=layout.world,
                  deadline=time.time() + minutes * 60 if minutes else None,
-                 stop_file=bundle / "STOP", on_note=console.line)
+                 stop_file=bundle / "STOP", on_note=console.line, stop_check=guard.reason)
     if lp.recorder is not None and lp.recorder.spans:  # schedule.record_timeline: the last step, drawn
         from launcher.rank.zero_bubble import write_timeline
 
@@ -176,6 +186,26 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
                  f"{' (DONE written)' if why == 'done' else ' (checkpointed; a requeued run resumes)'}")
     setup.close()
     return 0
+
+
+def _stop_guard(job, resumed, need_bytes: int, console):
+    """Stop in time for the Slurm time limit on every attempt (launcher/core/signal_lead.py): the job's end
+    time from job.sbatch, this run's save time (the resumed checkpoint's measured one, else the estimate)."""
+    from launcher.core import signal_lead
+    from launcher.rank import checkpoint as ckpt
+
+    measured = (ckpt.read_manifest(Path(resumed)) or {}).get("save_seconds") if resumed is not None else None
+    save_s = (float(measured) if isinstance(measured, (int, float)) else
+              need_bytes / (max(job.nodes, 1) * job.cluster.checkpoint_write_gbps * 1e9))
+    guard = signal_lead.StopGuard(signal_lead.job_end_from_env(), save_s=save_s, factor=job.slurm.signal_save_factor,
+                                  margin_s=job.slurm.signal_margin_s)
+    if guard.job_end is not None:
+        end = time.strftime("%H:%M:%S UTC", time.gmtime(guard.job_end))
+        console.line(f"slurm: the job ends at {end} (in {guard.job_end - time.time():.0f} s); training stops for a "
+                     f"checkpoint once less than {guard.factor:g} x the last save ({save_s:.1f} s"
+                     f"{' measured' if measured is not None else ' estimated'}) + a step + {guard.margin_s:g} s is "
+                     f"left (--signal lead {os.environ.get(signal_lead.LEAD_ENV, '?')} s)")
+    return guard
 
 
 def _parse(argv):

@@ -185,7 +185,8 @@ class Loop:
     def run(self, *, iterators, valid_iters: Callable, steps: int, on_step: Callable,
             on_eval: Callable, on_checkpoint: Callable, save_interval: int,
             flops_per_token: float, tokens_per_step: int, world: int, deadline: Optional[float],
-            stop_file: Optional[Path] = None, on_note: Optional[Callable[[str], None]] = None) -> str:
+            stop_file: Optional[Path] = None, on_note: Optional[Callable[[str], None]] = None,
+            stop_check: Optional[Callable[[], Optional[str]]] = None) -> str:
         """Train to ``steps``; returns why it stopped: 'done', 'stopped' (STOP file, SIGUSR1 or time
         limit; the caller then checkpoints) or 'nonfinite' (NaN/Inf loss or grad norm with
         train.nonfinite=stop; the caller must not checkpoint). Any rank's reason stops all ranks at the same
@@ -197,7 +198,8 @@ class Loop:
             out = self.train_step(iterators)
             why = ("SIGUSR1" if self.stop_requested
                    else "train.exit_after_minutes reached" if deadline is not None and time.time() > deadline
-                   else "STOP file" if stop_file is not None and stop_file.exists() else None)
+                   else "STOP file" if stop_file is not None and stop_file.exists()
+                   else stop_check() if stop_check is not None else None)  # e.g. too close to the time limit
             loss, stop = reduce_report(out["local_loss"], why is not None)
             elapsed = time.perf_counter() - start
             tflops = flops_per_token * tokens_per_step / elapsed / world / 1e12
