@@ -35,3 +35,24 @@ def test_deepseek_moe_pattern_first_three_dense():
     job = compose_job(["recipe=smoke", "model=deepseek_v3"])
     pattern = moe_layer_pattern(job.model)
     assert pattern[:3] == [False] * 3 and all(pattern[3:]) and len(pattern) == 61
+
+
+@pytest.mark.parametrize("model,extra,expected", CASES)
+def test_flops_per_token_equals_megatrons_own_function(model, extra, expected):
+    """The reference values above, recomputed by Megatron-LM's ``num_floating_point_operations`` (shipped in the
+    megatron-core wheel as ``megatron.training``) on the job as ``action=megatron-args`` exports it."""
+    from launcher.megatron_lm.translate import to_args
+    from test_megatron_lm import megatron_or_skip
+
+    parser, megatron_flops = megatron_or_skip()
+    job = compose_job(["recipe=smoke", f"model={model}", *extra])
+    exported = to_args(job)
+    assert exported.not_expressible == []
+    a = parser.parse_args(exported.args)
+    h, n = a.hidden_size, a.num_attention_heads
+    a.ffn_hidden_size = a.ffn_hidden_size or (int((4 * h * 2 / 3) / 64) * 64 if a.swiglu else 4 * h)
+    a.kv_channels = a.kv_channels or h // n  # validate_args derives these two the same way
+    a.padded_vocab_size = job.model.vocab_size  # unpadded, as our planner and NVIDIA's tables count
+    theirs = megatron_flops(a, a.global_batch_size) / (a.global_batch_size * a.seq_length)
+    assert flops_per_token(job.model) == pytest.approx(theirs, rel=1e-9)
+    assert theirs / 1e9 == pytest.approx(expected, rel=5e-4)
