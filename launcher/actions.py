@@ -1,6 +1,7 @@
 """What each action does once a job is composed and valid. Each returns the process exit code."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -53,6 +54,17 @@ def do_search(job: JobConfig, args) -> int:
               "try more nodes", file=sys.stderr)
         return 1
     _print_rich(search_table(job, results))
+    return 0
+
+
+def do_list(job: JobConfig, args) -> int:
+    """The recipe catalogue: each model's parameters and its H100/H200 layouts, as the planner predicts them."""
+    from launcher.catalog import catalogue_rows, print_table
+    rows = catalogue_rows()
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
+    else:
+        print_table(rows)
     return 0
 
 

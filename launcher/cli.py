@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     problems = validate(job)
     action = resolve_action(job)
-    if not errors(problems) and action not in ("plan", "search"):
+    if not errors(problems) and action not in ("plan", "search", "list"):
         # One pipeline for every action that checks or starts a run: validate's data pre-flight is render's.
         from launcher.actions import preflight_data
         problems += [verified_hint(job, p, problems) for p in preflight_data(job)]
@@ -102,7 +102,8 @@ def run_action(job: JobConfig, action: str, args: Args) -> int:
         from launcher.megatron_lm import do_megatron_args
         return do_megatron_args(job, args)
     handler = {"validate": actions.do_validate, "plan": actions.do_plan, "search": actions.do_search,
-               "render": actions.do_render, "submit": actions.do_submit, "run": actions.do_run}[action]
+               "render": actions.do_render, "submit": actions.do_submit, "run": actions.do_run,
+               "list": actions.do_list}[action]
     return handler(job, args)
 
 

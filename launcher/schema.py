@@ -42,7 +42,7 @@ WANDB_MODES = ("offline", "online", "disabled")
 LAUNCHERS = ("slurm", "local")
 GPUS = ("H100", "H200", "GH200", "B200", "GB200", "A100", "cpu")
 BACKENDS = ("nccl", "gloo")
-ACTIONS = ("default", "render", "submit", "run", "plan", "search", "validate", "megatron-args")
+ACTIONS = ("default", "render", "submit", "run", "plan", "search", "validate", "megatron-args", "list")
 
 
 def choice(default: Any, allowed: Tuple[Any, ...], *, nullable: bool = False):
@@ -478,7 +478,8 @@ class JobConfig:
     """Run name (used for the bundle directory and the Slurm job name)."""
     action: str = choice("default", ACTIONS)
     """render, submit, run, plan, search, validate, megatron-args (print the job as Megatron-LM pretrain_gpt.py
-    arguments), or default (render; and run when cluster is local)."""
+    arguments), list (the recipe catalogue with its H100/H200 layouts, planned), or default (render; and run
+    when cluster is local)."""
     nodes: int = 1
     """Number of nodes (top-level shorthand)."""
     output_dir: str = "runs"

@@ -100,7 +100,8 @@ def transformer_config(*, model: ModelConfig, parallel: ParallelConfig, precisio
         kwargs.update(multi_latent_attention=True, q_lora_rank=model.q_lora_rank,
                       kv_lora_rank=model.kv_lora_rank, qk_head_dim=model.qk_head_dim,
                       qk_pos_emb_head_dim=model.qk_pos_emb_head_dim, v_head_dim=model.v_head_dim,
-                      rope_type="rope", rotary_base=model.rotary_base, rotary_percent=model.rotary_percent)
+                      rope_type="rope", rotary_base=model.rotary_base, rotary_percent=model.rotary_percent,
+                      rotary_scaling_factor=1.0)  # read by yarn only; Megatron-LM's value with --rope-type rope
         return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
 

@@ -21,7 +21,7 @@ SHARED = ("launcher", "launcher.schema", "launcher.core", "data", "data.blend")
 RANK = ("launcher.rank", "models", "data.datasets", "data.tokenizer")
 LOGIN = ("launcher.__main__", "launcher.cli", "launcher.actions", "launcher.validate", "launcher.plan",
          "launcher.render", "launcher.executor", "launcher.overrides", "launcher.help", "launcher.config",
-         "launcher.problems", "data.preflight", "launcher.megatron_lm")
+         "launcher.problems", "data.preflight", "launcher.megatron_lm", "launcher.catalog")
 
 
 def _modules() -> dict[str, Path]:

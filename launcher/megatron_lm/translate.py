@@ -214,6 +214,12 @@ def _gates(args: Args, v: dict) -> None:
         args.use("--position-embedding-type", f"{kind} position embeddings are not supported; imported as rope",
                  "unsupported")
     args.use("--use-rotary-position-embeddings", "model.position_embedding=rope")
+    # MLA's rotary type: our ranks build plain rope (Megatron-LM's MLA default is yarn)
+    if args.get("--rope-type") == "rope":
+        args.use("--rope-type", "plain rope, as our MLA ranks build it")
+    else:
+        args.use("--rope-type", f"{args.get('--rope-type')} rotary embeddings are not supported; imported as rope",
+                 "unsupported")
     if ours == "rope":
         args.use("--no-position-embedding", "no effect with rope (deprecated in Megatron-LM)", "ignored")
     else:
@@ -656,6 +662,8 @@ def to_args(job: JobConfig) -> Export:
     out += {"swiglu": ["--swiglu"], "squared_relu": ["--squared-relu"], "gelu": []}[m.activation]
     if m.position_embedding != "learned_absolute":
         out += ["--position-embedding-type", m.position_embedding]
+    if m.multi_latent_attention and m.position_embedding == "rope":
+        out += ["--rope-type", "rope"]  # Megatron-LM's MLA default is yarn; our ranks build plain rope
     if m.num_experts:
         if m.moe_ffn_hidden_size:
             out += ["--moe-ffn-hidden-size", str(m.moe_ffn_hidden_size)]
