@@ -211,12 +211,14 @@ def _mb(x) -> str:
     return "n/a" if x is None else f"{x:8.1f} MB"
 
 
-def summarise(name: str, runs: list) -> dict:
-    """One tool's figures: medians of wall and CPU time (tokens/s from them), the largest peak PSS/RSS."""
+def summarise(name: str, runs: list, corpus_bytes: int = 0) -> dict:
+    """One tool's figures: medians of wall and CPU time (tokens/s and input MB/s from them), the largest peak
+    PSS/RSS."""
     wall, cpu, tokens = _median([r["wall_s"] for r in runs]), _median([r["cpu_s"] for r in runs]), runs[-1]["tokens"]
     pss = [r["peak_pss_mb"] for r in runs]
     return {"name": name, "tokens": tokens, "runs": len(runs), "walls_s": [r["wall_s"] for r in runs],
             "median_wall_s": wall, "median_cpu_s": cpu, "tok_per_s": tokens / wall, "tok_per_cpu_s": tokens / cpu,
+            "input_mb_per_s": corpus_bytes / 1e6 / wall,
             "peak_pss_mb": None if None in pss else max(pss), "peak_rss_mb": max(r["peak_rss_mb"] for r in runs)}
 
 
@@ -268,10 +270,11 @@ def main(argv=None) -> int:
           f"load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {_cpu_model()}"
           f", {time.strftime('%Y-%m-%d', time.gmtime())}")
     for name in args.only:
-        results.append(summarise(name, runs[name]))
+        results.append(summarise(name, runs[name], corpus.stat().st_size))
         res = results[-1]
         print(f"{name:8s} {res['tokens']:>13,d} tokens  median {res['median_wall_s']:7.2f} s "
-              f"(runs {', '.join(f'{w:.2f}' for w in res['walls_s'])})  {res['tok_per_s'] / 1e6:6.2f} M tok/s wall  "
+              f"(runs {', '.join(f'{w:.2f}' for w in res['walls_s'])})  {res['input_mb_per_s']:6.1f} MB/s  "
+              f"{res['tok_per_s'] / 1e6:6.2f} M tok/s wall  "
               f"{res['tok_per_cpu_s'] / 1e6:6.2f} M tok/cpu-s  peak PSS {_mb(res['peak_pss_mb'])}  "
               f"(summed RSS {res['peak_rss_mb']:.1f} MB)", flush=True)
 
