@@ -88,8 +88,9 @@ ROWS = [
     Row("25.09", "llama3_70b", 64, 128, 1, tp=4, pp=8, vp=5, tokens_per_gpu=1619),
     Row("25.09", "llama405b", 1024, 512, 1, tp=8, pp=8, cp=2, vp=8, split="account", tokens_per_gpu=302),
     Row("25.09", "deepseek_v3", 1024, 8192, 1, tp=2, pp=8, vp=4, ep=64, split=DSV3_LAYOUT, tokens_per_gpu=1297,
-        note="dropless; NVIDIA's hybridep dispatcher, not in the schema",
-        extra=["train.recompute_modules=[mla_up_proj,mlp]"]),
+        note="dropless; flex dispatcher, HybridEP",
+        extra=["train.recompute_modules=[mla_up_proj,mlp]", "model.moe_token_dispatcher_type=flex",
+               "model.moe_flex_dispatcher_backend=hybridep"]),
     Row("25.09", "qwen3_30b", 16, 512, 2, pp=2, vp=24, ep=8, tokens_per_gpu=10494, note="tokendrop"),
     Row("25.09", "qwen3_235b", 256, 2048, 1, tp=2, pp=8, vp=4, ep=32, split="account", tokens_per_gpu=1204,
         note="tokendrop", a2a_overlap=True, tp_overlap=True),
@@ -131,6 +132,8 @@ def _overrides(row: Row, cluster: str = "h100") -> list[str]:
         out += [f"parallel.pipeline_model_parallel_layout='{row.split}'"]
     if row.fsdp:
         out += _fsdp()
+    if "tokendrop" in row.note:  # Megatron-Bridge's token-drop MoE runs: capacity 1.0, padded to it
+        out += ["model.moe_expert_capacity_factor=1.0", "model.moe_pad_expert_input_to_capacity=true"]
     return out + row.extra
 
 

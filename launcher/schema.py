@@ -23,7 +23,8 @@ ACTIVATIONS = ("swiglu", "gelu", "squared_relu")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
 MOE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
-MOE_DISPATCHERS = ("alltoall", "allgather")
+MOE_DISPATCHERS = ("alltoall", "allgather", "flex")
+MOE_FLEX_BACKENDS = ("deepep", "hybridep")
 SCHEDULES = ("1f1b", "interleaved", "zb_h1")
 DTYPES = ("bf16", "fp16", "fp32")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
@@ -135,9 +136,27 @@ class ModelConfig:
     moe_router_score_function: str = choice("softmax", MOE_SCORE_FUNCTIONS)
     """Router score function: softmax or sigmoid."""
     moe_token_dispatcher_type: str = choice("alltoall", MOE_DISPATCHERS)
-    """Token dispatcher: alltoall or allgather."""
+    """Token dispatcher: alltoall, allgather, or flex (DeepEP / HybridEP kernels: a token crosses the network
+    once per destination node and fans out over NVLink there; GPU only, the kernels come with the image)."""
+    moe_flex_dispatcher_backend: str = choice("deepep", MOE_FLEX_BACKENDS)
+    """Kernels behind moe_token_dispatcher_type=flex: deepep, or hybridep (NVIDIA's DeepSeek-V3 H100 recipe)."""
     moe_grouped_gemm: bool = True
     """Use grouped GEMM for experts (GPU only; ignored on CPU)."""
+    moe_router_num_groups: Optional[int] = None
+    """Expert groups for group-limited routing (DeepSeek-V3: 8; one group per node of the EP group makes it
+    node-limited); null means no groups. Set with moe_router_group_topk."""
+    moe_router_group_topk: Optional[int] = None
+    """Groups each token's experts may come from under group-limited routing (DeepSeek-V3: 4)."""
+    moe_router_topk_scaling_factor: Optional[float] = None
+    """Factor on the selected experts' routing weights (DeepSeek-V3: 2.5); null means 1."""
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free load balancing (DeepSeek-V3): a per-expert bias, updated from the experts' loads, is added
+    to the scores when choosing the top-k; sigmoid scores only."""
+    moe_expert_capacity_factor: Optional[float] = None
+    """Token dropping: each expert takes at most this multiple of its balanced share of tokens and drops the
+    rest (NVIDIA's "tokendrop" runs use 1.0); null means dropless."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """Pad every expert's input to its capacity (fixed shapes); needs moe_expert_capacity_factor."""
     # --- Multi-latent attention (DeepSeek) ----------------------------------------------------------
     multi_latent_attention: bool = False
     """Use multi-latent attention instead of standard attention."""

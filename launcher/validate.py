@@ -90,7 +90,10 @@ BOUNDS: dict[str, Bound] = {
         "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
         "vocab_size", "make_vocab_size_divisible_by", "seq_length", "max_position_embeddings", "num_experts",
         "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
-        "qk_pos_emb_head_dim", "v_head_dim")},
+        "qk_pos_emb_head_dim", "v_head_dim", "moe_router_num_groups", "moe_router_group_topk")},
+    "model.moe_router_topk_scaling_factor": POSITIVE_NUMBER,
+    # moe_utils.get_capacity: ceil(tokens x topk / experts x factor) experts' slots; 0 would drop every token
+    "model.moe_expert_capacity_factor": Bound(0, lo_open=True, why="0 drops every token"),
     # transformer_config.py: "moe_shared_expert_intermediate_size must be num_shared_experts * ffn_size..."
     "model.moe_shared_expert_intermediate_size": POSITIVE,
     "model.norm_epsilon": POSITIVE_NUMBER, "model.rotary_base": POSITIVE_NUMBER, "model.rotary_percent": FRACTION,
@@ -303,6 +306,7 @@ def _validate_moe(c: _Checks, model: ModelConfig) -> None:
     c.need(model.moe_router_load_balancing_type != "sinkhorn" or model.moe_aux_loss_coeff == 0,
            "model.moe_aux_loss_coeff", model.moe_aux_loss_coeff,
            "sinkhorn load balancing does not take an auxiliary loss", "model.moe_aux_loss_coeff=0.0")
+    _validate_moe_routing(c, model)
     # moe/shared_experts.py: "bias is not supported in the shared experts"
     c.need(model.moe_shared_expert_intermediate_size is None or not model.add_bias_linear,
            "model.moe_shared_expert_intermediate_size", model.moe_shared_expert_intermediate_size,
@@ -312,6 +316,63 @@ def _validate_moe(c: _Checks, model: ModelConfig) -> None:
 
 # --------------------------------------------------------------------------------------------- parallel
 SIZES = ("parallel.tensor", "parallel.pipeline", "parallel.context", "parallel.expert", "nodes", "cluster.gpus_per_node")
+
+
+def _validate_moe_routing(c: _Checks, model: ModelConfig) -> None:
+    """Group-limited routing, expert bias and token dropping (TransformerConfig.__post_init__, moe/router.py)."""
+    groups, gtopk = model.moe_router_num_groups, model.moe_router_group_topk
+    # transformer_config.py: "When using group limited routing, moe_router_num_groups must be specified."
+    # (and groups without a group top-k are ignored by the router: refused, not silently unused)
+    alone = "model.moe_router_num_groups" if gtopk is None else "model.moe_router_group_topk"
+    c.need((groups is None) == (gtopk is None), alone, groups if gtopk is None else gtopk,
+           "group-limited routing needs both model.moe_router_num_groups and model.moe_router_group_topk",
+           f"{alone}=null")
+    if groups and gtopk and groups >= 1 and gtopk >= 1:
+        if c.need(model.num_experts % groups == 0, "model.moe_router_num_groups", groups,
+                  f"must divide model.num_experts={model.num_experts}",
+                  f"model.moe_router_num_groups={_divisor_near(model.num_experts, groups)}"):
+            c.need(gtopk <= groups, "model.moe_router_group_topk", gtopk,
+                   f"must be at most model.moe_router_num_groups={groups}", f"model.moe_router_group_topk={groups}")
+        # moe_utils.group_limited_topk scores each group by its top (topk // group_topk) experts
+        c.need(gtopk <= model.moe_router_topk, "model.moe_router_group_topk", gtopk,
+               f"must be at most model.moe_router_topk={model.moe_router_topk} (each group is scored by its top "
+               "moe_router_topk / moe_router_group_topk experts)", f"model.moe_router_group_topk={min(gtopk, model.moe_router_topk)}")
+        per_group = model.num_experts // groups if model.num_experts % groups == 0 else 0
+        if per_group:
+            c.need(gtopk * per_group >= model.moe_router_topk, "model.moe_router_group_topk", gtopk,
+                   f"{gtopk} groups of {per_group} experts cannot hold model.moe_router_topk={model.moe_router_topk}",
+                   f"model.moe_router_group_topk={min(groups, -(-model.moe_router_topk // per_group))}")
+    # transformer_config.py: "Expert bias for aux-loss-free routing only supports 'sigmoid' ..."
+    c.need(not model.moe_router_enable_expert_bias or model.moe_router_score_function == "sigmoid",
+           "model.moe_router_enable_expert_bias", True, "aux-loss-free expert bias needs sigmoid router scores",
+           "model.moe_router_score_function=sigmoid")
+    if model.moe_expert_capacity_factor is not None:
+        # transformer_config.py: "moe_expert_capacity_factor only works with aux_loss, seq_aux_loss, ... none"
+        c.need(model.moe_router_load_balancing_type != "sinkhorn", "model.moe_expert_capacity_factor",
+               model.moe_expert_capacity_factor, "token dropping does not work with sinkhorn load balancing",
+               "model.moe_router_load_balancing_type=aux_loss")
+    # token_dispatcher.py: "assert self.config.moe_expert_capacity_factor is not None" when padding
+    c.need(not model.moe_pad_expert_input_to_capacity or model.moe_expert_capacity_factor is not None,
+           "model.moe_pad_expert_input_to_capacity", True, "pads to a capacity: needs model.moe_expert_capacity_factor",
+           "model.moe_expert_capacity_factor=1.0")
+
+
+def _validate_flex_dispatcher(c: _Checks, job: JobConfig, lay: Layout) -> None:
+    """moe_token_dispatcher_type=flex: DeepEP / HybridEP kernels (token_dispatcher.MoEFlexTokenDispatcher)."""
+    model = job.model
+    if not model.num_experts or model.moe_token_dispatcher_type != "flex":
+        return
+    f = "model.moe_token_dispatcher_type"
+    if not c.need(lay.transformer_engine, f, "flex", "the flex dispatcher's DeepEP/HybridEP kernels run on GPUs "
+                  "only (GPU clusters with Transformer Engine)", f"{f}=alltoall"):
+        return
+    deepep = model.moe_flex_dispatcher_backend == "deepep"
+    # token_dispatcher.py: "DeepEP dispatcher requires TPxEP > 1"
+    c.need(not deepep or lay.tp * lay.ep > 1, f, "flex", "the deepep backend needs parallel.tensor x "
+           "parallel.expert > 1", "parallel.expert=2 or model.moe_token_dispatcher_type=alltoall")
+    # transformer_config.py: "Flex token dispatcher with deepep backend does not support moe_pad_expert_input_to_capacity"
+    c.need(not (deepep and model.moe_pad_expert_input_to_capacity), "model.moe_pad_expert_input_to_capacity", True,
+           "the flex dispatcher's deepep backend does not pad to capacity", "model.moe_flex_dispatcher_backend=hybridep")
 
 
 def validate_parallel(job: JobConfig, lay: Layout) -> list[Problem]:
@@ -353,6 +414,7 @@ def validate_parallel(job: JobConfig, lay: Layout) -> list[Problem]:
                "context parallelism needs Transformer Engine attention (GPU only)", "parallel.context=1")
     _validate_experts(c, p, model, lay)
     _validate_moe_overlap(c, job, lay)
+    _validate_flex_dispatcher(c, job, lay)
     _validate_recompute_modules(c, job, lay)
     _validate_fsdp(c, job, lay)
     if p.sequence_parallel and p.tensor == 1:
@@ -479,7 +541,9 @@ def _validate_moe_overlap(c: _Checks, job: JobConfig, lay: Layout) -> None:
     rules = [
         (bool(model.num_experts) and p.expert > 1, "needs an MoE model with parallel.expert > 1"),
         (lay.pp == 1 or lay.vpp > 1, "needs parallel.virtual_pipeline > 1 when parallel.pipeline > 1"),
-        (model.moe_token_dispatcher_type == "alltoall", "needs model.moe_token_dispatcher_type=alltoall"),
+        # transformer_config.py: "overlap_moe_expert_parallel_comm is supported with alltoall/flex token dispatcher"
+        (model.moe_token_dispatcher_type in ("alltoall", "flex"), "needs model.moe_token_dispatcher_type=alltoall "
+         "or flex"),
         (job.train.recompute != "full", "cannot be combined with train.recompute=full"),
         (job.precision.dtype in ("bf16", "fp16"), "needs precision.dtype bf16 or fp16"),
         ((model.mtp_num_layers or 0) <= 1, "supports at most one MTP layer (model.mtp_num_layers <= 1)"),

@@ -134,7 +134,13 @@ def _moe_fields(model: ModelConfig, layout: Layout, on_gpu: bool) -> dict:
         moe_router_load_balancing_type=model.moe_router_load_balancing_type,
         moe_router_score_function=model.moe_router_score_function,
         moe_token_dispatcher_type=model.moe_token_dispatcher_type,
+        moe_flex_dispatcher_backend=model.moe_flex_dispatcher_backend,
         moe_grouped_gemm=model.moe_grouped_gemm and on_gpu,  # grouped GEMM kernels are GPU-only
+        moe_router_num_groups=model.moe_router_num_groups, moe_router_group_topk=model.moe_router_group_topk,
+        moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor,
+        moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
+        moe_expert_capacity_factor=model.moe_expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=model.moe_pad_expert_input_to_capacity,
     )
 
 

@@ -84,6 +84,13 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
     "model.moe_router_score_function": _tc("moe_router_score_function"),
     "model.moe_token_dispatcher_type": _tc("moe_token_dispatcher_type"),
     "model.moe_grouped_gemm": _tc("moe_grouped_gemm", same=False),  # GPU only
+    "model.moe_flex_dispatcher_backend": _tc("moe_flex_dispatcher_backend"),
+    "model.moe_router_num_groups": _tc("moe_router_num_groups"),
+    "model.moe_router_group_topk": _tc("moe_router_group_topk"),
+    "model.moe_router_topk_scaling_factor": _tc("moe_router_topk_scaling_factor"),
+    "model.moe_router_enable_expert_bias": _tc("moe_router_enable_expert_bias"),
+    "model.moe_expert_capacity_factor": _tc("moe_expert_capacity_factor"),
+    "model.moe_pad_expert_input_to_capacity": _tc("moe_pad_expert_input_to_capacity"),
     "model.multi_latent_attention": _tc("multi_latent_attention"),
     "model.q_lora_rank": _tc("q_lora_rank"), "model.kv_lora_rank": _tc("kv_lora_rank"),
     "model.qk_head_dim": _tc("qk_head_dim"), "model.qk_pos_emb_head_dim": _tc("qk_pos_emb_head_dim"),

@@ -147,7 +147,7 @@ def _split_overrides(split: dict) -> list[str]:
 def _moe_overlap_allowed(job: JobConfig, pp: int, vp: int, ep: int) -> bool:
     """Megatron-Core's conditions for overlap_moe_expert_parallel_comm (recompute checked per candidate)."""
     m = job.model
-    return (bool(m.num_experts) and ep > 1 and (pp == 1 or vp > 1) and m.moe_token_dispatcher_type == "alltoall"
+    return (bool(m.num_experts) and ep > 1 and (pp == 1 or vp > 1) and m.moe_token_dispatcher_type in ("alltoall", "flex")
             and job.precision.dtype in ("bf16", "fp16") and (m.mtp_num_layers or 0) <= 1
             and derive(job).transformer_engine)
 

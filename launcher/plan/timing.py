@@ -11,6 +11,7 @@ Pure Python: no torch, no megatron.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from launcher.core import Layout, derive
@@ -143,7 +144,7 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
         if is_moe:
             routed, shared = _moe_split(model, lf.moe_mlp)
             g_shared = shared * share / 3 / gemm_peak
-            g_mlp = routed * share / 3 / (gemm_peak * _grouped_gemm_efficiency(job, lay, tokens))
+            g_mlp = routed * share / 3 * _capacity_scale(model) / (gemm_peak * _grouped_gemm_efficiency(job, lay, tokens))
             g_mlp += FMA * h * model.num_experts * tokens / (cp * sp) / bf16  # router GEMM (one pass)
             moe_fixed = MOE_LAYER_OVERHEAD_S
         g = g_attn + g_mlp + g_shared
@@ -162,7 +163,7 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
             cpc = max(0.0, (cp - 1) * (kv_bytes / cp_bw + COLLECTIVE_LATENCY_S) - att)  # overlapped with attention
         epc = 0.0
         if is_moe and lay.ep > 1:
-            epc = 2 * _a2a_time(job, lay, a * h * tokens / cp / sp * model.moe_router_topk)  # dispatch + combine
+            epc = 2 * _dispatch_time(job, lay, a * h * tokens / cp / sp)  # dispatch + combine
             if par.moe_a2a_overlap:  # hidden under another microbatch's computation of this layer
                 epc = max(0.0, epc - MOE_A2A_OVERLAP * (g + att + elem)) + 2 * COLLECTIVE_LATENCY_S
         fs_f = fs_b = 0.0
@@ -242,8 +243,60 @@ def _grouped_gemm_efficiency(job: JobConfig, lay: Layout, tokens: int) -> float:
     expert (balanced routing: every rank of the EP group receives its share of EP x local tokens x top-k)."""
     model = job.model
     local_tokens = tokens / (lay.cp * sp_shards(lay))
-    n = local_tokens * model.moe_router_topk * lay.ep / model.num_experts  # tokens per expert
+    n = local_tokens * model.moe_router_topk * lay.ep / model.num_experts * _capacity_scale(model)  # per expert
     return n / (n + GROUPED_GEMM_HALF_TOKENS)
+
+
+def _dispatch_time(job: JobConfig, lay: Layout, token_bytes: float) -> float:
+    """One token dispatch (or combine) of ``token_bytes`` of hidden states leaving each rank. alltoall and
+    allgather send one copy per routed expert (top-k x token_bytes through the all-to-all); the flex dispatcher
+    (DeepEP / HybridEP) sends a token over the network once per remote *node* that holds any of its experts and
+    fans it out over NVLink there, so the network carries (expected remote nodes) x token_bytes. Token dropping
+    with padding moves capacity-sized buffers (x the capacity factor)."""
+    m = job.model
+    k = m.moe_router_topk * _capacity_scale(m)
+    if m.moe_token_dispatcher_type != "flex":
+        return _a2a_time(job, lay, token_bytes * k)
+    cl = job.cluster
+    ep, stride = lay.ep, max(1, lay.etp)
+    on_node = max(1, min(ep, cl.gpus_per_node // stride))
+    nodes = max(1, ep // on_node)
+    on = token_bytes * k * (ep - 1) / ep  # every copy crosses NVLink once (direct, or forwarded in its node)
+    off = token_bytes * _capacity_scale(m) * remote_nodes_per_token(m, nodes)
+    nv = cl.nvlink_bandwidth_gbps * 1e9 * cl.comm_efficiency
+    net = cl.network_bandwidth_gbps * 1e9 * cl.comm_efficiency
+    return max(on / nv, off / net) + COLLECTIVE_LATENCY_S
+
+
+def remote_nodes_per_token(model, nodes: int) -> float:
+    """Expected number of other nodes holding at least one of a token's top-k experts, for an EP group over
+    ``nodes`` nodes (experts are laid out contiguously: node j holds experts [j E/N, (j+1) E/N)), routing
+    uniform over the allowed experts. Group-limited routing with a group count that nodes divide restricts a
+    token to moe_router_group_topk groups (groups nest inside nodes): node-limited routing, as DeepSeek-V3's
+    8 groups of 32 experts on 8 nodes. Each node is hit with probability 1 - C(G - G/N, g) / C(G, g) for g of G
+    units chosen (units: groups, else experts)."""
+    if nodes <= 1:
+        return 0.0
+    groups, gk = model.moe_router_num_groups, model.moe_router_group_topk
+    if groups and gk and groups % nodes == 0:
+        units, chosen = groups, gk
+    else:
+        units, chosen = model.num_experts, model.moe_router_topk
+    per_node = units // nodes
+    if per_node < 1:
+        return float(nodes - 1)
+    miss = math.comb(units - per_node, chosen) / math.comb(units, chosen) if chosen <= units - per_node else 0.0
+    return (nodes - 1) * (1.0 - miss)
+
+
+def _capacity_scale(model) -> float:
+    """Tokens an expert processes relative to its balanced share: the capacity factor when inputs are padded
+    to capacity; min(1, factor) when tokens beyond a capacity below the share are dropped; 1 when dropless
+    (routing is taken as balanced: NVIDIA force-balances it in its benchmarks)."""
+    cf = model.moe_expert_capacity_factor
+    if cf is None:
+        return 1.0
+    return cf if model.moe_pad_expert_input_to_capacity else min(1.0, cf)
 
 
 def _a2a_time(job: JobConfig, lay: Layout, nbytes: float) -> float:
