@@ -56,6 +56,21 @@ def check_planned_backend(precision: PrecisionConfig, layout: Layout) -> bool:
     return te
 
 
+def check_flex_dispatcher(model) -> None:
+    """moe_token_dispatcher_type=flex needs its kernels in this image (DeepEP, or HybridEP from DeepEP's hybrid
+    branch): Megatron-Core only finds out when the first MoE layer is built, deep inside model construction."""
+    if not model.num_experts or model.moe_token_dispatcher_type != "flex":
+        return
+    from megatron.core.transformer.moe import fused_a2a
+
+    backend = model.moe_flex_dispatcher_backend
+    have = fused_a2a.HAVE_HYBRIDEP if backend == "hybridep" else fused_a2a.HAVE_DEEP_EP
+    if not have:
+        raise RuntimeError(f"model.moe_token_dispatcher_type=flex with model.moe_flex_dispatcher_backend={backend} "
+                           f"needs the {'HybridEP' if backend == 'hybridep' else 'DeepEP'} kernels (the deep_ep "
+                           "package) in this image; install them or use model.moe_token_dispatcher_type=alltoall")
+
+
 def fp8_fields(precision: PrecisionConfig, te: bool) -> Dict[str, Any]:
     """TransformerConfig fields for the FP8 recipe (empty when FP8 is off)."""
     if precision.fp8 is None:

@@ -133,3 +133,21 @@ def test_gpu_without_te_planned_is_refused_when_te_is_present(fake_gpu_with_te):
     job = JobConfig(precision=PrecisionConfig(transformer_engine="auto"))  # cluster.gpu=cpu: planned without TE
     with pytest.raises(RuntimeError, match="planned without it"):
         backend.check_planned_backend(job.precision, derive(job))
+
+
+def test_flex_dispatcher_without_its_kernels_is_refused_before_the_model_is_built(monkeypatch):
+    from megatron.core.transformer.moe import fused_a2a
+
+    from launcher.schema import ModelConfig
+
+    flex = ModelConfig(num_experts=8, moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="hybridep")
+    monkeypatch.setattr(fused_a2a, "HAVE_HYBRIDEP", False)
+    with pytest.raises(RuntimeError, match="moe_flex_dispatcher_backend=hybridep needs the HybridEP kernels"):
+        backend.check_flex_dispatcher(flex)
+    monkeypatch.setattr(fused_a2a, "HAVE_HYBRIDEP", True)
+    backend.check_flex_dispatcher(flex)  # present: fine
+    monkeypatch.setattr(fused_a2a, "HAVE_DEEP_EP", False)
+    import dataclasses
+    with pytest.raises(RuntimeError, match="DeepEP"):
+        backend.check_flex_dispatcher(dataclasses.replace(flex, moe_flex_dispatcher_backend="deepep"))
+    backend.check_flex_dispatcher(ModelConfig(num_experts=8))  # alltoall: nothing to check

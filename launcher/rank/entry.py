@@ -67,6 +67,7 @@ def train(bundle: Path, console) -> int:
             console.line(line)
     rank = torch.distributed.get_rank()
     backend.check_planned_backend(job.precision, layout)
+    backend.check_flex_dispatcher(job.model)
     backend.initialize_tp_comm_overlap(model=job.model, parallel=job.parallel, precision=job.precision, train=tr,
                                        layout=layout)
     chunks = build_model(model=job.model, parallel=job.parallel, precision=job.precision, layout=layout,
