@@ -88,6 +88,24 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple:
     return proc.returncode, out
 
 
+def launcher_run_timed(tmp_path: Path, overrides, nproc: int, timeout: float = 240) -> tuple:
+    """`python -m launcher ... action=run` to its end: (exit code, output, bundle, seconds from the moment the
+    last training rank was gone to the launcher's return). Any rank's helpers (checkpoint writer, DataLoader
+    workers) may still be around then: the launcher must not wait for them."""
+    proc = launcher_run(tmp_path, overrides, nproc)
+    try:
+        bundle = wait_for(lambda: the_bundle(tmp_path), 60, "the bundle")
+        wait_for(lambda: any(rank_pids(bundle, r) for r in range(nproc)), timeout, "a training rank")
+        wait_for(lambda: not any(rank_pids(bundle, r) for r in range(nproc)) or proc.poll() is not None, timeout,
+                 "the training ranks to end")
+        gone = time.monotonic()
+        code, out = finish(proc, 60)
+        return code, out, bundle, time.monotonic() - gone
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def test_kill9_of_one_rank_is_restarted_by_torchrun_and_ends_with_the_uninterrupted_losses(tmp_path):
     overrides = TINY + layout(tp=2) + ["train.train_steps=40", "checkpoint.save_interval=4",
                                        "checkpoint.save_at_end=true"]
@@ -211,11 +229,11 @@ def test_all_checkpoints_unloadable_stops_instead_of_starting_fresh(tmp_path):
 def test_nan_stops_with_one_line_nonzero_exit_and_no_nan_checkpoint(tmp_path):
     overrides = TINY + layout() + ["train.train_steps=30", "checkpoint.save_interval=1", "train.lr=1e5",
                         "train.warmup_steps=0"]
-    bundle = write_bundle(tmp_path / "nan", overrides, 1)
-    proc = run_train(bundle, 1)
-    assert proc.returncode != 0, proc.stdout[-3000:]
-    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "non-finite" in errors[0], proc.stdout[-3000:]
+    # through `python -m launcher`: the ranks exit 1 with checkpoint writers started by every step's save
+    code, out, bundle, after = launcher_run_timed(tmp_path, overrides, 1)
+    assert code != 0 and after < 30, (code, after, out[-3000:])
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "non-finite" in errors[0], out[-3000:]
     bad_step = int(errors[0].split(" at step ")[1].split(":")[0])
     assert "stopping without saving a checkpoint" in errors[0]
     steps = [json.loads((p / "launcher.json").read_text())["step"] for p in (bundle / "checkpoints").glob("iter_*")]
@@ -231,13 +249,13 @@ def test_second_run_on_a_shared_dir_is_refused_unless_it_names_the_checkpoint(tm
     train(tmp_path, "first", 1, base + ["train.seed=1"])
     manifest = (shared / "iter_0000003" / "launcher.json").read_text()
 
-    second = write_bundle(tmp_path / "second", base + ["train.seed=2", "train.train_steps=5"], 1)
-    proc = run_train(second, 1)
-    assert proc.returncode != 0
-    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    # through `python -m launcher`: refused on the rank, which exits 1; the launcher returns promptly after
+    code, out, _, after = launcher_run_timed(tmp_path / "second", base + ["train.seed=2", "train.train_steps=5"], 1)
+    assert code != 0 and after < 30, (code, after, out[-3000:])
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
     assert errors == [f"error: checkpoint.dir={shared} holds checkpoints of another run (iter_0000003: "
                       f"train.seed=1 there, 2 here); use checkpoint.load={shared / 'iter_0000003'} to start from "
-                      "it, or another checkpoint.dir"], proc.stdout
+                      "it, or another checkpoint.dir"], out
     assert (shared / "iter_0000003" / "launcher.json").read_text() == manifest  # untouched
 
     third = write_bundle(tmp_path / "third", base + ["train.seed=2", "train.train_steps=5",
