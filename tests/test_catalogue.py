@@ -137,8 +137,11 @@ def test_cpu_models_are_the_catalogue():
 
 @pytest.fixture
 def mtp_on_cpu(monkeypatch):
-    """The bridge tests/test_models_mtp.py uses: MTP's loss tracker on CPU."""
+    """The bridge tests/test_models_mtp.py uses: MTP's loss tracker on CPU. Megatron-Core's process-global MoE
+    metrics tracker sizes its entries by the first model's layer count: it is dropped before and after, so
+    models of other depths (here and in later test files) start clean."""
     from megatron.core.transformer import multi_token_prediction
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
     from models import cpu_compat, mtp
     from _rank_harness import single_process_group
 
@@ -146,6 +149,9 @@ def mtp_on_cpu(monkeypatch):
     if mtp.MTP_MODULE not in cpu_compat.PATCHED_MODULES:
         monkeypatch.setattr(multi_token_prediction, "torch", cpu_compat.TORCH_ON_CPU)
     monkeypatch.setattr(multi_token_prediction.MTPLossLoggingHelper, "tracker", {})
+    destroy_moe_metrics_tracker()
+    yield
+    destroy_moe_metrics_tracker()
 
 
 @pytest.mark.parametrize("name", CPU_MODELS)
