@@ -533,7 +533,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         if args.finalize:
             return slurm_array.finalize(args.manifest)
-        return slurm_array.run_task(args.manifest, args.task_index)
+        return slurm_array.run_task(args.manifest, args.task_index, light_import=True)
     missing = [o for o in ("input", "tokenizer", "output_prefix") if not getattr(args, o)]
     if missing:
         ap.error("the following arguments are required: " + ", ".join("--" + m.replace("_", "-") for m in missing))

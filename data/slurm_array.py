@@ -158,8 +158,10 @@ def pending(manifest: dict) -> List[int]:
 # --- one task ------------------------------------------------------------------------------------------
 
 
-def run_task(manifest_path: str, index: Optional[int]) -> int:
-    """Tokenise one shard (array task ``index``, default $SLURM_ARRAY_TASK_ID); skips a completed shard."""
+def run_task(manifest_path: str, index: Optional[int], *, light_import: bool = False) -> int:
+    """Tokenise one shard (array task ``index``, default $SLURM_ARRAY_TASK_ID); skips a completed shard.
+    ``light_import`` only from the command's own process (``python -m data.preprocess --manifest``): it leaves
+    ``megatron.core`` as a bare namespace package, which breaks any later full use of Megatron in that process."""
     from data.preprocess import preprocess
 
     manifest = json.loads(Path(manifest_path).read_text())
@@ -176,7 +178,7 @@ def run_task(manifest_path: str, index: Optional[int]) -> int:
     stats = preprocess([i["path"] for i in shard["inputs"]], st["tokenizer"], shard["prefix"], workers=st["workers"],
                        append_eod=st["append_eod"], json_key=st["json_key"], chunk_mb=st["chunk_mb"],
                        backend=st["backend"], eod_token=st["eod_token"], cache_budget_mb=st["cache_budget_mb"],
-                       quiet=True, light_import=True)
+                       quiet=True, light_import=light_import)
     rec = {"index": index, "prefix": shard["prefix"], "documents": stats["documents"], "tokens": stats["tokens"],
            "vocab_size": stats["vocab_size"], "seconds": round(stats["seconds"], 3),
            "bin_bytes": os.path.getsize(shard["prefix"] + ".bin"),

@@ -47,6 +47,9 @@ def _prepare(tmp_path: Path) -> tuple:
     for index in out["pending"]:
         assert slurm_array.run_task(out["manifest"], index) == 0
     assert slurm_array.finalize(out["manifest"]) == 0
+    # Called in this process, the tasks must import Megatron-Core normally: the command's light import (a bare
+    # namespace package) would make later users of megatron in the test process fail or skip.
+    assert getattr(sys.modules["megatron.core"], "__file__", None), "run_task left megatron.core a bare namespace"
     manifest = json.loads(Path(out["manifest"]).read_text())
     return manifest, Path(prefix + ".blend.json")
 

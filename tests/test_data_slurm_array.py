@@ -229,10 +229,9 @@ def test_zst_input_streams_and_equals_plain(tmp_path):
         with zstandard.ZstdCompressor().stream_writer(f, closefd=False) as w:
             w.write(raw[:cut])
         f.write(zstandard.ZstdCompressor().compress(raw[cut:]))
-    preprocess([str(plain)], str(TOKENIZER), str(tmp_path / "a"), append_eod=True, quiet=True, chunk_mb=0.05,
-               light_import=True)
+    preprocess([str(plain)], str(TOKENIZER), str(tmp_path / "a"), append_eod=True, quiet=True, chunk_mb=0.05)
     preprocess([str(tmp_path / "c.jsonl.zst")], str(TOKENIZER), str(tmp_path / "b"), append_eod=True, quiet=True,
-               chunk_mb=0.05, light_import=True)
+               chunk_mb=0.05)
     a, b = (Path(str(tmp_path / x) + ".bin").read_bytes() for x in "ab")
     assert len(a) > 10_000 and a == b
     assert read_index_header(str(tmp_path / "b") + ".idx").document_count - 1 == len(texts)
