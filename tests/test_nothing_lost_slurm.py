@@ -18,7 +18,10 @@ def test_time_limit_checkpoints_requeues_and_finishes_without_retraining_a_step(
     # slurmctld sends USR1 up to 30 s before the lead: 20-50 s after each start. 800 steps need more than one
     # attempt whether a step takes 50 ms (idle cores) or 150 ms (a loaded machine), and fewer than 13.
     bundle = render(tmp_path, *TINY_STEPS, f"train.train_steps={total}", "slurm.time=00:02:00",
-                    "slurm.signal_lead_s=70", "slurm.max_requeues=12")
+                    "slurm.signal_lead_s=70", "slurm.max_requeues=12",
+                    # the ranks' own stop guard (2 x save + a step + margin) must not beat USR1 here: on loaded
+                    # cores a save took 7 s, which with the default 60 s margin needs 75 s > the 70 s lead
+                    "slurm.signal_margin_s=0")
     with Job(bundle) as job:
         info = job.wait(1500)
     log = log_of(bundle, job.id)
@@ -33,7 +36,7 @@ def test_time_limit_checkpoints_requeues_and_finishes_without_retraining_a_step(
         prev_last = steps[-1]
         # every start reads its own end time from Slurm (a requeue gets a new one): the ranks' stop guard is armed
         assert re.search(r"^slurm: the job ends at \d\d:\d\d:\d\d UTC \(in \d+ s\); training stops for a "
-                         r"checkpoint once less than 2 x the last save .* \(--signal lead 70 s\)$", text,
+                         r"checkpoint once less than 2 x the last save .* \+ 0 s is left \(--signal lead 70 s\)$", text,
                          re.MULTILINE), text[:3000]
         if i < len(attempts) - 1:
             assert "launcher: SIGUSR1 received" in text, text[-3000:]
