@@ -209,7 +209,11 @@ def test_array_on_local_slurm_killed_task_resubmitted_equals_one_process_run(slu
     assert f"all {n} shards checked" in final_log, final_log
     assert not glob.glob(prefix + "*.partial-*")  # the stale partial of the killed task is gone
     preprocess(files, str(TOKENIZER), str(tmp_path / "one"), append_eod=True, quiet=True)
-    _assert_concatenation_equals(json.loads(Path(prefix + ".manifest.json").read_text()), tmp_path / "one")
+    manifest = json.loads(Path(prefix + ".manifest.json").read_text())
+    _assert_concatenation_equals(manifest, tmp_path / "one")
+    from test_data_blend_training import train_on_blend  # then a short training run on the resulting blend
+
+    train_on_blend(tmp_path, manifest, Path(prefix + ".blend.json"))
 
 
 def test_zst_input_streams_and_equals_plain(tmp_path):
