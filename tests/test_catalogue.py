@@ -276,7 +276,7 @@ def test_list_prints_the_catalogue_in_about_a_second():
             assert e.recipe + suffix in proc.stdout
         assert e.title.split(" (")[0] in proc.stdout
     assert "671.0B / 37.6B +11.6B MTP" in proc.stdout and "46.7B / 12.9B" in proc.stdout
-    # a guard against a list that explodes, not the target: it measured 1.1-1.7 CPU s on these shared 2 cores
+    # a guard against a list that explodes, not the target: it measured 1.3-1.8 CPU s on these shared 2 cores
     assert cpu < 5.0, cpu
 
 
