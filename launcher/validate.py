@@ -417,6 +417,7 @@ def validate_parallel(job: JobConfig, lay: Layout) -> list[Problem]:
     _validate_flex_dispatcher(c, job, lay)
     _validate_recompute_modules(c, job, lay)
     _validate_fsdp(c, job, lay)
+    _validate_cuda_connections(c, job, lay)
     if p.sequence_parallel and p.tensor == 1:
         c.need(False, "parallel.sequence_parallel", True, "has no effect with parallel.tensor=1 (Megatron turns it off)",
                "parallel.sequence_parallel=false", severity="warning")
@@ -505,6 +506,27 @@ def _validate_fsdp(c: _Checks, job: JobConfig, lay: Layout) -> None:
     for ok, rule in rules:
         if not c.need(ok, f, True, rule, f"{f}=false"):
             return
+
+
+PRE_BLACKWELL = ("H100", "H200", "GH200", "A100")
+"""GPUs on which Megatron-LM ties tensor/context parallelism to CUDA_DEVICE_MAX_CONNECTIONS=1 (arguments.py:
+"CUDA_DEVICE_MAX_CONNECTIONS requirement no longer exists since the Blackwell architecture")."""
+
+
+def _validate_cuda_connections(c: _Checks, job: JobConfig, lay: Layout) -> None:
+    """CUDA_DEVICE_MAX_CONNECTIONS in cluster.env against the layout (Megatron-LM arguments.py validate_args):
+    Megatron-FSDP needs more than one hardware queue (its all-gathers run beside compute); before Blackwell,
+    TP/CP without FSDP or the MoE all-to-all overlap need exactly one, so TP/SP communication is issued before
+    the GEMM it overlaps (tensor_parallel/layers.py relies on it)."""
+    if job.cluster.gpu == "cpu":
+        return
+    value, f = job.cluster.env.get("CUDA_DEVICE_MAX_CONNECTIONS"), "cluster.env.CUDA_DEVICE_MAX_CONNECTIONS"
+    if job.parallel.megatron_fsdp:
+        c.need(value != "1", f, value, "Megatron-FSDP needs CUDA_DEVICE_MAX_CONNECTIONS > 1 or unset "
+               "(Megatron-LM refuses FSDP with 1)", f"{f}=8")
+    elif (lay.tp > 1 or lay.cp > 1) and not job.parallel.moe_a2a_overlap and job.cluster.gpu in PRE_BLACKWELL:
+        c.need(value == "1", f, value, f"tensor or context parallelism on {job.cluster.gpu} needs "
+               "CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron-LM)", f"{f}=1")
 
 
 def _validate_recompute_modules(c: _Checks, job: JobConfig, lay: Layout) -> None:

@@ -83,6 +83,25 @@ def test_fsdp_refused_on_cpu_and_with_pipeline():
     assert any("pipeline=1" in e for e in _errors(pp, "parallel.megatron_fsdp"))
 
 
+def test_cuda_device_max_connections_agrees_with_the_layout():
+    """Megatron-LM's validate_args: FSDP refuses CUDA_DEVICE_MAX_CONNECTIONS=1; before Blackwell, TP/CP without
+    FSDP or the MoE all-to-all overlap asserts it is 1. The search gives FSDP candidates their own value."""
+    f = "cluster.env.CUDA_DEVICE_MAX_CONNECTIONS"
+    fsdp = ["recipe=llama3_8b", "parallel.context=1", "parallel.megatron_fsdp=true"]
+    assert any("Megatron-FSDP needs" in e for e in _errors(compose_job(fsdp), f))
+    assert not _errors(compose_job([*fsdp, f"{f}=8"]), f)
+    tp = ["recipe=llama3_70b", f"{f}=8"]
+    assert any("needs CUDA_DEVICE_MAX_CONNECTIONS=1" in e for e in _errors(compose_job(tp), f))
+    assert not _errors(compose_job([*tp, "cluster=h100", "cluster.gpu=B200"]), f)  # Blackwell: no requirement
+    assert not _errors(compose_job(["recipe=llama3_8b", "parallel.context=1", f"{f}=8"]), f)  # TP1 CP1: free
+    from launcher.plan.search import search
+
+    found = search(compose_job(["recipe=llama3_8b"]), top=20)
+    assert any("parallel.megatron_fsdp=true" in c.overrides for c in found)  # NVIDIA's best 8B layout is FSDP
+    for cand in found:
+        assert ("parallel.megatron_fsdp=true" in cand.overrides) == (f"{f}=8" in cand.overrides), cand.overrides
+
+
 def test_moe_a2a_overlap_rules():
     dense = compose_job(["recipe=smoke", "parallel.moe_a2a_overlap=true"])
     assert any("MoE model" in e for e in _errors(dense, "parallel.moe_a2a_overlap"))

@@ -37,7 +37,8 @@ VARIANTS = {
                                 "parallel.account_for_loss_in_pipeline_split=true", "schedule.kind=interleaved",
                                 "force=true"],
     # NVIDIA's best Llama3-8B H100 layout: Megatron-FSDP on one node
-    "llama3_8b_fsdp": ["recipe=llama3_8b", "parallel.context=1", "parallel.megatron_fsdp=true"],
+    "llama3_8b_fsdp": ["recipe=llama3_8b", "parallel.context=1", "parallel.megatron_fsdp=true",
+                       "cluster.env.CUDA_DEVICE_MAX_CONNECTIONS=8"],
     "deepseek_v3_layout": ["recipe=llama3_70b", "model=deepseek_v3", "nodes=128", "parallel.tensor=2",
                            "parallel.pipeline=8", "parallel.virtual_pipeline=4", "parallel.context=1",
                            "parallel.expert=64", "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=false",

@@ -203,9 +203,14 @@ def _batch_and_recompute_for(job, kind, tp, cp, pp, vp, ep, split, fsdp=False):
                f"schedule.kind={kind}", f"schedule.overlap_p2p_comm={'true' if kind == 'interleaved' else 'false'}"]
     if zb:
         layout.append("parallel.overlap_grad_reduce=false")
+    cluster = {}
+    if fsdp and job.cluster.env.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":  # FSDP needs more than one queue
+        cluster = dict(env={**job.cluster.env, "CUDA_DEVICE_MAX_CONNECTIONS": "8"})
+        layout.append("cluster.env.CUDA_DEVICE_MAX_CONNECTIONS=8")
     recomputes = [("none", [])] if zb else _recompute_options(job)  # the ZB-H1 executor has no recompute yet
     for mbs in MICRO_BATCH_SIZES:
-        sized = _with(job, parallel=par, schedule=sched, train=dict(micro_batch_size=mbs))
+        sized = _with(job, parallel=par, schedule=sched, train=dict(micro_batch_size=mbs), **(
+            {"cluster": cluster} if cluster else {}))
         lay = derive(sized)  # recomputation does not change the layout: one derivation serves all of them
         # The batch must split into micro-batches over DP, and ETP x EP must tile each stage's ranks.
         if not lay.microbatches or not lay.expert_dp:
