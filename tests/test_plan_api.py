@@ -33,20 +33,23 @@ CASES = [(r, c) for r in RECIPES for c in CLUSTERS if c is None or not r.endswit
 @pytest.mark.parametrize("recipe,cluster", CASES, ids=[f"{r}-{c}" for r, c in CASES])
 def test_plan_and_search_every_recipe(recipe, cluster):
     job = _compose(recipe, cluster)
-    t0 = time.process_time()
+    t0 = time.thread_time()
     plan = plan_job(job)
-    t_plan = time.process_time() - t0
+    t_plan = time.thread_time() - t0
     assert isinstance(plan, Plan)
-    assert t_plan < 0.2  # CPU seconds of this process (wall time on a shared 2-core runner is noisy)
+    # CPU seconds of this thread (wall time on a shared 2-core runner is noisy, and process time counts the
+    # threads earlier tests left behind): a guard against a planner that explodes (it takes 0.01-0.05 s; the
+    # speed target lives in benchmarks/login_node.py), 0.2 s tripped at 0.35 s in a full CI run
+    assert t_plan < 1.0
     data = json.loads(json.dumps(plan.to_dict()))
     assert data["gflops_per_token"] > 0 and len(data["stages"]) == job.parallel.pipeline
     assert 0 < plan.perf["mfu"] < 1 and plan.step.step_s > 0
     assert "GFLOP/token" in plan.text()
-    t0 = time.process_time()
+    t0 = time.thread_time()
     found = search(job, top=5)
     # a guard against a search that explodes, not the speed target (that lives in benchmarks/login_node.py):
     # 405B's search measured 0.9-2.0 CPU s here depending on how loaded the shared cores were
-    assert time.process_time() - t0 < 4.0
+    assert time.thread_time() - t0 < 4.0
     assert found, "search found no layout that fits"
     assert all(c.peak_gb <= c.gpu_memory_gb for c in found)
     assert [c.tokens_per_s for c in found] == sorted((c.tokens_per_s for c in found), reverse=True)
@@ -90,11 +93,11 @@ def test_moe_models_plan_and_search():
                            "parallel.tp_comm_overlap=false"])
         plan = plan_job(job)
         assert plan.params["expert"] > plan.params["dense"]
-        t0 = time.process_time()
+        t0 = time.thread_time()
         search(job, top=3)
         # a guard against a search that explodes, not the speed target (that lives in benchmarks/login_node.py):
     # 405B's search measured 0.9-2.0 CPU s here depending on how loaded the shared cores were
-    assert time.process_time() - t0 < 4.0
+    assert time.thread_time() - t0 < 4.0
 
 
 def test_login_node_code_never_imports_torch():

@@ -172,9 +172,9 @@ def test_last_stage_pays_for_output_layer_and_loss():
 
 def test_search_qwen3_30b_on_16_h100s_finds_nvidia_layout_family_fast():
     job = _job(Q30)
-    t0 = time.process_time()
+    t0 = time.thread_time()
     found = search(job, top=10)
-    assert time.process_time() - t0 < 2.0
+    assert time.thread_time() - t0 < 2.0
     assert found and all(c.peak_gb <= c.gpu_memory_gb for c in found)
     best = found[0].tokens_per_s
     # NVIDIA's layout, with the switch the search may turn on (the all-to-all overlap), is within the model's
@@ -187,9 +187,9 @@ def test_search_qwen3_30b_on_16_h100s_finds_nvidia_layout_family_fast():
 
 def test_search_405b_tries_embedding_and_loss_split():
     job = compose_job(["recipe=llama405b", "cluster=h100"])
-    t0 = time.process_time()
+    t0 = time.thread_time()
     found = search(job, top=5)
-    assert time.process_time() - t0 < 2.5
+    assert time.thread_time() - t0 < 2.5
     assert any("parallel.account_for_embedding_in_pipeline_split=true" in c.overrides for c in found)
 
 
