@@ -22,7 +22,7 @@ run: setup
 	$(PY) -m launcher
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 clean:
 	rm -rf $(VENV) runs
