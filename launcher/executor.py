@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from launcher.render import Bundle, atomic_write
 
@@ -77,6 +78,7 @@ class LocalExecutor:
                 code = 130 if code is None else code
             finally:
                 end_group(proc.pid, grace_s=self.grace_s)
+                end_strays(bundle.path, grace_s=self.grace_s)
                 pump.join(self.drain_s)
             if code is None:
                 code = proc.wait()
@@ -120,6 +122,50 @@ def end_group(pgid: int, grace_s: float = 5.0) -> None:
             return
         time.sleep(0.1)
     _signal_group(pgid, signal.SIGKILL)
+
+
+def bundle_processes(bundle_path) -> list:
+    """PIDs of this user's processes started for the bundle (launch.sh exports LAUNCHER_BUNDLE to everything it
+    starts), other than this process and its ancestors. torchrun gives each rank its own session, so a helper of a
+    killed rank (Megatron's checkpoint writer) is outside launch.sh's group and would live on, holding memory."""
+    mark = f"LAUNCHER_BUNDLE={bundle_path}".encode() + b"\0"
+    skip, pid = set(), os.getpid()
+    while pid > 1:  # ourselves and our ancestors
+        skip.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    out = []
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if entry.name.isdigit() and int(entry.name) not in skip:
+            try:
+                if mark in (entry / "environ").read_bytes():
+                    out.append(int(entry.name))
+            except OSError:  # gone, or not ours
+                pass
+    return out
+
+
+def end_strays(bundle_path, grace_s: float = 5.0) -> None:
+    """SIGTERM every process left over for the bundle (bundle_processes), then SIGKILL what remains after grace_s."""
+    strays = bundle_processes(bundle_path)
+    for pid in strays:
+        _kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while strays and time.monotonic() < deadline:
+        strays = [pid for pid in strays if _kill(pid, 0)]
+        time.sleep(0.1)
+    for pid in strays:
+        _kill(pid, signal.SIGKILL)
+
+
+def _kill(pid: int, sig) -> bool:
+    try:
+        os.kill(pid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
 
 
 def checkpoint_preflight(job, bundle: Bundle):

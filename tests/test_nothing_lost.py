@@ -44,11 +44,14 @@ def rank_pids(bundle: Path, rank: int) -> list:
 
 
 def leftovers(bundle: Path) -> list:
-    """Any process still running for ``bundle`` (ranks or their helpers)."""
+    """Any process still running for ``bundle`` (ranks or their helpers: their command line names the bundle, or
+    they inherited launch.sh's LAUNCHER_BUNDLE, as a checkpoint writer spawned by a rank does)."""
     out = []
+    mark = f"LAUNCHER_BUNDLE={bundle}".encode() + b"\0"
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and str(bundle).encode() in (proc / "cmdline").read_bytes():
+            if proc.name.isdigit() and (str(bundle).encode() in (proc / "cmdline").read_bytes()
+                                        or mark in (proc / "environ").read_bytes()):
                 out.append(int(proc.name))
         except OSError:
             pass
