@@ -104,24 +104,33 @@ def _wait(proc: subprocess.Popen, timeout: float):
         return None
 
 
-def _signal_group(pgid: int, sig) -> bool:
+def _send(send, target: int, sig) -> bool:
+    """send(target, sig) (os.kill or os.killpg); False once the target is gone or not ours."""
     try:
-        os.killpg(pgid, sig)
+        send(target, sig)
         return True
     except (ProcessLookupError, PermissionError):
         return False
 
 
+def _signal_group(pgid: int, sig) -> bool:
+    return _send(os.killpg, pgid, sig)
+
+
+def _terminate(targets, send, grace_s: float) -> None:
+    """SIGTERM every target, then SIGKILL those still there after grace_s."""
+    alive = [t for t in targets if _send(send, t, signal.SIGTERM)]
+    deadline = time.monotonic() + grace_s
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [t for t in alive if _send(send, t, 0)]
+    for t in alive:
+        _send(send, t, signal.SIGKILL)
+
+
 def end_group(pgid: int, grace_s: float = 5.0) -> None:
     """SIGTERM the process group ``pgid`` (one we created), then SIGKILL what is still there after grace_s."""
-    if not _signal_group(pgid, signal.SIGTERM):
-        return
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if not _signal_group(pgid, 0):
-            return
-        time.sleep(0.1)
-    _signal_group(pgid, signal.SIGKILL)
+    _terminate([pgid], os.killpg, grace_s)
 
 
 def bundle_processes(bundle_path) -> list:
@@ -149,23 +158,7 @@ def bundle_processes(bundle_path) -> list:
 
 def end_strays(bundle_path, grace_s: float = 5.0) -> None:
     """SIGTERM every process left over for the bundle (bundle_processes), then SIGKILL what remains after grace_s."""
-    strays = bundle_processes(bundle_path)
-    for pid in strays:
-        _kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while strays and time.monotonic() < deadline:
-        strays = [pid for pid in strays if _kill(pid, 0)]
-        time.sleep(0.1)
-    for pid in strays:
-        _kill(pid, signal.SIGKILL)
-
-
-def _kill(pid: int, sig) -> bool:
-    try:
-        os.kill(pid, sig)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
+    _terminate(bundle_processes(bundle_path), os.kill, grace_s)
 
 
 def checkpoint_preflight(job, bundle: Bundle):
@@ -176,7 +169,6 @@ def checkpoint_preflight(job, bundle: Bundle):
     import errno
     import shutil
     import tempfile
-    from pathlib import Path
 
     target = Path(job.checkpoint.dir) if job.checkpoint.dir else bundle.path / "checkpoints"
     target = target if target.is_absolute() else Path.cwd() / target

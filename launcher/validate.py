@@ -721,6 +721,26 @@ def _validate_experts(c: _Checks, p: ParallelConfig, model: ModelConfig, lay: La
 
 
 # --------------------------------------------------------------------------------------------- schedule
+def zb_h1_rules(job: JobConfig) -> list[tuple]:
+    """What the ZB-H1 executor (launcher/rank/zero_bubble.py) trains, as (holds, field, value, rule, hint);
+    validate_schedule checks them all, the layout search those on fields it does not choose itself."""
+    p, zb = job.parallel, "zb_h1 (launcher/rank/zero_bubble.py)"
+    return [
+        (p.pipeline > 1, "schedule.kind", job.schedule.kind, "zb_h1 needs parallel.pipeline > 1",
+         "parallel.pipeline=2 (or schedule.kind=1f1b)"),
+        (not p.overlap_grad_reduce, "parallel.overlap_grad_reduce", True, f"{zb} reduces gradients once "
+         "after the last W pass (a weight's gradient is complete only then)", "parallel.overlap_grad_reduce=false"),
+        (not job.model.num_experts, "model.num_experts", job.model.num_experts,
+         f"{zb} does not split the backward of MoE expert layers yet", "schedule.kind=1f1b"),
+        (job.train.recompute == "none", "train.recompute", job.train.recompute,
+         f"{zb} does not support activation recompute yet", "train.recompute=none"),
+        (not job.model.mtp_num_layers, "model.mtp_num_layers", job.model.mtp_num_layers,
+         f"{zb} does not support multi-token prediction yet", "model.mtp_num_layers=0"),
+        (not p.tp_comm_overlap, "parallel.tp_comm_overlap", True,
+         f"{zb} does not support TE userbuffer TP overlap yet", "parallel.tp_comm_overlap=false"),
+    ]
+
+
 def validate_schedule(job: JobConfig, lay: Layout) -> list[Problem]:
     c = _Checks()
     s, p = job.schedule, job.parallel
@@ -728,19 +748,8 @@ def validate_schedule(job: JobConfig, lay: Layout) -> list[Problem]:
         return c.problems  # reported by validate_choices
     vp, m = lay.vpp, lay.microbatches
     if s.kind == "zb_h1" and job.action not in ("plan", "search"):  # what the ZB-H1 executor supports
-        zb = "zb_h1 (launcher/rank/zero_bubble.py)"
-        c.need(p.pipeline > 1, "schedule.kind", s.kind, "zb_h1 needs parallel.pipeline > 1",
-               "parallel.pipeline=2 (or schedule.kind=1f1b)")
-        c.need(not p.overlap_grad_reduce, "parallel.overlap_grad_reduce", True, f"{zb} reduces gradients once "
-               "after the last W pass (a weight's gradient is complete only then)", "parallel.overlap_grad_reduce=false")
-        c.need(not job.model.num_experts, "model.num_experts", job.model.num_experts,
-               f"{zb} does not split the backward of MoE expert layers yet", "schedule.kind=1f1b")
-        c.need(job.train.recompute == "none", "train.recompute", job.train.recompute,
-               f"{zb} does not support activation recompute yet", "train.recompute=none")
-        c.need(not job.model.mtp_num_layers, "model.mtp_num_layers", job.model.mtp_num_layers,
-               f"{zb} does not support multi-token prediction yet", "model.mtp_num_layers=0")
-        c.need(not p.tp_comm_overlap, "parallel.tp_comm_overlap", True,
-               f"{zb} does not support TE userbuffer TP overlap yet", "parallel.tp_comm_overlap=false")
+        for ok, field, value, rule, hint in zb_h1_rules(job):
+            c.need(ok, field, value, rule, hint)
     if s.kind == "interleaved":
         c.need(vp > 1 and p.pipeline > 1, "schedule.kind", s.kind,
                "interleaved needs parallel.pipeline > 1 and parallel.virtual_pipeline > 1",

@@ -17,7 +17,7 @@ from launcher.core.flops import query_groups
 from launcher.plan.memory import GB, memory_per_stage
 from launcher.plan.timing import step_time, throughput
 from launcher.schema import JobConfig
-from launcher.validate import validate
+from launcher.validate import validate, zb_h1_rules
 
 MICRO_BATCH_SIZES = (1, 2, 4)
 """Micro-batch sizes tried."""
@@ -162,10 +162,15 @@ def _recompute_options(job: JobConfig) -> list[tuple[str, list]]:
     return out + [("full", [])]
 
 
+CHOSEN_FOR_ZB_H1 = {"schedule.kind", "parallel.overlap_grad_reduce", "train.recompute"}
+"""Fields of launcher.validate.zb_h1_rules the search sets itself for a ZB-H1 candidate (PP > 1, gradients
+reduced after the last W, no recompute)."""
+
+
 def _zb_h1_allowed(job: JobConfig) -> bool:
-    """What launcher/rank/zero_bubble.py trains (launcher.validate.validate_schedule refuses the rest)."""
-    m = job.model
-    return not m.num_experts and not m.mtp_num_layers and not job.parallel.tp_comm_overlap
+    """What launcher/rank/zero_bubble.py trains, on the fields the search keeps from the job (validation skips
+    the ZB-H1 rules for action=search, so this is the search's own check)."""
+    return all(ok for ok, field, *_ in zb_h1_rules(job) if field not in CHOSEN_FOR_ZB_H1)
 
 
 def _schedules(job: JobConfig, pp: int, vp: int) -> list[str]:

@@ -257,15 +257,10 @@ def _dispatch_time(job: JobConfig, lay: Layout, token_bytes: float) -> float:
     k = m.moe_router_topk * _capacity_scale(m)
     if m.moe_token_dispatcher_type != "flex":
         return _a2a_time(job, lay, token_bytes * k)
-    cl = job.cluster
-    ep, stride = lay.ep, max(1, lay.etp)
-    on_node = max(1, min(ep, cl.gpus_per_node // stride))
-    nodes = max(1, ep // on_node)
+    ep = lay.ep
+    nodes = max(1, ep // _ep_ranks_per_node(job, lay))
     on = token_bytes * k * (ep - 1) / ep  # every copy crosses NVLink once (direct, or forwarded in its node)
-    off = token_bytes * _capacity_scale(m) * remote_nodes_per_token(m, nodes)
-    nv = cl.nvlink_bandwidth_gbps * 1e9 * cl.comm_efficiency
-    net = cl.network_bandwidth_gbps * 1e9 * cl.comm_efficiency
-    return max(on / nv, off / net) + COLLECTIVE_LATENCY_S
+    return _links_time(job, on, token_bytes * _capacity_scale(m) * remote_nodes_per_token(m, nodes))
 
 
 def remote_nodes_per_token(model, nodes: int) -> float:
@@ -301,16 +296,23 @@ def _capacity_scale(model) -> float:
 
 def _a2a_time(job: JobConfig, lay: Layout, nbytes: float) -> float:
     """One expert-parallel all-to-all of ``nbytes`` leaving each rank (before the (EP-1)/EP off-rank share):
-    the on-node peers over NVLink and the off-node peers over the network run at the same time. EP groups
-    are consecutive ranks when ETP = 1 (Megatron's expert rank order), else spaced ETP apart."""
+    the on-node peers over NVLink and the off-node peers over the network run at the same time."""
+    ep, on_node = lay.ep, _ep_ranks_per_node(job, lay)
+    return _links_time(job, nbytes * (on_node - 1) / ep, nbytes * (ep - on_node) / ep)
+
+
+def _ep_ranks_per_node(job: JobConfig, lay: Layout) -> int:
+    """Ranks of one EP group on a node: consecutive ranks when ETP = 1 (Megatron's expert rank order), else
+    spaced ETP apart."""
+    return max(1, min(lay.ep, job.cluster.gpus_per_node // max(1, lay.etp)))
+
+
+def _links_time(job: JobConfig, nvlink_bytes: float, network_bytes: float) -> float:
+    """Bytes over NVLink and over the network at the same time, plus one collective's latency."""
     cl = job.cluster
-    ep, stride = lay.ep, max(1, lay.etp)
-    on_node = max(1, min(ep, cl.gpus_per_node // stride))
-    on = nbytes * (on_node - 1) / ep
-    off = nbytes * (ep - on_node) / ep
     nv = cl.nvlink_bandwidth_gbps * 1e9 * cl.comm_efficiency
     net = cl.network_bandwidth_gbps * 1e9 * cl.comm_efficiency
-    return max(on / nv, off / net) + COLLECTIVE_LATENCY_S
+    return max(nvlink_bytes / nv, network_bytes / net) + COLLECTIVE_LATENCY_S
 
 
 def _all_stage_costs(job: JobConfig, lay: Layout) -> list[StageCosts]:
