@@ -9,12 +9,9 @@ from _rank_harness import TINY, Run, layout, run_train, train, write_bundle
 STEPS, K = 6, 3
 
 
-def test_tp2pp2_checkpoint_continues_on_one_process_with_the_same_losses(tmp_path):
-    overrides = TINY + [f"train.train_steps={STEPS}", f"checkpoint.save_interval={K}"]
-    full = train(tmp_path, "tp2pp2", 4, overrides + layout(tp=2, pp=2))
-    saved = full.bundle / "checkpoints" / f"iter_{K:07d}"
-
-    bundle = write_bundle(tmp_path / "tp1pp1", overrides + layout() + [f"checkpoint.load={saved}"], 1)
+def _continues_on_one_process(where, overrides, saved, full: Run) -> None:
+    """One process loads ``saved`` (step K) by checkpoint.load= and trains steps K+1.. with ``full``'s losses."""
+    bundle = write_bundle(where, overrides + [f"checkpoint.load={saved}"], 1)
     proc = run_train(bundle, 1)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"resumed from {saved} at step {K}" in proc.stdout
@@ -22,6 +19,14 @@ def test_tp2pp2_checkpoint_continues_on_one_process_with_the_same_losses(tmp_pat
     assert sorted(resumed.steps) == list(range(K + 1, STEPS + 1))
     for step in resumed.steps:
         assert resumed.losses()[step] == pytest.approx(full.losses()[step], rel=1e-5), step
+
+
+def test_tp2pp2_checkpoint_continues_on_one_process_with_the_same_losses(tmp_path):
+    overrides = TINY + [f"train.train_steps={STEPS}", f"checkpoint.save_interval={K}"]
+    full = train(tmp_path, "tp2pp2", 4, overrides + layout(tp=2, pp=2))
+    saved = full.bundle / "checkpoints" / f"iter_{K:07d}"
+
+    _continues_on_one_process(tmp_path / "tp1pp1", overrides + layout(), saved, full)
 
 
 def test_distributed_optimizer_state_reshards_across_a_dp_change_with_fully_reshardable(tmp_path):
@@ -32,14 +37,7 @@ def test_distributed_optimizer_state_reshards_across_a_dp_change_with_fully_resh
                                    f"checkpoint.save_interval={K}"]
     full = train(tmp_path, "dp2", 2, overrides + ["checkpoint.optimizer_format=fully_reshardable"])
     saved = full.bundle / "checkpoints" / f"iter_{K:07d}"
-    bundle = write_bundle(tmp_path / "dp1", overrides + [f"checkpoint.load={saved}"], 1)
-    proc = run_train(bundle, 1)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"resumed from {saved} at step {K}" in proc.stdout
-    resumed = Run(bundle, proc)
-    assert sorted(resumed.steps) == list(range(K + 1, STEPS + 1))
-    for step in resumed.steps:
-        assert resumed.losses()[step] == pytest.approx(full.losses()[step], rel=1e-5), step
+    _continues_on_one_process(tmp_path / "dp1", overrides, saved, full)
 
     dp_only = train(tmp_path, "dp2-dp-reshardable", 2, overrides)
     saved = dp_only.bundle / "checkpoints" / f"iter_{K:07d}"
