@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from launcher.core.signal_lead import checkpoint_bytes
 from launcher.render import Bundle, atomic_write
 
 
@@ -192,7 +193,7 @@ def checkpoint_preflight(job, bundle: Bundle):
         params = json.loads((bundle.path / "plan.json").read_text())["params"]["total"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    need = params * (12 if job.precision.dtype == "fp32" else 14)
+    need = checkpoint_bytes(params, job.precision.dtype)
     free = shutil.disk_usage(probe_dir).free
     if free < need:
         return (f"checkpoint.dir={target}: not enough space for a checkpoint: {free / 1e9:.3g} GB free, one "
