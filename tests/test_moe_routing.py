@@ -20,7 +20,7 @@ MOE_CPU = ["recipe=smoke", "data=mock", "model.num_experts=4", "parallel.tensor=
 
 
 def _errors(*overrides):
-    return [p for p in errors(validate(compose_job([*MOE_CPU, *overrides])))]
+    return errors(validate(compose_job([*MOE_CPU, *overrides])))
 
 
 @pytest.mark.parametrize("overrides,field", [
