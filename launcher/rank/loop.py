@@ -193,13 +193,16 @@ class Loop:
         step; ``stop_reason`` says which."""
         from launcher.rank.metrics import memory_gib
 
+        def local_reason() -> Optional[str]:
+            return ("SIGUSR1" if self.stop_requested
+                    else "train.exit_after_minutes reached" if deadline is not None and time.time() > deadline
+                    else "STOP file" if stop_file is not None and stop_file.exists()
+                    else stop_check() if stop_check is not None else None)  # e.g. too close to the time limit
+
         while self.step < steps:
             start = time.perf_counter()
             out = self.train_step(iterators)
-            why = ("SIGUSR1" if self.stop_requested
-                   else "train.exit_after_minutes reached" if deadline is not None and time.time() > deadline
-                   else "STOP file" if stop_file is not None and stop_file.exists()
-                   else stop_check() if stop_check is not None else None)  # e.g. too close to the time limit
+            why = local_reason()
             loss, stop = reduce_report(out["local_loss"], why is not None)
             elapsed = time.perf_counter() - start
             tflops = flops_per_token * tokens_per_step / elapsed / world / 1e12
@@ -226,7 +229,9 @@ class Loop:
                 if on_note:
                     on_note(straggler_report(times, self.train.straggler_margin))
             if stop:
-                self.stop_reason = why or "another rank asked to stop"
+                # a rank that looked before another saw the STOP file (or the signal) looks again: the reason
+                # printed is the cause, not which rank noticed it first
+                self.stop_reason = why or local_reason() or "another rank asked to stop"
                 return "stopped"
             if save_interval and self.step % save_interval == 0:
                 on_checkpoint()
