@@ -10,17 +10,23 @@ attention, so its TFLOP/s column is higher by 6·L·q·s and is not used). Sourc
 
 - NEMO_2412: NeMo Framework 24.12 performance summary,
   https://docs.nvidia.com/nemo-framework/user-guide/24.12/nemotoolkit/performance/performance_summary.html
-- MB_ARCHIVE: Megatron-Bridge performance summary archive (releases 25.09, 25.11, 26.02),
+- MB_ARCHIVE: Megatron-Bridge performance summary archive (releases 25.09, 25.11, 26.02, 26.02.01, 26.04,
+  26.04.01, 26.06; the 26.06.01 and 26.08 tables have no H100 row),
   https://docs.nvidia.com/nemo/megatron-bridge/latest/performance-summary-archive.html
-  (repository file docs/performance-summary-archive.md of NVIDIA-NeMo/Megatron-Bridge)
+  (repository file docs/performance-summary-archive.md of NVIDIA-NeMo/Megatron-Bridge; 25.09/25.11 as of its
+  commit 74695a06d^, the later ones as of 4ab94dfad, Aug 2026)
 - MB_CURRENT: Megatron-Bridge performance summary (25.11), https://docs.nvidia.com/nemo/megatron-bridge/latest/performance-summary.html
 
-What each row sets beyond the table's columns (from NVIDIA's performance recipes: FP8 params with their
-all-gather, bf16 gradient reduction, the fused cross entropy, TP communication overlap with TP > 1 on dense
-models and where an MoE recipe sets it (Qwen3-235B), distributed optimizer, interleaved schedule when VP > 1,
-MoE all-to-all overlap where the recipe sets ``moe_a2a_overlap``, DeepSeek-V3's recompute modules) is in
-``_overrides``. MoE rows: NVIDIA force-balances routing (the planner assumes
-balance); "tokendrop" rows ran with a capacity factor, which the schema does not have (noted).
+What each row sets beyond the table's columns is read from NVIDIA's performance recipes *of that release*
+(Megatron-Bridge scripts/performance: 25.09 = run_script.py + configs/*.yaml at commit fa0315ae2, 25.11 = v0.2.0,
+26.02 = v0.3.0, 26.04 = v0.4.0, 26.04.01 = v0.4.1, 26.06 = v0.5.0): FP8 params with their all-gather, bf16 gradient
+reduction, the fused cross entropy, TP communication overlap (on for dense models with TP > 1; per recipe for
+MoE), distributed optimizer, interleaved schedule when VP > 1, the MoE all-to-all overlap
+(``overlap_moe_expert_parallel_comm``) and the flex dispatcher backend (DeepEP / HybridEP) where the recipe sets
+them, DeepSeek-V3's recompute modules; see ``_overrides`` and the comments above the rows. MoE rows: dropless
+rows force-balance routing (the planner assumes balance); "tokendrop" rows ran Megatron-Bridge's
+``apply_moe_token_drop`` (capacity factor 1.0, padded). Two rows are marked outliers: NVIDIA's own next
+container ran the same layout 1.7-1.8x faster.
 """
 from __future__ import annotations
 
@@ -64,6 +70,11 @@ class Row:
     """The recipe sets moe_a2a_overlap (Megatron-Core overlap_moe_expert_parallel_comm)."""
     tp_overlap: bool | None = None
     """The recipe sets tp_comm_overlap; None: on for dense models with TP > 1 (Megatron-Bridge's default)."""
+    outlier: str = ""
+    """Why the published figure is not held against the model: NVIDIA's own next release ran the same layout
+    (same settings in the recipe) far faster, i.e. the figure measured a regression of that container."""
+    dispatcher: str = ""
+    """The recipe's flex dispatcher backend ('deepep' | 'hybridep'); '' for Megatron-Core's alltoall."""
     extra: list = field(default_factory=list)
 
     @property
@@ -87,26 +98,56 @@ ROWS = [
     Row("25.09", "llama3_8b", 8, 128, 1, fsdp=True, tokens_per_gpu=14079),
     Row("25.09", "llama3_70b", 64, 128, 1, tp=4, pp=8, vp=5, tokens_per_gpu=1619),
     Row("25.09", "llama405b", 1024, 512, 1, tp=8, pp=8, cp=2, vp=8, split="account", tokens_per_gpu=302),
+    # 25.09 run_script.py on H100: DeepEP (flex), the 1F1B all-to-all overlap with delayed wgrad, recompute
+    # mla_up_proj + mlp, no TP overlap (the recipe's CommOverlapConfig(tp_comm_overlap=False)).
     Row("25.09", "deepseek_v3", 1024, 8192, 1, tp=2, pp=8, vp=4, ep=64, split=DSV3_LAYOUT, tokens_per_gpu=1297,
-        note="dropless; flex dispatcher, HybridEP",
-        extra=["train.recompute_modules=[mla_up_proj,mlp]", "model.moe_token_dispatcher_type=flex",
-               "model.moe_flex_dispatcher_backend=hybridep"]),
+        note="dropless; flex DeepEP, a2a overlap", a2a_overlap=True, tp_overlap=False, dispatcher="deepep",
+        extra=["train.recompute_modules=[mla_up_proj,mlp]"]),
+    # 25.09 run_script.py for Qwen3: apply_moe_token_drop (capacity 1.0, padded), CommOverlapConfig(tp_comm_overlap=True),
+    # no all-to-all overlap, alltoall dispatcher.
     Row("25.09", "qwen3_30b", 16, 512, 2, pp=2, vp=24, ep=8, tokens_per_gpu=10494, note="tokendrop"),
     Row("25.09", "qwen3_235b", 256, 2048, 1, tp=2, pp=8, vp=4, ep=32, split="account", tokens_per_gpu=1204,
-        note="tokendrop", a2a_overlap=True, tp_overlap=True),
-    # ---- held out (later releases)
+        note="tokendrop", tp_overlap=True),
+    # ---- held out (later releases). 25.11 (v0.2.0) and later: dropless with forced balance; Qwen3-235B: all-to-all
+    # overlap, tp_comm_overlap=False, alltoall; Qwen3-30B: 25.11 alltoall + a2a overlap, 26.02 (v0.3.0) DeepEP + a2a
+    # overlap, 26.04+ (v0.4.0..v0.5.0) EP16 HybridEP without a2a overlap.
     Row("25.11", "llama3_8b", 8, 128, 1, fsdp=True, tokens_per_gpu=14451),
     Row("25.11", "llama3_70b", 64, 128, 1, tp=4, pp=8, vp=5, tokens_per_gpu=1602),
     Row("25.11", "llama405b", 1024, 512, 1, tp=8, pp=8, cp=2, vp=8, split="account", tokens_per_gpu=292),
-    Row("25.11", "qwen3_30b", 16, 512, 2, pp=2, vp=24, ep=8, tokens_per_gpu=5275, note="dropless"),
+    Row("25.11", "qwen3_30b", 16, 512, 2, pp=2, vp=24, ep=8, tokens_per_gpu=5275, note="dropless", a2a_overlap=True,
+        outlier="half of 25.09's 10,494 for this layout; 26.02.01 ran the 25.11-26.02 recipe family at 9,058"),
     Row("25.11", "qwen3_235b", 256, 2048, 1, tp=2, pp=8, vp=4, ep=32, split="account", tokens_per_gpu=1575,
-        note="dropless", a2a_overlap=True, tp_overlap=True),
+        note="dropless", a2a_overlap=True, tp_overlap=False),
     Row("26.02", "llama3_70b", 64, 256, 1, tp=4, pp=8, vp=5, tokens_per_gpu=1621),
     Row("26.02", "llama405b", 1024, 1536, 1, tp=8, pp=8, cp=2, vp=8, split="account", tokens_per_gpu=311),
-    Row("26.02", "qwen3_30b", 16, 1024, 1, pp=2, vp=12, ep=8, tokens_per_gpu=5113, note="dropless"),
+    Row("26.02", "qwen3_30b", 16, 1024, 1, pp=2, vp=12, ep=8, tokens_per_gpu=5113, note="dropless",
+        a2a_overlap=True, dispatcher="deepep", outlier="the 26.02.01 patch container ran this layout at 9,058 (1.77x)"),
     Row("26.02", "qwen3_235b", 256, 8192, 1, tp=2, pp=8, vp=4, ep=32, split="account", tokens_per_gpu=1633,
-        note="dropless", a2a_overlap=True, tp_overlap=True),
+        note="dropless", a2a_overlap=True, tp_overlap=False),
+    # 26.02.01: the patch container (docs commit 2c2425ace, Mar 2026) republished 26.02's layouts; its Qwen3-30B row
+    # keeps PP2 x VP12 x EP8 (the v0.3.0 recipe's settings for that layout are used).
+    Row("26.02.01", "llama3_70b", 64, 256, 1, tp=4, pp=8, vp=5, tokens_per_gpu=1639),
+    Row("26.02.01", "qwen3_30b", 16, 1024, 1, pp=2, vp=12, ep=8, tokens_per_gpu=9058, note="dropless",
+        a2a_overlap=True, dispatcher="deepep"),
+    Row("26.02.01", "qwen3_235b", 256, 8192, 1, tp=2, pp=8, vp=4, ep=32, split="account", tokens_per_gpu=1611,
+        note="dropless", a2a_overlap=True, tp_overlap=False),
+    Row("26.04", "llama3_70b", 64, 256, 1, tp=4, pp=8, vp=5, tokens_per_gpu=1633),
+    Row("26.04", "qwen3_30b", 16, 1024, 1, ep=16, tokens_per_gpu=8901, note="dropless", dispatcher="hybridep"),
+    Row("26.04", "qwen3_235b", 256, 8192, 1, tp=2, pp=8, vp=4, ep=32, split="account", tokens_per_gpu=1686,
+        note="dropless", a2a_overlap=True, tp_overlap=False),
+    Row("26.04.01", "llama3_70b", 64, 256, 1, tp=4, pp=8, vp=5, tokens_per_gpu=1664),
+    Row("26.04.01", "llama405b", 1024, 1536, 1, tp=8, pp=8, cp=2, vp=8, split="account", tokens_per_gpu=328),
+    Row("26.04.01", "qwen3_30b", 16, 1024, 1, ep=16, tokens_per_gpu=8960, note="dropless", dispatcher="hybridep"),
+    Row("26.04.01", "qwen3_235b", 256, 8192, 1, tp=2, pp=8, vp=4, ep=32, split="account", tokens_per_gpu=1712,
+        note="dropless", a2a_overlap=True, tp_overlap=False),
+    Row("26.06", "llama405b", 1024, 1536, 1, tp=8, pp=8, cp=2, vp=8, split="account", tokens_per_gpu=326),
+    Row("26.06", "qwen3_30b", 16, 1024, 1, ep=16, tokens_per_gpu=8826, note="dropless", dispatcher="hybridep"),
 ]
+
+
+H200_RECIPES = ("llama3_8b", "llama3_70b", "llama405b", "mixtral", "deepseek_v3", "qwen3_30b_a3b", "qwen3_235b_a22b",
+                "gpt3")
+"""Every shipped GPU recipe, planned on the H200 profile with its own layout."""
 
 
 def _overrides(row: Row, cluster: str = "h100") -> list[str]:
@@ -126,6 +167,8 @@ def _overrides(row: Row, cluster: str = "h100") -> list[str]:
     if moe:
         out += ["parallel.expert_tensor=1", "model.moe_grouped_gemm=true",
                 f"parallel.moe_a2a_overlap={'true' if row.a2a_overlap else 'false'}"]
+    if row.dispatcher:
+        out += ["model.moe_token_dispatcher_type=flex", f"model.moe_flex_dispatcher_backend={row.dispatcher}"]
     if row.split == "account":
         out += ["parallel.account_for_embedding_in_pipeline_split=true", "parallel.account_for_loss_in_pipeline_split=true"]
     elif row.split:
@@ -157,51 +200,44 @@ def predict(row: Row, cluster: str = "h100"):
     return plan_job(compose_job(_overrides(row, cluster)))
 
 
-def main() -> int:
-    from launcher.core.flops import flops_per_token
+def error(row: Row, plan) -> float:
+    """Predicted / published tokens per second per GPU - 1."""
+    return plan.perf["tokens_per_s_per_gpu"] / row.tokens_per_gpu - 1
 
+
+def _summary(label: str, errs: list[float]) -> str:
+    worst = max(errs, key=abs)
+    return (f"{label}: {len(errs)} rows, mean |error| {100 * statistics.mean(map(abs, errs)):.1f}%, "
+            f"worst {100 * worst:+.1f}%, mean signed {100 * statistics.mean(errs):+.1f}%")
+
+
+def main() -> int:
     print(f"{'row':<58} {'published':>9} {'predicted':>9} {'pub TF':>7} {'pred TF':>7} {'error':>7}  {'peak GB':>7}  note")
-    errs: dict[bool, list[float]] = {True: [], False: []}
-    order: list[float] = []
+    errs = {row.name: 0.0 for row in ROWS}
     for row in ROWS:
         plan = predict(row)
-        fpt = plan.flops_per_token
-        pub_tf = row.tokens_per_gpu * fpt / 1e12
+        pub_tf = row.tokens_per_gpu * plan.flops_per_token / 1e12
         pred = plan.perf["tokens_per_s_per_gpu"]
-        err = pred / row.tokens_per_gpu - 1
-        errs[row.fitted].append(err)
-        order.append(err)
+        errs[row.name] = err = error(row, plan)
         mark = "" if plan.fits else " OOM!"
         note = ("fitted" if row.fitted else "held-out") + (f", {row.note}" if row.note else "")
-        if row.fsdp and not _fsdp():
-            note += ", FSDP planned as ZeRO-1"
+        if row.outlier:
+            note += f"; OUTLIER: {row.outlier}"
         print(f"{row.name:<58} {row.tokens_per_gpu:>9,.0f} {pred:>9,.0f} {pub_tf:>7.0f} {plan.perf['tflops_per_gpu']:>7.0f} "
               f"{100 * err:>+6.1f}%  {plan.peak_gb:>7.1f}{mark}  {note}")
-    for fitted, label in ((True, "fitted rows (<= 25.09, NeMo 24.12)"), (False, "held-out rows (25.11, 26.02)")):
-        e = errs[fitted]
-        if e:
-            worst = max(e, key=abs)
-            print(f"{label}: {len(e)} rows, mean |error| {100 * statistics.mean(map(abs, e)):.1f}%, "
-                  f"worst {100 * worst:+.1f}%, mean signed {100 * statistics.mean(e):+.1f}%")
-    del flops_per_token
-    # NVIDIA's figures for one layout move between releases (Qwen3-30B PP2 x VP24: 10,494 tokens/s in 25.09,
-    # 5,275 in 25.11): compare each layout with its best release too.
-    best: dict = {}
-    for row, err in zip(ROWS, order):
-        key = row.name.split(" ", 1)[1]
-        if key not in best or row.tokens_per_gpu > best[key][0].tokens_per_gpu:
-            best[key] = (row, err)
-    e = [err for _, err in best.values()]
-    worst = max(e, key=abs)
-    print(f"each layout against its best release: {len(e)} layouts, mean |error| {100 * statistics.mean(map(abs, e)):.1f}%, "
-          f"worst {100 * worst:+.1f}% ({[k for k, v in best.items() if v[1] == worst][0]})")
+    print(_summary("fitted rows (<= 25.09, NeMo 24.12)", [errs[r.name] for r in ROWS if r.fitted]))
+    held = [r for r in ROWS if not r.fitted]
+    print(_summary("held-out rows (25.11 .. 26.06), all", [errs[r.name] for r in held]))
+    print(_summary("held-out rows without the 2 outliers", [errs[r.name] for r in held if not r.outlier]))
+    print(_summary("MoE rows (fitted + held-out) without the outliers",
+                   [errs[r.name] for r in ROWS if r.ep > 1 and not r.outlier]))
     print("\nH200 predictions (cluster=h200, the recipes' own layouts; no published H200 training figure exists):")
     from launcher.config import compose_job
     from launcher.plan import plan_job
 
-    for recipe in ("llama3_8b", "llama3_70b", "llama405b"):
+    for recipe in H200_RECIPES:
         plan = plan_job(compose_job([f"recipe={recipe}", "cluster=h200"]))
-        print(f"  {recipe:<11} {plan.perf['tokens_per_s_per_gpu']:>8,.0f} tokens/s/GPU  {plan.perf['tflops_per_gpu']:>5.0f} "
+        print(f"  {recipe:<16} {plan.perf['tokens_per_s_per_gpu']:>8,.0f} tokens/s/GPU  {plan.perf['tflops_per_gpu']:>5.0f} "
               f"TFLOP/s/GPU  MFU {100 * plan.perf['mfu']:.1f}%  peak {plan.peak_gb:.1f} GB")
     return 0
 

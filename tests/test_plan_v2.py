@@ -13,7 +13,8 @@ from launcher.core import derive
 from launcher.plan import plan_job
 from launcher.plan.memory import memory_per_stage
 from launcher.plan.search import search
-from launcher.plan.timing import _a2a_time, _grouped_gemm_efficiency, stage_costs, step_time
+from launcher.plan.timing import (A2A_SM_SHARE, COLLECTIVE_LATENCY_S, _a2a_time, _grouped_gemm_efficiency,
+                                  _overlapped_a2a, stage_costs, step_time)
 from launcher.validate import validate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -39,21 +40,25 @@ def test_every_published_layout_is_expressible_valid_and_fits(row):
     assert plan.fits, f"{row.name}: NVIDIA ran it, planned {plan.peak_gb:.1f} GB"
 
 
-def test_fitted_rows_within_ten_percent_except_the_stated_outliers():
-    """Every fitted row within 10%, except DeepSeek-V3 (NVIDIA's hybridep dispatcher is not in the schema)
-    and the Qwen3-235B 25.09 token-drop row, which is slower than the same layout in later releases."""
+def test_fitted_rows_within_ten_percent_except_the_stated_outlier():
+    """Every fitted row within 10%, except the Qwen3-235B 25.09 token-drop row (the only multi-node all-to-all
+    without overlap; predicted 15% slow, see NOTES.md)."""
     for row in pa.ROWS:
-        if not row.fitted or row.model == "deepseek_v3" or (row.model == "qwen3_235b" and row.release == "25.09"):
+        if not row.fitted or (row.model == "qwen3_235b" and row.release == "25.09"):
             continue
-        err = plan_job(_job(row)).perf["tokens_per_s_per_gpu"] / row.tokens_per_gpu - 1
+        err = pa.error(row, plan_job(_job(row)))
         assert abs(err) < 0.10, f"{row.name}: {100 * err:+.1f}%"
 
 
-def test_dense_held_out_rows_within_ten_percent():
+def test_held_out_rows_within_ten_percent_except_nvidia_regressions():
+    """Every later release (dense and MoE) within 10%; the two rows marked outliers are ones NVIDIA's next container
+    ran 1.7-1.8x faster with the same layout."""
+    outliers = [row for row in pa.ROWS if row.outlier]
+    assert len(outliers) == 2 and all(not row.fitted for row in outliers)
     for row in pa.ROWS:
-        if row.fitted or row.ep > 1:
+        if row.fitted or row.outlier:
             continue
-        err = plan_job(_job(row)).perf["tokens_per_s_per_gpu"] / row.tokens_per_gpu - 1
+        err = pa.error(row, plan_job(_job(row)))
         assert abs(err) < 0.10, f"{row.name}: {100 * err:+.1f}%"
 
 
@@ -142,11 +147,36 @@ def test_ep_all_to_all_splits_on_node_and_off_node():
     assert t_net == pytest.approx(8 / 16 * 1e9 / net, rel=0.01)  # half the peers are off the node
 
 
-def test_a2a_overlap_hides_expert_communication():
+def test_a2a_overlap_hides_expert_communication_but_not_its_sms():
     row = pa.ROWS[7]  # Qwen3-235B, EP32 over 4 nodes
-    exposed = step_time(_job(row, "parallel.moe_a2a_overlap=false")).breakdown_s["ep_comm"]
-    hidden = step_time(_job(row)).breakdown_s["ep_comm"]
+    exposed, hidden = (stage_costs(j, derive(j), 1).parts["ep_comm"]  # a middle stage: 12 MoE layers
+                       for j in (_job(row, "parallel.moe_a2a_overlap=false"), _job(row, "parallel.moe_a2a_overlap=true")))
     assert hidden < 0.8 * exposed
+    # the all-to-all kernels keep their SMs while they run beside computation (combined 1F1B)
+    assert hidden >= A2A_SM_SHARE * exposed
+
+
+def test_a2a_overlap_pairs_a_forward_with_another_microbatchs_backward():
+    """Under the combined 1F1B schedule a forward's all-to-all hides under a backward's compute (and back): comm
+    longer than the forward alone but shorter than forward + backward is hidden down to the SM share."""
+    assert A2A_SM_SHARE == pytest.approx(20 / 132)  # DeepEP's default SMs of an H100's 132
+    fwd, bwd = 1.0, 2.0
+    assert _overlapped_a2a(1.2, fwd, bwd) == pytest.approx(A2A_SM_SHARE * 1.2 + 2 * COLLECTIVE_LATENCY_S)
+    assert _overlapped_a2a(2.0, fwd, bwd) == pytest.approx((4.0 - 3.0) / 2 + 2 * COLLECTIVE_LATENCY_S)
+
+
+def test_nvidia_layouts_for_qwen3_30b_on_16_h100s_keep_their_measured_order():
+    """NVIDIA's dropless Qwen3-30B runs on 16 H100s, each layout at its newest release: PP2 x VP12 x EP8 (DeepEP,
+    all-to-all overlap) 9,058 vs PP1 x EP16 (HybridEP) 8,826-8,960: 1.02x apart. The planner's ratio of the two is
+    within the model's error (10%) of NVIDIA's; the issue's old planner put them 3.1x apart."""
+    newest = {}
+    for row in pa.ROWS:
+        if row.model == "qwen3_30b" and not row.outlier and "dropless" in row.note:
+            newest[(row.pp, row.ep)] = row
+    assert set(newest) == {(2, 8), (1, 16)}
+    pred = {k: plan_job(_job(r)).perf["tokens_per_s_per_gpu"] for k, r in newest.items()}
+    published = newest[(2, 8)].tokens_per_gpu / newest[(1, 16)].tokens_per_gpu
+    assert pred[(2, 8)] / pred[(1, 16)] == pytest.approx(published, rel=0.10)
 
 
 def test_grouped_gemm_efficiency_grows_with_tokens_per_expert():

@@ -36,15 +36,17 @@ L / (L + 256) for blocks of L tokens (FlashAttention-2 paper, Fig. 4-7: causal h
 CP_STEP_OVERHEAD_S = 150e-6
 """Fixed cost per context-parallel ring step per attention layer per pass (P2P launch and wait, the
 output/LSE correction kernels of TE's ring attention); fitted, see NOTES.md."""
-MOE_LAYER_OVERHEAD_S = 1.5e-3
+MOE_LAYER_OVERHEAD_S = 1.25e-3
 """Fixed cost per MoE layer per pass beyond its FLOPs and bytes: router top-k, the dispatcher's token-count
 exchange and host sync, permutation index building, per-expert kernel launches; fitted, see NOTES.md."""
-GROUPED_GEMM_HALF_TOKENS = 2048
+GROUPED_GEMM_HALF_TOKENS = 4096
 """Tokens per local expert at which the grouped expert GEMMs run at half the dense GEMM efficiency (they
 reach it as n / (n + 2048) for n tokens per expert); fitted, see NOTES.md."""
-MOE_A2A_OVERLAP = 1.0
-"""Share of a layer's own compute that can hide its expert all-to-all under parallel.moe_a2a_overlap (the
-combined 1F1B schedule runs one microbatch's all-to-all under another's computation)."""
+A2A_SM_SHARE = 20 / 132
+"""Share of the GPU's SMs the expert all-to-all kernels occupy while they run beside computation under
+parallel.moe_a2a_overlap: DeepEP's default of 20 SMs (Megatron-Core ``moe_deepep_num_sms``, "historical
+default 20") of an H100's 132; NVIDIA's MoE recipes likewise keep 16-20 SMs free for communication kernels
+(``NVTE_FWD/BWD_LAYERNORM_SM_MARGIN``). Not fitted."""
 
 
 @dataclass
@@ -163,9 +165,10 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
             cpc = max(0.0, (cp - 1) * (kv_bytes / cp_bw + COLLECTIVE_LATENCY_S) - att)  # overlapped with attention
         epc = 0.0
         if is_moe and lay.ep > 1:
-            epc = 2 * _dispatch_time(job, lay, a * h * tokens / cp / sp)  # dispatch + combine
-            if par.moe_a2a_overlap:  # hidden under another microbatch's computation of this layer
-                epc = max(0.0, epc - MOE_A2A_OVERLAP * (g + att + elem)) + 2 * COLLECTIVE_LATENCY_S
+            epc = 2 * _dispatch_time(job, lay, a * h * tokens / cp / sp)  # dispatch + combine, one pass
+            if par.moe_a2a_overlap:
+                epc = _overlapped_a2a(epc, g + att + elem,
+                                      2 * g + ATTENTION_BWD_FACTOR * att + ELEMENTWISE_PASSES_BWD * elem)
         fs_f = fs_b = 0.0
         if par.megatron_fsdp and lay.dp_cp > 1:  # per-layer parameter all-gather (fwd, bwd) + grad reduce-scatter
             fs_f = max(0.0, fsdp_ag - (g + att + elem))
@@ -223,6 +226,18 @@ def _selective_recompute(job: JobConfig, mods: frozenset, moe: bool, att: float,
     elif "shared_experts" in mods and moe:
         rec += g_shared
     return rec
+
+
+def _overlapped_a2a(comm: float, fwd: float, bwd: float) -> float:
+    """Exposed all-to-all per pass under parallel.moe_a2a_overlap. Megatron-Core's combined 1F1B schedule
+    (``overlap_moe_expert_parallel_comm``: ``combined_1f1b_schedule_for_no_pipelining`` /
+    ``..._for_interleaved_pipelining``) runs one microbatch's forward together with another's backward, layer by
+    layer, each one's dispatch and combine on a communication stream under the other's computation (weight
+    gradients included). For a forward/backward pair with all-to-all time C (``comm`` per pass, two passes) and
+    compute T (``fwd`` + ``bwd``): while the all-to-all runs, computation has A2A_SM_SHARE fewer SMs, so the pair
+    takes max(C, T + share x C); what it adds beyond T is split over the two passes."""
+    c, t = 2 * comm, fwd + bwd
+    return max(c - t, A2A_SM_SHARE * c) / 2 + 2 * COLLECTIVE_LATENCY_S
 
 
 def _attention_efficiency(seq: int, cp: int) -> float:
