@@ -213,6 +213,10 @@ def test_search_qwen3_30b_on_16_h100s_finds_nvidia_layout_family_fast():
     assert nvidia >= 0.9 * best
     top = found[0].overrides
     assert {"parallel.tensor=1", "parallel.pipeline=2", "parallel.expert=8"} <= set(top)
+    # NVIDIA measures PP1 x EP16 within 2% of PP2 x EP8 (see the measured-order test): the search's best EP16
+    # layout is within the model's error of its best, not 3.1x below it as the planner had it
+    ep16 = [c for c in found if "parallel.expert=16" in c.overrides]
+    assert ep16 and ep16[0].tokens_per_s >= 0.9 * best
 
 
 def test_search_405b_tries_embedding_and_loss_split():

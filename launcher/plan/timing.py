@@ -41,7 +41,8 @@ MOE_LAYER_OVERHEAD_S = 1.25e-3
 exchange and host sync, permutation index building, per-expert kernel launches; fitted, see NOTES.md."""
 GROUPED_GEMM_HALF_TOKENS = 4096
 """Tokens per local expert at which the grouped expert GEMMs run at half the dense GEMM efficiency (they
-reach it as n / (n + 2048) for n tokens per expert); fitted, see NOTES.md."""
+reach it as n / (n + GROUPED_GEMM_HALF_TOKENS) for n tokens per expert); fitted, see NOTES.md (weakly
+identified: every published MoE row has 4,096 tokens per local expert)."""
 A2A_SM_SHARE = 20 / 132
 """Share of the GPU's SMs the expert all-to-all kernels occupy while they run beside computation under
 parallel.moe_a2a_overlap: DeepEP's default of 20 SMs (Megatron-Core ``moe_deepep_num_sms``, "historical
