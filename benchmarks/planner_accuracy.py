@@ -147,7 +147,7 @@ ROWS = [
 
 H200_RECIPES = ("llama3_8b", "llama3_70b", "llama405b", "mixtral", "deepseek_v3", "qwen3_30b_a3b", "qwen3_235b_a22b",
                 "gpt3")
-"""Every shipped GPU recipe, planned on the H200 profile with its own layout."""
+"""Every shipped GPU recipe; its ``<name>_h200`` variant (the H200 profile, the layout chosen for 141 GB) is planned."""
 
 
 def _overrides(row: Row, cluster: str = "h100") -> list[str]:
@@ -231,12 +231,12 @@ def main() -> int:
     print(_summary("held-out rows without the 2 outliers", [errs[r.name] for r in held if not r.outlier]))
     print(_summary("MoE rows (fitted + held-out) without the outliers",
                    [errs[r.name] for r in ROWS if r.ep > 1 and not r.outlier]))
-    print("\nH200 predictions (cluster=h200, the recipes' own layouts; no published H200 training figure exists):")
+    print("\nH200 predictions (the *_h200 recipes: cluster=h200 and their own layouts; no published H200 training figure exists):")
     from launcher.config import compose_job
     from launcher.plan import plan_job
 
     for recipe in H200_RECIPES:
-        plan = plan_job(compose_job([f"recipe={recipe}", "cluster=h200"]))
+        plan = plan_job(compose_job([f"recipe={recipe}_h200"]))
         print(f"  {recipe:<16} {plan.perf['tokens_per_s_per_gpu']:>8,.0f} tokens/s/GPU  {plan.perf['tflops_per_gpu']:>5.0f} "
               f"TFLOP/s/GPU  MFU {100 * plan.perf['mfu']:.1f}%  peak {plan.peak_gb:.1f} GB")
     return 0
