@@ -229,3 +229,26 @@ def test_search_405b_tries_embedding_and_loss_split():
 
 def test_benchmark_runs():
     assert pa.main() == 0
+
+
+def test_expert_tensor_parallelism_gathers_tokens_and_enlarges_expert_gemms():
+    """ETP2 at the same EP on one node (both EP groups within NVLink): the dispatch adds the ETP all-gather (and
+    the combine its reduce-scatter), and each expert's GEMMs see the tokens of both ETP ranks."""
+    etp1, etp2 = (compose_job(["recipe=mixtral", "nodes=1", "parallel.tensor=2", "parallel.pipeline=1",
+                               "parallel.virtual_pipeline=null", "schedule.kind=1f1b", "schedule.overlap_p2p_comm=false",
+                               "parallel.expert=4", f"parallel.expert_tensor={e}"]) for e in (1, 2))
+    assert [derive(j).etp * derive(j).ep for j in (etp1, etp2)] == [4, 8]
+    c1, c2 = (stage_costs(j, derive(j), 0) for j in (etp1, etp2))
+    assert c2.parts["ep_comm"] > c1.parts["ep_comm"]
+    tokens = etp1.train.micro_batch_size * etp1.model.seq_length
+    assert (_grouped_gemm_efficiency(etp2, derive(etp2), tokens) > _grouped_gemm_efficiency(etp1, derive(etp1), tokens))
+
+
+def test_search_tries_expert_tensor_parallel_sizes():
+    from launcher.plan.search import candidates
+
+    job = compose_job(["recipe=mixtral"])
+    seen = {(o.split("=")[1], t.split("=")[1]) for ov, _, _ in candidates(job)
+            for o in ov if o.startswith("parallel.expert_tensor=") for t in ov if t.startswith("parallel.tensor=")}
+    assert ("1", "2") in seen and ("2", "2") in seen  # ETP 1 and ETP = TP at TP2
+    assert all(e in ("1", t) for e, t in seen)

@@ -86,8 +86,18 @@ def candidates(job: JobConfig):
                 for split, vps in _splits(job, pp):
                     for vp in vps:
                         for ep in eps:
-                            for fsdp in ((False, True) if pp == 1 and te and not model.num_experts else (False,)):
-                                yield from _batch_and_recompute(job, tp, cp, pp, vp, ep, split, fsdp)
+                            for etp in _expert_tensor_sizes(job, tp):
+                                for fsdp in ((False, True) if pp == 1 and te and not model.num_experts else (False,)):
+                                    yield from _batch_and_recompute(job, tp, cp, pp, vp, ep, split, fsdp, etp)
+
+
+def _expert_tensor_sizes(job: JobConfig, tp: int) -> list:
+    """Expert tensor parallel sizes worth trying with TP = ``tp``: 1 (NVIDIA's MoE recipes) and TP itself
+    (Megatron-Core's default when unset); [None] (not set) for a dense model."""
+    if not job.model.num_experts:
+        return [None]
+    ffn = job.model.moe_ffn_hidden_size or job.model.ffn_hidden_size
+    return [e for e in sorted({1, tp}) if ffn % e == 0 and (e == 1 or not job.model.add_bias_linear)]
 
 
 EVEN = {"first_stage_layers": None, "last_stage_layers": None, "account_for_embedding_in_pipeline_split": False,
@@ -183,15 +193,17 @@ def _schedules(job: JobConfig, pp: int, vp: int) -> list[str]:
     return ["1f1b"]
 
 
-def _batch_and_recompute(job, tp, cp, pp, vp, ep, split, fsdp=False):
+def _batch_and_recompute(job, tp, cp, pp, vp, ep, split, fsdp=False, etp=None):
     for kind in _schedules(job, pp, vp):
-        yield from _batch_and_recompute_for(job, kind, tp, cp, pp, vp, ep, split, fsdp)
+        yield from _batch_and_recompute_for(job, kind, tp, cp, pp, vp, ep, split, fsdp, etp)
 
 
-def _batch_and_recompute_for(job, kind, tp, cp, pp, vp, ep, split, fsdp=False):
+def _batch_and_recompute_for(job, kind, tp, cp, pp, vp, ep, split, fsdp=False, etp=None):
     zb = kind == "zb_h1"
     par = dict(tensor=tp, pipeline=pp, virtual_pipeline=vp if vp > 1 else None, context=cp, expert=ep,
                sequence_parallel=tp > 1, distributed_optimizer=True, data=None, megatron_fsdp=fsdp, **split)
+    if job.model.num_experts:
+        par["expert_tensor"] = etp
     if zb:  # ZB-H1 reduces gradients once after the last W (validate_schedule)
         par["overlap_grad_reduce"] = False
     overlap = _moe_overlap_allowed(job, pp, vp, ep)
@@ -201,7 +213,7 @@ def _batch_and_recompute_for(job, kind, tp, cp, pp, vp, ep, split, fsdp=False):
     layout = [f"parallel.tensor={tp}", f"parallel.pipeline={pp}",
               f"parallel.virtual_pipeline={vp if vp > 1 else 'null'}", f"parallel.context={cp}"]
     if job.model.num_experts:
-        layout.append(f"parallel.expert={ep}")
+        layout += [f"parallel.expert={ep}", f"parallel.expert_tensor={etp}"]
     layout += [f"parallel.sequence_parallel={'true' if tp > 1 else 'false'}",
                "parallel.distributed_optimizer=true", *_split_overrides(split),
                f"parallel.megatron_fsdp={'true' if fsdp else 'false'}",

@@ -256,10 +256,12 @@ def _moe_split(model, moe_mlp: float) -> tuple[float, float]:
 
 def _grouped_gemm_efficiency(job: JobConfig, lay: Layout, tokens: int) -> float:
     """Relative efficiency of the expert GEMMs: n / (n + GROUPED_GEMM_HALF_TOKENS) for n tokens per local
-    expert (balanced routing: every rank of the EP group receives its share of EP x local tokens x top-k)."""
+    expert (balanced routing: every rank of the EP group receives its share of EP x local tokens x top-k, and
+    expert tensor parallelism gathers ETP ranks' shares)."""
     model = job.model
     local_tokens = tokens / (lay.cp * sp_shards(lay))
-    n = local_tokens * model.moe_router_topk * lay.ep / model.num_experts * _capacity_scale(model)  # per expert
+    # per expert on one rank: what the EP group routed to it, gathered over its ETP group
+    n = local_tokens * model.moe_router_topk * lay.ep * lay.etp / model.num_experts * _capacity_scale(model)
     return n / (n + GROUPED_GEMM_HALF_TOKENS)
 
 
@@ -271,12 +273,25 @@ def _dispatch_time(job: JobConfig, lay: Layout, token_bytes: float) -> float:
     with padding moves capacity-sized buffers (x the capacity factor)."""
     m = job.model
     k = m.moe_router_topk * _capacity_scale(m)
+    etp = _etp_exchange(job, lay, token_bytes * k)
     if m.moe_token_dispatcher_type != "flex":
-        return _a2a_time(job, lay, token_bytes * k)
+        return _a2a_time(job, lay, token_bytes * k) + etp
     ep = lay.ep
     nodes = max(1, ep // _ep_ranks_per_node(job, lay))
     on = token_bytes * k * (ep - 1) / ep  # every copy crosses NVLink once (direct, or forwarded in its node)
-    return _links_time(job, on, token_bytes * _capacity_scale(m) * remote_nodes_per_token(m, nodes))
+    return _links_time(job, on, token_bytes * _capacity_scale(m) * remote_nodes_per_token(m, nodes)) + etp
+
+
+def _etp_exchange(job: JobConfig, lay: Layout, routed_bytes: float) -> float:
+    """Expert tensor parallelism's share of a dispatch (or combine): after the all-to-all every rank of an ETP
+    group all-gathers the tokens its group's experts received (``routed_bytes`` per rank: its top-k copies), and
+    the combine reduce-scatters their outputs (Megatron-Core's alltoall dispatcher,
+    ``gather_from_sequence_parallel_region`` / ``reduce_scatter_to_sequence_parallel_region`` over the expert TP
+    group). ETP ranks are consecutive (expert rank order tp-ep-dp-pp), so a group within a node uses NVLink."""
+    etp = lay.etp if lay.ep * lay.etp > 1 else 1
+    if etp <= 1:
+        return 0.0
+    return _ring(routed_bytes * etp, etp, _bandwidth(job, etp))
 
 
 def remote_nodes_per_token(model, nodes: int) -> float:
