@@ -12,7 +12,7 @@ from launcher.config import ConfigError, compose_dict, secret_problems, to_job
 from launcher.overrides import check_override
 from launcher.problems import EXIT_USAGE, errors, report
 from launcher.schema import JobConfig
-from launcher.validate import validate, verified_hint
+from launcher.validate import RANK_ACTIONS, rank_side_limits, validate, verified_hint
 
 
 @dataclass
@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     problems = validate(job)
     action = resolve_action(job)
+    if not errors(problems) and action in RANK_ACTIONS:
+        problems += [verified_hint(job, p, problems) for p in rank_side_limits(job)]
     if not errors(problems) and action not in ("plan", "search", "list"):
         # One pipeline for every action that checks or starts a run: validate's data pre-flight is render's.
         from launcher.actions import preflight_data

@@ -508,6 +508,23 @@ def _validate_fsdp(c: _Checks, job: JobConfig, lay: Layout) -> None:
             return
 
 
+RANK_ACTIONS = ("validate", "render", "submit", "run")
+"""Actions that prepare or start a run on this launcher's own ranks (plan, search, list and megatron-args do not)."""
+
+
+def rank_side_limits(job: JobConfig) -> list[Problem]:
+    """What this launcher's ranks cannot run yet although Megatron-Core, the planner and the Megatron-LM export
+    can; reported with validation for RANK_ACTIONS only, so such a job still plans, searches and exports."""
+    if not job.parallel.megatron_fsdp:
+        return []
+    # Megatron-Core distrib_optimizer.py sharded_state_dict: "sharding_type ... is not supported with Megatron
+    # FSDP" for all but fsdp_dtensor; Megatron-LM arguments.py: "Megatron-FSDP requires the fsdp_dtensor format".
+    return [Problem("parallel.megatron_fsdp", True,
+                    "this launcher's ranks save torch_dist checkpoints, which Megatron-FSDP cannot write (it needs "
+                    "the fsdp_dtensor format, not implemented here yet); plan it here and run it with Megatron-LM "
+                    "(action=megatron-args writes --ckpt-format fsdp_dtensor)", "parallel.megatron_fsdp=false")]
+
+
 PRE_BLACKWELL = ("H100", "H200", "GH200", "A100")
 """GPUs on which Megatron-LM ties tensor/context parallelism to CUDA_DEVICE_MAX_CONNECTIONS=1 (arguments.py:
 "CUDA_DEVICE_MAX_CONNECTIONS requirement no longer exists since the Blackwell architecture")."""

@@ -195,6 +195,8 @@ NOT_READ = {
     "fp8_recipe": "read only with FP8 on",
     "muon_momentum": "Muon optimizer only", "optimizer_offload_fraction": "read only with optimizer CPU offload",
     "barrier_with_L1_time": "timers only",
+    "use_custom_fsdp": "the deprecated alias Megatron-LM sets beside use_megatron_fsdp; no Megatron-Core 0.19.2 code "
+                       "reads it",
 }
 
 
@@ -505,3 +507,32 @@ def test_gpt2_vocab_and_merges_mean_the_gpt2_vocabulary():
                            "--train-iters", "10", "--lr", "1e-3", "--vocab-file", "v.json", "--merge-file", "m.txt",
                            "--data-path", "/d/x_text_document"], Launch(gpus_per_node=8))
     assert values["model.vocab_size"] == 50257
+
+
+FSDP_JOB = ["recipe=llama3_8b", "cluster=h100", "parallel.context=1", "parallel.megatron_fsdp=true",
+            "cluster.env.CUDA_DEVICE_MAX_CONNECTIONS=8"]
+"""NVIDIA's Llama3-8B layout on 8 H100s: Megatron-FSDP, no CP."""
+
+
+def test_an_fsdp_export_passes_megatron_lms_validate_args_and_builds_the_same_core_configs(monkeypatch):
+    """Megatron-LM refuses --use-megatron-fsdp unless --ckpt-format fsdp_dtensor: the export writes it, and
+    Megatron-LM then builds the TransformerConfig, DDP and optimizer configs our ranks would."""
+    job = compose_job(FSDP_JOB)
+    exported = to_args(job)
+    assert exported.args[exported.args.index("--ckpt-format") + 1] == "fsdp_dtensor"
+    assert _config_differences(exported.args, exported.env, exported.nodes, exported.gpus_per_node, job,
+                               monkeypatch) == {}
+
+
+def test_fsdp_plans_and_exports_but_our_ranks_refuse_to_run_it(cli, tmp_path):
+    """The ranks checkpoint with torch_dist, which Megatron-FSDP cannot write: validate/render refuse with one
+    line before anything is written; plan and megatron-args still work."""
+    for action in ("plan", "megatron-args"):
+        code, out, err = cli(*FSDP_JOB, f"output_dir={tmp_path}", f"action={action}")
+        assert code == 0, err
+    for action in ("validate", "render"):
+        code, out, err = cli(*FSDP_JOB, f"output_dir={tmp_path}", f"action={action}")
+        lines = [line for line in err.splitlines() if line.startswith("error:")]
+        assert code == 2 and len(lines) == 1 and "fsdp_dtensor" in lines[0], err
+        assert "try parallel.megatron_fsdp=false" in lines[0]
+    assert not list(tmp_path.iterdir())  # nothing rendered

@@ -166,7 +166,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--data-cache-path", "data.cache_dir", None),
     Flag("--num-workers", "data.num_workers", 2),
     Flag("--save-interval", "checkpoint.save_interval", 0),
-    Flag("--ckpt-format", "checkpoint.format", "torch_dist"),
+    # fsdp_dtensor is what Megatron-LM requires with --use-megatron-fsdp (which says FSDP on its own; the export
+    # writes it back from parallel.megatron_fsdp): read as our one format, whose ranks refuse FSDP runs
+    Flag("--ckpt-format", "checkpoint.format", "torch_dist", parse=lambda t: "torch_dist" if t == "fsdp_dtensor" else t),
     Flag("--async-save", "checkpoint.async_save", False, switch=True),
     Flag("--dist-ckpt-optim-fully-reshardable", "checkpoint.optimizer_format", "dp_reshardable",
          switch="fully_reshardable"),

@@ -762,6 +762,8 @@ def _export_checkpoint(job: JobConfig, missing: List[str]) -> List[str]:
             out += ["--load", c.dir]
     elif c.load:
         missing.append(f"checkpoint.load={c.load} without checkpoint.dir (Megatron-LM would save into it too)")
+    if job.parallel.megatron_fsdp:  # Megatron-LM validate_args: "Megatron-FSDP requires the fsdp_dtensor format"
+        out += ["--ckpt-format", "fsdp_dtensor"]
     if job.logging.tensorboard:
         out += ["--tensorboard-dir", f"{job.output_dir}/{job.name}/tensorboard"]
     return out
