@@ -536,3 +536,15 @@ def test_fsdp_plans_and_exports_but_our_ranks_refuse_to_run_it(cli, tmp_path):
         assert code == 2 and len(lines) == 1 and "fsdp_dtensor" in lines[0], err
         assert "try parallel.megatron_fsdp=false" in lines[0]
     assert not list(tmp_path.iterdir())  # nothing rendered
+
+
+def test_an_import_named_like_a_shipped_recipe_is_refused_with_a_free_name(cli, tmp_path):
+    """Hydra searches the shipped recipes before the user's directory, so recipes/recipe/mixtral.yaml would shadow
+    an imported DIR/recipe/mixtral.yaml: refused with one line naming a free name, which then imports."""
+    out_path = tmp_path / "recipe" / "mixtral.yaml"
+    args = (str(FIXTURES / "mixtral_8x7b.sh"), "--model", "mx", "model.vocab_size=32768")
+    code, out, err = cli("import", args[0], "--output", str(out_path), *args[1:])
+    assert code == 2 and "shipped recipe" in err and not out_path.exists(), err
+    suggested = err.split("e.g. --output ")[1].split()[0]
+    code, out, err = cli("import", args[0], "--output", suggested, *args[1:])
+    assert code == 0 and Path(suggested).exists(), err

@@ -305,6 +305,11 @@ def import_job(source: Path, *, output: Optional[Path] = None, model_name: Optio
                            "DIR/model/), e.g. recipes/recipe/NAME.yaml")
     if output.exists() and not force:
         raise ImportError_(f"{output} exists; choose another --output or add --force to replace it")
+    shipped = RECIPES_DIR / "recipe" / output.name
+    if shipped.exists() and output.resolve().parent.parent != RECIPES_DIR.resolve():
+        # Hydra looks in the shipped recipes before any hydra.searchpath entry: recipe=<stem> would be ours
+        raise ImportError_(f"--output {output}: {stem} is a shipped recipe, which recipe={stem} would load instead of "
+                           f"yours; choose another name, e.g. --output {output.with_name(stem + '_imported.yaml')}")
     command = load_command(source, script_args)
     root = output.resolve().parent.parent
     values, report = to_fields(command.args, _with_gpus(command.launch, cluster))
