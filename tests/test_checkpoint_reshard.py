@@ -21,15 +21,16 @@ def _continues_on_one_process(where, overrides, saved, full: Run) -> None:
         assert resumed.losses()[step] == pytest.approx(full.losses()[step], rel=1e-5), step
 
 
-def test_tp2pp2_checkpoint_continues_on_one_process_with_the_same_losses(tmp_path):
+def test_tp2pp2_checkpoint_continues_on_one_process_with_the_same_losses(tmp_path, reference_run):
     overrides = TINY + [f"train.train_steps={STEPS}", f"checkpoint.save_interval={K}"]
-    full = train(tmp_path, "tp2pp2", 4, overrides + layout(tp=2, pp=2))
+    # the uninterrupted TP2 x PP2 run of test_train_resume (its final checkpoint aside), trained once
+    full = reference_run(4, overrides + layout(tp=2, pp=2) + ["checkpoint.save_at_end=true"])
     saved = full.bundle / "checkpoints" / f"iter_{K:07d}"
 
     _continues_on_one_process(tmp_path / "tp1pp1", overrides + layout(), saved, full)
 
 
-def test_distributed_optimizer_state_reshards_across_a_dp_change_with_fully_reshardable(tmp_path):
+def test_distributed_optimizer_state_reshards_across_a_dp_change_with_fully_reshardable(tmp_path, reference_run):
     """DP2 -> DP1 with the distributed optimizer: fully_reshardable continues with the DP2 run's losses
     (measured: same size on disk, saves ~0.4 s vs 0.03 s for dp_reshardable on this CPU); dp_reshardable is
     refused with a line that says why and what to do."""
@@ -39,7 +40,7 @@ def test_distributed_optimizer_state_reshards_across_a_dp_change_with_fully_resh
     saved = full.bundle / "checkpoints" / f"iter_{K:07d}"
     _continues_on_one_process(tmp_path / "dp1", overrides, saved, full)
 
-    dp_only = train(tmp_path, "dp2-dp-reshardable", 2, overrides)
+    dp_only = reference_run(2, overrides + ["checkpoint.save_at_end=true"])  # also test_train_resume's DP2 run
     saved = dp_only.bundle / "checkpoints" / f"iter_{K:07d}"
     bundle = write_bundle(tmp_path / "dp1-refused", overrides + [f"checkpoint.load={saved}"], 1)
     proc = run_train(bundle, 1)

@@ -11,5 +11,5 @@ DROPOUT = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1", "data.num_
            "train.eval_interval=2", "train.eval_iters=1"]
 
 
-def test_tp2_with_dropout_and_evaluations_resumes_with_the_same_losses(tmp_path):
-    _resume_case(tmp_path, 2, layout(tp=2) + DROPOUT)
+def test_tp2_with_dropout_and_evaluations_resumes_with_the_same_losses(tmp_path, reference_run):
+    _resume_case(tmp_path, 2, layout(tp=2) + DROPOUT, reference_run)

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from _rank_harness import TINY, Run, layout, run_train, run_until, train, write_bundle
+from _rank_harness import TINY, Run, layout, run_train, run_until, write_bundle
 
 STEPS, K = 6, 3
 
 
-def _resume_case(tmp_path, nproc, lay):
+def _resume_case(tmp_path, nproc, lay, reference_run):
     overrides = TINY + lay + [f"train.train_steps={STEPS}", f"checkpoint.save_interval={K}",
                               "checkpoint.save_at_end=true"]
-    full = train(tmp_path, "uninterrupted", nproc, overrides)
+    full = reference_run(nproc, overrides)  # test_checkpoint_reshard compares with the same runs
 
     bundle = write_bundle(tmp_path / "interrupted", overrides, nproc)
     seen = run_until(bundle, nproc, marker=f"saved checkpoint {bundle / 'checkpoints' / f'iter_{K:07d}'}")
@@ -35,11 +35,11 @@ def _resume_case(tmp_path, nproc, lay):
     assert (ckpt / "latest").read_text().strip() == f"iter_{STEPS:07d}"
 
 
-def test_tp2pp2_killed_after_checkpoint_resumes_with_same_losses(tmp_path):
-    _resume_case(tmp_path, 4, layout(tp=2, pp=2))
+def test_tp2pp2_killed_after_checkpoint_resumes_with_same_losses(tmp_path, reference_run):
+    _resume_case(tmp_path, 4, layout(tp=2, pp=2), reference_run)
 
 
-def test_distributed_optimizer_dp2_resume_same_losses(tmp_path):
+def test_distributed_optimizer_dp2_resume_same_losses(tmp_path, reference_run):
     """Distributed optimizer (Adam state sharded over DP=2) round-trips through dist_checkpointing; this
     failed before the step-tensor fix in launcher/rank/checkpoint.py (losses diverged after resume)."""
-    _resume_case(tmp_path, 2, layout() + ["parallel.distributed_optimizer=true"])
+    _resume_case(tmp_path, 2, layout() + ["parallel.distributed_optimizer=true"], reference_run)
