@@ -32,14 +32,17 @@ def _extend_limit_once_requeued(job: Job, limit: str, timeout_s: float) -> None:
 
 
 def test_time_limit_checkpoints_requeues_and_finishes_without_retraining_a_step(slurm, tmp_path):
-    total = 800
-    # slurmctld sends USR1 up to 30 s before the lead: 20-50 s after the first start, which 800 steps outlast
-    # whether a step takes 50 ms (idle cores) or 150 ms (a loaded machine); the requeued start then gets a
-    # 10-minute limit (_extend_limit_once_requeued) and finishes.
+    total = 560
+    # slurmctld sends USR1 up to 30 s before the lead: 5-35 s after the first start (the batch shell traps it
+    # within its first second; one that comes before training's first step still gets that step trained and
+    # checkpointed, as the STOP file is read after each step), which 560 steps outlast whether a step takes
+    # 50 ms (idle cores) or 150 ms (a loaded machine). The requeued start trains what is left, so a later
+    # window would only cost time (lead 70 s and 800 steps took 170 s); it gets a 10-minute limit
+    # (_extend_limit_once_requeued) and finishes.
     bundle = render(tmp_path, *TINY_STEPS, f"train.train_steps={total}", "slurm.time=00:02:00",
-                    "slurm.signal_lead_s=70", "slurm.max_requeues=12",
+                    "slurm.signal_lead_s=85", "slurm.max_requeues=12",
                     # the ranks' own stop guard (2 x save + a step + margin) must not beat USR1 here: on loaded
-                    # cores a save took 7 s, which with the default 60 s margin needs 75 s > the 70 s lead
+                    # cores a save took 7 s, which with the default 60 s margin needs 75 s, close to the 85 s lead
                     "slurm.signal_margin_s=0")
     with Job(bundle) as job:
         _extend_limit_once_requeued(job, "00:10:00", 600)
@@ -58,7 +61,7 @@ def test_time_limit_checkpoints_requeues_and_finishes_without_retraining_a_step(
         prev_last = steps[-1]
         # every start reads its own end time from Slurm (a requeue gets a new one): the ranks' stop guard is armed
         assert re.search(r"^slurm: the job ends at \d\d:\d\d:\d\d UTC \(in \d+ s\); training stops for a "
-                         r"checkpoint once less than 2 x the last save .* \+ 0 s is left \(--signal lead 70 s\)$", text,
+                         r"checkpoint once less than 2 x the last save .* \+ 0 s is left \(--signal lead 85 s\)$", text,
                          re.MULTILINE), text[:3000]
         if i < len(attempts) - 1:
             assert "launcher: SIGUSR1 received" in text, text[-3000:]
