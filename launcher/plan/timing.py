@@ -157,9 +157,13 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
         elem = _elementwise_bytes(job, lay, is_moe) * tokens / cp / hbm + moe_fixed
         cast_f, cast_b = _fp8_cast_bytes(job, lay, is_moe)
         cast_f, cast_b = cast_f * tokens / cp / hbm, cast_b * tokens / cp / hbm
-        tp = 4 * _ring(act_full, t, tp_bw) if t > 1 else 0.0  # AG/RS (or AR) x2 per pass
+        # AG + RS (or an AR without SP) around attention and around a TP-sharded MLP, per pass. A routed-expert
+        # MLP has none: its tokens move with the dispatcher (and ETP's own exchange); shared experts are TP MLPs.
+        tp_mlp = not is_moe or bool(model.moe_shared_expert_intermediate_size)
+        n_tp = 4 if tp_mlp else 2
+        tp = n_tp * _ring(act_full, t, tp_bw) if t > 1 else 0.0
         if tp and par.tp_comm_overlap and sp > 1:  # userbuffers pipeline the collective under its GEMM
-            tp = max(0.0, tp - g) + 4 * COLLECTIVE_LATENCY_S
+            tp = max(0.0, tp - (g if not is_moe else g_attn + g_shared)) + n_tp * COLLECTIVE_LATENCY_S
         cpc = 0.0
         if cp > 1 and not model.multi_latent_attention:
             kv_bytes = 2 * a * query_groups(model) * d * tokens / cp / t
