@@ -157,12 +157,13 @@ def test_trivial_bundle_runs_to_completion(slurm, tmp_path):
 
 def test_usr1_leaves_stop_file_and_job_is_requeued(slurm, tmp_path):
     # slurmctld checks time limits every 30 s (PERIODIC_TIMEOUT) and sends --signal up to 30 s before
-    # lead time, so with 120 s and a lead of 80 s USR1 arrives 10-40 s after the start. The first run waits for
-    # the STOP file the batch shell leaves on USR1; the requeued run (SLURM_RESTART_COUNT=1) exits at once,
-    # well before USR1 could come again.
-    bundle = render(tmp_path, "slurm.time=00:02:00", "slurm.signal_lead_s=80")
+    # lead time, so with 120 s and a lead of 85 s USR1 arrives 5-35 s after the start (the batch shell traps it
+    # within its first second; a lead of 80 s waited 5 s longer for nothing). The first run waits for the STOP
+    # file the batch shell leaves on USR1; the requeued run (SLURM_RESTART_COUNT=1) exits at once, well before
+    # USR1 could come again.
+    bundle = render(tmp_path, "slurm.time=00:02:00", "slurm.signal_lead_s=85")
     assert "#SBATCH --requeue" in bundle.sbatch.read_text()
-    assert "#SBATCH --signal=B:USR1@80" in bundle.sbatch.read_text()
+    assert "#SBATCH --signal=B:USR1@85" in bundle.sbatch.read_text()
     replace_launch(bundle, PRINT_ENV + """\
 if (( ${SLURM_RESTART_COUNT:-0} >= 1 )); then echo "probe: requeued run, nothing left to do"; touch "$LAUNCHER_BUNDLE/DONE"; exit 0; fi
 for i in $(seq 110); do
