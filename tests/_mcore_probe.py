@@ -73,7 +73,7 @@ def build(job, rank: int) -> None:
     # the config objects every rank constructs first
     transformer_config(model=job.model, parallel=job.parallel, precision=job.precision, layout=lay,
                        schedule=job.schedule, recompute=tr.recompute, recompute_num_layers=tr.recompute_num_layers,
-                       te=False)
+                       recompute_modules=tr.recompute_modules, te=False)
     optim.ddp_config(parallel=job.parallel, precision=job.precision, on_gpu=False)
     optim.optimizer_config(train=tr, parallel=job.parallel, precision=job.precision, on_gpu=False)
     optim.scheduler_kwargs(train=tr, steps=lay.steps)
@@ -86,7 +86,7 @@ def build(job, rank: int) -> None:
             return
         chunks = build_model(model=job.model, parallel=job.parallel, precision=job.precision, layout=lay,
                              schedule=job.schedule, seed=tr.seed, recompute=tr.recompute,
-                             recompute_num_layers=tr.recompute_num_layers)
+                             recompute_num_layers=tr.recompute_num_layers, recompute_modules=tr.recompute_modules)
         model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision)
         optimizer = optim.build_optimizer(model, train=tr, parallel=job.parallel, precision=job.precision)
         optim.build_scheduler(optimizer, train=tr, steps=max(lay.steps, 1))
