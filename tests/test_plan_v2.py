@@ -253,3 +253,14 @@ def test_search_tries_expert_tensor_parallel_sizes():
             for o in ov if o.startswith("parallel.expert_tensor=") for t in ov if t.startswith("parallel.tensor=")}
     assert ("1", "2") in seen and ("2", "2") in seen  # ETP 1 and ETP = TP at TP2
     assert all(e in ("1", t) for e, t in seen)
+
+
+def test_expert_tensor_parallelism_without_expert_parallelism_still_moves_tokens():
+    """EP1 x ETP2: no all-to-all, but the dispatcher gathers the tokens over the expert TP group and scatters the
+    outputs back (the MLP's TP communication of a dense layer), so the MoE layer is not free of communication."""
+    job = compose_job(["recipe=mixtral", "nodes=1", "parallel.tensor=2", "parallel.pipeline=1",
+                       "parallel.virtual_pipeline=null", "schedule.kind=1f1b", "schedule.overlap_p2p_comm=false",
+                       "parallel.expert=1", "parallel.expert_tensor=2", "parallel.moe_a2a_overlap=false"])
+    lay = derive(job)
+    assert (lay.ep, lay.etp) == (1, 2)
+    assert stage_costs(job, lay, 0).parts["ep_comm"] > 0

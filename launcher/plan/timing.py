@@ -169,7 +169,7 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
             kv_bytes = 2 * a * query_groups(model) * d * tokens / cp / t
             cpc = max(0.0, (cp - 1) * (kv_bytes / cp_bw + COLLECTIVE_LATENCY_S) - att)  # overlapped with attention
         epc = 0.0
-        if is_moe and lay.ep > 1:
+        if is_moe and lay.ep * lay.etp > 1:  # expert parallelism, or expert TP alone (its gather and scatter)
             epc = 2 * _dispatch_time(job, lay, a * h * tokens / cp / sp)  # dispatch + combine, one pass
             if par.moe_a2a_overlap:
                 epc = _overlapped_a2a(epc, g + att + elem,
@@ -292,10 +292,9 @@ def _etp_exchange(job: JobConfig, lay: Layout, routed_bytes: float) -> float:
     the combine reduce-scatters their outputs (Megatron-Core's alltoall dispatcher,
     ``gather_from_sequence_parallel_region`` / ``reduce_scatter_to_sequence_parallel_region`` over the expert TP
     group). ETP ranks are consecutive (expert rank order tp-ep-dp-pp), so a group within a node uses NVLink."""
-    etp = lay.etp if lay.ep * lay.etp > 1 else 1
-    if etp <= 1:
+    if lay.etp <= 1:
         return 0.0
-    return _ring(routed_bytes * etp, etp, _bandwidth(job, etp))
+    return _ring(routed_bytes * lay.etp, lay.etp, _bandwidth(job, lay.etp))
 
 
 def remote_nodes_per_token(model, nodes: int) -> float:
