@@ -220,7 +220,7 @@ def _summary(label: str, errs: list[float]) -> str:
 
 def main() -> int:
     print(f"{'row':<58} {'published':>9} {'predicted':>9} {'pub TF':>7} {'pred TF':>7} {'error':>7}  {'peak GB':>7}  note")
-    errs = {row.name: 0.0 for row in ROWS}
+    errs = {}
     for row in ROWS:
         plan = predict(row)
         pub_tf = row.tokens_per_gpu * plan.flops_per_token / 1e12

@@ -93,11 +93,9 @@ def candidates(job: JobConfig):
 
 def _expert_tensor_sizes(job: JobConfig, tp: int) -> list:
     """Expert tensor parallel sizes worth trying with TP = ``tp``: 1 (NVIDIA's MoE recipes) and TP itself
-    (Megatron-Core's default when unset); [None] (not set) for a dense model."""
-    if not job.model.num_experts:
-        return [None]
-    ffn = job.model.moe_ffn_hidden_size or job.model.ffn_hidden_size
-    return [e for e in sorted({1, tp}) if ffn % e == 0 and (e == 1 or not job.model.add_bias_linear)]
+    (Megatron-Core's default when unset); [None] (not set) for a dense model. Validation drops the ones
+    Megatron-Core refuses (an expert FFN ETP does not divide, linear biases)."""
+    return sorted({1, tp}) if job.model.num_experts else [None]
 
 
 EVEN = {"first_stage_layers": None, "last_stage_layers": None, "account_for_embedding_in_pipeline_split": False,
