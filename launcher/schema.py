@@ -434,7 +434,10 @@ class ClusterConfig:
     """Fraction of the FP8 peak that FP8 layer GEMMs reach in training, Transformer Engine's scaling and
     amax bookkeeping included (planner constant, fitted once on Hopper; see launcher/plan/NOTES.md)."""
     comm_efficiency: float = 0.8
-    """Fraction of link bandwidth collectives reach (planner constant)."""
+    """Fraction of the NVLink bandwidth collectives within a node reach (planner constant)."""
+    network_efficiency: float = 0.94
+    """Fraction of network_bandwidth_gbps that large inter-node transfers reach (planner constant): NCCL's
+    maintainers quote 46-48 GB/s per 400 Gb/s NDR ConnectX-7 NIC (nccl-tests issues #290, #267), 47/50 = 0.94."""
     memory_reserve_gb: float = 4.0
     """Memory held back per GPU for the CUDA context, allocator fragmentation and NCCL."""
     backend: str = choice("gloo", BACKENDS)

@@ -121,7 +121,8 @@ BOUNDS: dict[str, Bound] = {
     **{f"cluster.{n}": POSITIVE_NUMBER for n in ("gpu_memory_gb", "peak_tflops_bf16", "peak_tflops_fp8",
                                                  "hbm_bandwidth_gbps", "nvlink_bandwidth_gbps",
                                                  "network_bandwidth_gbps")},
-    **{f"cluster.{n}": FRACTION for n in ("gemm_efficiency", "fp8_gemm_efficiency", "comm_efficiency")},
+    **{f"cluster.{n}": FRACTION for n in ("gemm_efficiency", "fp8_gemm_efficiency", "comm_efficiency",
+                                         "network_efficiency")},
     "slurm.signal_lead_s": NON_NEGATIVE, "nodes": POSITIVE,
     # nothing lost, nothing hangs: requeue/restart budgets, the stop-in-time arithmetic, the straggler report
     "slurm.max_requeues": Bound(0, why="0: never requeue"),

@@ -43,11 +43,17 @@ GROUPED_GEMM_HALF_TOKENS = 4096
 """Tokens per local expert at which the grouped expert GEMMs run at half the dense GEMM efficiency (they
 reach it as n / (n + GROUPED_GEMM_HALF_TOKENS) for n tokens per expert); fitted, see NOTES.md (weakly
 identified: every published MoE row has 4,096 tokens per local expert)."""
-A2A_SM_SHARE = 20 / 132
-"""Share of the GPU's SMs the expert all-to-all kernels occupy while they run beside computation under
-parallel.moe_a2a_overlap: DeepEP's default of 20 SMs (Megatron-Core ``moe_deepep_num_sms``, "historical
-default 20") of an H100's 132; NVIDIA's MoE recipes likewise keep 16-20 SMs free for communication kernels
-(``NVTE_FWD/BWD_LAYERNORM_SM_MARGIN``). Not fitted."""
+H100_SMS = 132
+"""Streaming multiprocessors of an H100 / H200 SXM (the profiles' GPUs)."""
+A2A_SM_SHARE = 20 / H100_SMS
+"""Share of the GPU's SMs the flex dispatcher's all-to-all kernels (DeepEP, HybridEP) occupy while they run
+beside computation under parallel.moe_a2a_overlap: DeepEP's default of 20 SMs (Megatron-Core
+``moe_deepep_num_sms``, "historical default 20"; HybridEP "uses the default from DeepEP") of 132; NVIDIA's MoE
+recipes likewise keep 16-20 SMs free for communication kernels (``NVTE_FWD/BWD_LAYERNORM_SM_MARGIN``). Not fitted."""
+NCCL_A2A_SM_SHARE = 32 / H100_SMS
+"""The same share for the alltoall and allgather dispatchers, whose exchanges are NCCL kernels: NCCL runs a
+send/recv batch as one CTA per p2p channel, and on 8-GPU H100 nodes it sets up 32 p2p channels (its init log
+"... 32 p2p channels, 32 p2p channels per peer"; ``MAX_P2P_NCHANNELS`` defaults to ``MAXCHANNELS``). Not fitted."""
 
 
 @dataclass
@@ -93,8 +99,9 @@ class StepTime:
 def _bandwidth(job: JobConfig, span: int) -> float:
     """Bytes/s per GPU for a group whose members lie within ``span`` consecutive ranks."""
     cl = job.cluster
-    gbps = cl.nvlink_bandwidth_gbps if span <= cl.gpus_per_node else cl.network_bandwidth_gbps
-    return gbps * 1e9 * cl.comm_efficiency
+    if span <= cl.gpus_per_node:
+        return cl.nvlink_bandwidth_gbps * 1e9 * cl.comm_efficiency
+    return cl.network_bandwidth_gbps * 1e9 * cl.network_efficiency
 
 
 def _ring(nbytes: float, n: int, bw: float) -> float:
@@ -173,7 +180,8 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
             epc = 2 * _dispatch_time(job, lay, a * h * tokens / cp / sp)  # dispatch + combine, one pass
             if par.moe_a2a_overlap:
                 epc = _overlapped_a2a(epc, g + att + elem,
-                                      2 * g + ATTENTION_BWD_FACTOR * att + ELEMENTWISE_PASSES_BWD * elem)
+                                      2 * g + ATTENTION_BWD_FACTOR * att + ELEMENTWISE_PASSES_BWD * elem,
+                                      a2a_sm_share(model))
         fs_f = fs_b = 0.0
         if par.megatron_fsdp and lay.dp_cp > 1:  # per-layer parameter all-gather (fwd, bwd) + grad reduce-scatter
             fs_f = max(0.0, fsdp_ag - (g + att + elem))
@@ -233,16 +241,23 @@ def _selective_recompute(job: JobConfig, mods: frozenset, moe: bool, att: float,
     return rec
 
 
-def _overlapped_a2a(comm: float, fwd: float, bwd: float) -> float:
+def _overlapped_a2a(comm: float, fwd: float, bwd: float, sm_share: float = A2A_SM_SHARE) -> float:
     """Exposed all-to-all per pass under parallel.moe_a2a_overlap. Megatron-Core's combined 1F1B schedule
     (``overlap_moe_expert_parallel_comm``: ``combined_1f1b_schedule_for_no_pipelining`` /
     ``..._for_interleaved_pipelining``) runs one microbatch's forward together with another's backward, layer by
     layer, each one's dispatch and combine on a communication stream under the other's computation (weight
     gradients included). For a forward/backward pair with all-to-all time C (``comm`` per pass, two passes) and
-    compute T (``fwd`` + ``bwd``): while the all-to-all runs, computation has A2A_SM_SHARE fewer SMs, so the pair
-    takes max(C, T + share x C); what it adds beyond T is split over the two passes."""
+    compute T (``fwd`` + ``bwd``): while the all-to-all runs, computation has ``sm_share`` fewer SMs (the
+    dispatcher's kernels, ``a2a_sm_share``), so the pair takes max(C, T + share x C); what it adds beyond T is
+    split over the two passes."""
     c, t = 2 * comm, fwd + bwd
-    return max(c - t, A2A_SM_SHARE * c) / 2 + 2 * COLLECTIVE_LATENCY_S
+    return max(c - t, sm_share * c) / 2 + 2 * COLLECTIVE_LATENCY_S
+
+
+def a2a_sm_share(model) -> float:
+    """Share of SMs the token exchange's kernels hold while computation runs beside them: the flex
+    dispatcher's (DeepEP / HybridEP) or NCCL's (alltoall, allgather)."""
+    return A2A_SM_SHARE if model.moe_token_dispatcher_type == "flex" else NCCL_A2A_SM_SHARE
 
 
 def _attention_efficiency(seq: int, cp: int) -> float:
@@ -345,7 +360,7 @@ def _links_time(job: JobConfig, nvlink_bytes: float, network_bytes: float) -> fl
     """Bytes over NVLink and over the network at the same time, plus one collective's latency."""
     cl = job.cluster
     nv = cl.nvlink_bandwidth_gbps * 1e9 * cl.comm_efficiency
-    net = cl.network_bandwidth_gbps * 1e9 * cl.comm_efficiency
+    net = cl.network_bandwidth_gbps * 1e9 * cl.network_efficiency
     return max(nvlink_bytes / nv, network_bytes / net) + COLLECTIVE_LATENCY_S
 
 
