@@ -25,8 +25,10 @@ MoE), distributed optimizer, interleaved schedule when VP > 1, the MoE all-to-al
 (``overlap_moe_expert_parallel_comm``) and the flex dispatcher backend (DeepEP / HybridEP) where the recipe sets
 them, DeepSeek-V3's recompute modules; see ``_overrides`` and the comments above the rows. MoE rows: dropless
 rows force-balance routing (the planner assumes balance); "tokendrop" rows ran Megatron-Bridge's
-``apply_moe_token_drop`` (capacity factor 1.0, padded). Two rows are marked outliers: NVIDIA's own next
-container ran the same layout 1.7-1.8x faster.
+``apply_moe_token_drop`` (capacity factor 1.0, padded). Two rows are marked outliers: NVIDIA reports them as a
+regression itself (Megatron-Bridge issue #1998, Jan 2026: "2X slower performance in QWEN3 30B on H100 and B200 with
+the dropless schedule ... the perf in 25.11 is 2X slower than 25.09. We need to fix this in 26.02"), and its
+26.02.01 patch ran Qwen3-30B on 16 H100s at 9,058.
 """
 from __future__ import annotations
 
@@ -71,8 +73,8 @@ class Row:
     tp_overlap: bool | None = None
     """The recipe sets tp_comm_overlap; None: on for dense models with TP > 1 (Megatron-Bridge's default)."""
     outlier: str = ""
-    """Why the published figure is not held against the model: NVIDIA's own next release ran the same layout
-    (same settings in the recipe) far faster, i.e. the figure measured a regression of that container."""
+    """Why the published figure is not held against the model: NVIDIA itself tracks it as a regression of that
+    container (Megatron-Bridge issue #1998) and its next release ran the model ~1.75x faster."""
     seq: int = 0
     """Sequence length when the table's differs from the model entry's (0: the model's)."""
     dispatcher: str = ""
@@ -117,17 +119,19 @@ ROWS = [
     Row("25.11", "llama3_70b", 64, 128, 1, tp=4, pp=8, vp=5, tokens_per_gpu=1602),
     Row("25.11", "llama405b", 1024, 512, 1, tp=8, pp=8, cp=2, vp=8, split="account", tokens_per_gpu=292),
     Row("25.11", "qwen3_30b", 16, 512, 2, pp=2, vp=24, ep=8, tokens_per_gpu=5275, note="dropless", a2a_overlap=True,
-        outlier="half of 25.09's 10,494 for this layout; 26.02.01 ran the 25.11-26.02 recipe family at 9,058"),
+        outlier="NVIDIA's regression (Megatron-Bridge #1998: 25.11 '2X slower than 25.09' dropless); 25.09 ran 10,494"),
     Row("25.11", "qwen3_235b", 256, 2048, 1, tp=2, pp=8, vp=4, ep=32, split="account", tokens_per_gpu=1575,
         note="dropless", a2a_overlap=True, tp_overlap=False),
     Row("26.02", "llama3_70b", 64, 256, 1, tp=4, pp=8, vp=5, tokens_per_gpu=1621),
     Row("26.02", "llama405b", 1024, 1536, 1, tp=8, pp=8, cp=2, vp=8, split="account", tokens_per_gpu=311),
     Row("26.02", "qwen3_30b", 16, 1024, 1, pp=2, vp=12, ep=8, tokens_per_gpu=5113, note="dropless",
-        a2a_overlap=True, dispatcher="deepep", outlier="the 26.02.01 patch container ran this layout at 9,058 (1.77x)"),
+        a2a_overlap=True, dispatcher="deepep", outlier="#1998's regression, not yet fixed in 26.02; 26.02.01 ran 9,058 (1.77x)"),
     Row("26.02", "qwen3_235b", 256, 8192, 1, tp=2, pp=8, vp=4, ep=32, split="account", tokens_per_gpu=1633,
         note="dropless", a2a_overlap=True, tp_overlap=False),
     # 26.02.01: the patch container (docs commit 2c2425ace, Mar 2026) republished 26.02's layouts; its Qwen3-30B row
-    # keeps PP2 x VP12 x EP8 (the v0.3.0 recipe's settings for that layout are used).
+    # keeps PP2 x VP12 x EP8 (the v0.3.0 recipe's settings for that layout are used). Its recipe tag v0.3.1 (Mar 20,
+    # 2026) moved the H100 FP8 run to PP1 x EP16 HybridEP without the a2a overlap, so the row may have run that
+    # layout (the planner: 8,718, -3.8%); planned as the table states it.
     Row("26.02.01", "llama3_70b", 64, 256, 1, tp=4, pp=8, vp=5, tokens_per_gpu=1639),
     Row("26.02.01", "qwen3_30b", 16, 1024, 1, pp=2, vp=12, ep=8, tokens_per_gpu=9058, note="dropless",
         a2a_overlap=True, dispatcher="deepep"),

@@ -204,7 +204,10 @@ def _batch_and_recompute_for(job, kind, tp, cp, pp, vp, ep, split, fsdp=False, e
         par["expert_tensor"] = etp
     if zb:  # ZB-H1 reduces gradients once after the last W (validate_schedule)
         par["overlap_grad_reduce"] = False
-    overlap = _moe_overlap_allowed(job, pp, vp, ep)
+    # The job's all-to-all overlap, where Megatron-Core allows it at this layout; never switched on by the search:
+    # the planner prices its GPU side only, and NVIDIA's two overlapped dropless Qwen3-30B H100 runs (25.11, 26.02)
+    # measured half of the non-overlapped ones (Megatron-Bridge #1998; its B200 recipes drop it for "CPU overhead").
+    overlap = job.parallel.moe_a2a_overlap and _moe_overlap_allowed(job, pp, vp, ep)
     sched = dict(kind=kind, overlap_p2p_comm=kind == "interleaved",
                  batch_p2p_comm=job.schedule.batch_p2p_comm and not (kind == "interleaved" and pp == 2),
                  microbatch_group_size=None)
