@@ -232,7 +232,8 @@ class ParallelConfig:
     moe_a2a_overlap: bool = False
     """Overlap the MoE expert-parallel all-to-all with another microbatch's computation (Megatron-Core's
     overlap_moe_expert_parallel_comm, the combined 1F1B schedule; GPU only; needs EP > 1, virtual pipeline
-    stages when PP > 1, the alltoall dispatcher, no full recompute, at most one MTP layer)."""
+    stages when PP > 1, the alltoall or flex dispatcher, no full recompute, at most one MTP layer). action=search
+    keeps this choice (it never switches the overlap on: the planner does not price its host-side cost)."""
 
 
 @dataclass
