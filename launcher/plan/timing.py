@@ -51,7 +51,7 @@ beside computation under parallel.moe_a2a_overlap: DeepEP's default of 20 SMs (M
 ``moe_deepep_num_sms``, "historical default 20"; HybridEP "uses the default from DeepEP") of 132; NVIDIA's MoE
 recipes likewise keep 16-20 SMs free for communication kernels (``NVTE_FWD/BWD_LAYERNORM_SM_MARGIN``). Not fitted."""
 NCCL_A2A_SM_SHARE = 32 / H100_SMS
-"""The same share for the alltoall and allgather dispatchers, whose exchanges are NCCL kernels: NCCL runs a
+"""The same share for the alltoall dispatcher, whose exchanges are NCCL kernels: NCCL runs a
 send/recv batch as one CTA per p2p channel, and on 8-GPU H100 nodes it sets up 32 p2p channels (its init log
 "... 32 p2p channels, 32 p2p channels per peer"; ``MAX_P2P_NCHANNELS`` defaults to ``MAXCHANNELS``). Not fitted."""
 
@@ -256,7 +256,7 @@ def _overlapped_a2a(comm: float, fwd: float, bwd: float, sm_share: float = A2A_S
 
 def a2a_sm_share(model) -> float:
     """Share of SMs the token exchange's kernels hold while computation runs beside them: the flex
-    dispatcher's (DeepEP / HybridEP) or NCCL's (alltoall, allgather)."""
+    dispatcher's (DeepEP / HybridEP) or NCCL's (alltoall; Megatron-Core overlaps no other dispatcher)."""
     return A2A_SM_SHARE if model.moe_token_dispatcher_type == "flex" else NCCL_A2A_SM_SHARE
 
 
