@@ -556,19 +556,29 @@ def _validate_recompute_modules(c: _Checks, job: JobConfig, lay: Layout) -> None
     from launcher.schema import RECOMPUTE_MODULES
 
     unknown = [m for m in mods if m not in RECOMPUTE_MODULES]
+
+    def without(*drop) -> str:  # the job's modules less the offending ones: the smallest change that fixes it
+        return f"{f}=[{','.join(m for m in mods if m not in set(drop) | set(unknown))}]"
+
+    moe_norm = [m for m in mods if m in ("moe_act", "layernorm")]
     rules = [
-        (not unknown, f"unknown module(s) {unknown}; known: {', '.join(RECOMPUTE_MODULES)}"),
-        (job.train.recompute == "selective", "apply to train.recompute=selective only"),
-        ("mla_up_proj" not in mods or model.multi_latent_attention, "mla_up_proj needs model.multi_latent_attention"),
+        (not unknown, f"unknown module(s) {unknown}; known: {', '.join(RECOMPUTE_MODULES)}", without()),
+        (job.train.recompute == "selective", "apply to train.recompute=selective only",
+         f"train.recompute=selective or {f}=[]"),
+        ("mla_up_proj" not in mods or model.multi_latent_attention, "mla_up_proj needs model.multi_latent_attention",
+         without("mla_up_proj")),
         ("moe_act" not in mods or (model.num_experts and model.moe_grouped_gemm), "moe_act needs an MoE model with "
-         "model.moe_grouped_gemm=true"),
-        ("moe_act" not in mods or lay.transformer_engine, "moe_act needs the grouped-GEMM experts (GPU clusters only)"),
-        (not ({"moe_act", "layernorm"} & set(mods)) or job.precision.fp8 != "delayed",
-         "moe_act and layernorm recompute do not work with precision.fp8=delayed (use tensorwise or blockwise)"),
-        ("moe" not in mods or not job.parallel.moe_a2a_overlap, "moe cannot be recomputed with parallel.moe_a2a_overlap"),
+         "model.moe_grouped_gemm=true", without("moe_act")),
+        ("moe_act" not in mods or lay.transformer_engine, "moe_act needs the grouped-GEMM experts (GPU clusters only)",
+         without("moe_act")),
+        (not moe_norm or job.precision.fp8 != "delayed",
+         "moe_act and layernorm recompute do not work with precision.fp8=delayed (use tensorwise or blockwise)",
+         f"precision.fp8=tensorwise or {without(*moe_norm)}"),
+        ("moe" not in mods or not job.parallel.moe_a2a_overlap, "moe cannot be recomputed with parallel.moe_a2a_overlap",
+         f"{without('moe')} or parallel.moe_a2a_overlap=false"),
     ]
-    for ok, rule in rules:
-        if not c.need(bool(ok), f, list(mods), rule, f"{f}=[core_attn]"):
+    for ok, rule, hint in rules:
+        if not c.need(bool(ok), f, list(mods), rule, hint):
             return
 
 

@@ -125,6 +125,24 @@ def test_recompute_modules_validated():
     assert any("unknown" in e for e in _errors(bad, "train.recompute_modules"))
 
 
+@pytest.mark.parametrize("extra", [
+    ["train.recompute_modules=[foo]"],
+    ["train.recompute=none", "train.recompute_modules=[core_attn]"],
+    ["train.recompute=full", "train.recompute_modules=[core_attn]"],
+    ["train.recompute=selective", "train.recompute_modules=[mla_up_proj,core_attn]"],
+    ["train.recompute=selective", "train.recompute_modules=[foo,mlp]"],
+    ["train.recompute=selective", "train.recompute_modules=[moe_act,layernorm]", "precision.fp8=delayed"],
+    ["train.recompute=selective", "train.recompute_modules=[moe]", "parallel.moe_a2a_overlap=true"],
+], ids=lambda e: " ".join(e))
+def test_recompute_module_errors_hint_an_override_that_makes_the_job_valid(extra):
+    """Each recompute_modules rule names the smallest fix (the job's list less what breaks the rule, or the
+    setting it needs), checked by the hint verifier; applying the first alternative leaves a valid job."""
+    (err,) = [p for p in validate(_job(Q30, *extra)) if p.severity == "error"]
+    assert err.field == "train.recompute_modules" and "a different value" not in err.hint, err.line()
+    fixed = _job(Q30, *extra, *err.hint.split(" or ")[0].split())
+    assert not [p.line() for p in validate(fixed) if p.severity == "error"]
+
+
 def test_recompute_modules_trade_memory_for_time():
     base = _job(Q30, "train.recompute=selective")
     mods = _job(Q30, "train.recompute=selective", "train.recompute_modules=[core_attn,moe]")
