@@ -1148,10 +1148,48 @@ def verified_hint(job: JobConfig, problem: Problem, problems: list[Problem]) -> 
                 kept.insert(0, " ".join(f"{k}={t}" for k, t in default))
                 break
     if not any(_overrides(a) for a in kept):
-        names = sorted({k for ov in tried for k, _ in ov} | ({problem.field} if problem.field in _FIELD_TYPES else set()))
+        names = list(dict.fromkeys([k for ov in tried for k, _ in ov]
+                                   + ([problem.field] if problem.field in _FIELD_TYPES else [])))
         kept = [a for a in kept if _overrides(a) is None]
-        kept.insert(0, f"a different value of {' or '.join(names)}")
+        found = _searched_alternative(job, problem, before, names, tried)
+        kept.insert(0, found or f"a different value of {' or '.join(sorted(names))}")
     return dataclasses.replace(problem, hint=" or ".join(dict.fromkeys(kept)))
+
+
+SIZE_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
+"""Round sizes tried for an integer field when no stated alternative fixes its problem."""
+SEARCHED_PER_FIELD = 24
+"""At most this many values are tried per field (each try re-validates a copy: ~0.5 ms)."""
+
+
+def _searched_alternative(job: JobConfig, problem: Problem, before: set, names: list[str],
+                          stated: list) -> str | None:
+    """When no stated alternative fixes the problem (it was, say, one of two errors a single override caused): the
+    nearest value of one of the fields the rule names that fixes it without a new error, so the printed hint stays
+    a checked override. Integers: multiples of the stated (or current) value and round sizes, nearest first;
+    choices and booleans: the other options."""
+    for name in names:
+        for text in _candidate_values(job, name, [t for ov in stated for k, t in ov if k == name])[:SEARCHED_PER_FIELD]:
+            if _fixes(job, [(name, text)], problem, before):
+                return f"{name}={text}"
+    return None
+
+
+def _candidate_values(job: JobConfig, name: str, stated: list[str]) -> list[str]:
+    cls, kind = _FIELD_TYPES[name]
+    section, _, attr = name.rpartition(".")
+    current = getattr(getattr(job, section) if section else job, attr)
+    f = next(x for x in dataclasses.fields(cls) if x.name == attr)
+    if "choices" in f.metadata:
+        return [str(c) for c in f.metadata["choices"] if c != current]
+    if "bool" in kind:
+        return ["false" if current else "true"]
+    if "int" not in kind or "List" in kind or "Dict" in kind:
+        return []
+    ref = next((int(t) for t in stated if t.isdigit() and int(t) > 0), None)
+    ref = ref or (current if isinstance(current, int) and not isinstance(current, bool) and current > 0 else 1)
+    values = (set(SIZE_LADDER) | {ref * k for k in range(1, 9)}) - {current}
+    return [str(v) for v in sorted(values, key=lambda v: (abs(math.log(v / ref)), v))]
 
 
 def _overrides(text: str) -> list[tuple[str, str]] | None:

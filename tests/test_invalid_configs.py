@@ -163,9 +163,13 @@ CASES = [
     ("straggler-margin-zero", SMOKE + ["train.straggler_margin=0"], "train.straggler_margin="),
     ("straggler-margin-nan", SMOKE + ["train.straggler_margin=nan"], "train.straggler_margin="),
     ("health-check-not-bool", SMOKE + ["cluster.health_check=maybe"], "cluster.health_check="),
+    # the stated hint (PP 1, a 16-sample batch) would break the interleaved schedule: the hint is searched
+    ("pipeline-zero-interleaved", ["recipe=qwen3_30b_a3b", "parallel.pipeline=0"], "parallel.pipeline=0"),
+    ("gbs-below-interleaved", ["recipe=deepseek_v3", "train.global_batch_size=1"], "train.global_batch_size=1"),
 ]
 
-HINTED = ["fp8-param-needs-distopt", "param-gather-needs-grad-overlap", "tp-overlap-needs-sp", "tp-overlap-needs-te"]
+HINTED = ["fp8-param-needs-distopt", "param-gather-needs-grad-overlap", "tp-overlap-needs-sp", "tp-overlap-needs-te",
+          "pipeline-zero-interleaved", "gbs-below-interleaved"]
 """Cases whose hint is a plain override (or several joined by " or "): each alternative must validate."""
 
 
