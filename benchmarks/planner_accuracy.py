@@ -74,7 +74,7 @@ class Row:
     """The recipe sets tp_comm_overlap; None: on for dense models with TP > 1 (Megatron-Bridge's default)."""
     outlier: str = ""
     """Why the published figure is not held against the model: NVIDIA itself tracks it as a regression of that
-    container (Megatron-Bridge issue #1998) and its next release ran the model ~1.75x faster."""
+    container (Megatron-Bridge issue #1998); its 26.02.01 patch ran the model ~1.75x faster."""
     seq: int = 0
     """Sequence length when the table's differs from the model entry's (0: the model's)."""
     dispatcher: str = ""

@@ -1170,9 +1170,17 @@ def _searched_alternative(job: JobConfig, problem: Problem, before: set, names: 
     choices and booleans: the other options."""
     for name in names:
         for text in _candidate_values(job, name, [t for ov in stated for k, t in ov if k == name])[:SEARCHED_PER_FIELD]:
-            if _fixes(job, [(name, text)], problem, before):
+            if _fixes(job, [(name, text)], problem, before) and _clean_field(job, name, text):
                 return f"{name}={text}"
     return None
+
+
+def _clean_field(job: JobConfig, name: str, text: str) -> bool:
+    """No error left on the field itself once it is set to ``text`` (an earlier error of the job, say a bound,
+    can hide the rules a searched value would break: those run only once the bounds hold)."""
+    fixed = copy.deepcopy(job)
+    _set(fixed, name, text)
+    return not any(p.field.split("[")[0] == name for p in errors(raw_problems(fixed)))
 
 
 def _candidate_values(job: JobConfig, name: str, stated: list[str]) -> list[str]:
@@ -1180,16 +1188,18 @@ def _candidate_values(job: JobConfig, name: str, stated: list[str]) -> list[str]
     section, _, attr = name.rpartition(".")
     current = getattr(getattr(job, section) if section else job, attr)
     f = next(x for x in dataclasses.fields(cls) if x.name == attr)
+    null = ["null"] if kind.startswith("Optional") and current is not None else []
     if "choices" in f.metadata:
-        return [str(c) for c in f.metadata["choices"] if c != current]
+        return [str(c) for c in f.metadata["choices"] if c != current] + null
     if "bool" in kind:
-        return ["false" if current else "true"]
+        return ["false" if current else "true"] + null
     if "int" not in kind or "List" in kind or "Dict" in kind:
-        return []
-    ref = next((int(t) for t in stated if t.isdigit() and int(t) > 0), None)
+        return null
+    ref = next((int(t) for t in stated if t.isascii() and t.isdigit() and int(t) > 0), None)
     ref = ref or (current if isinstance(current, int) and not isinstance(current, bool) and current > 0 else 1)
+    ref = min(ref, SIZE_LADDER[-1])  # an absurd value (10**400) is not a reference: the ladder is
     values = (set(SIZE_LADDER) | {ref * k for k in range(1, 9)}) - {current}
-    return [str(v) for v in sorted(values, key=lambda v: (abs(math.log(v / ref)), v))]
+    return [str(v) for v in sorted(values, key=lambda v: (abs(math.log(v) - math.log(ref)), v))] + ["0"] + null
 
 
 def _overrides(text: str) -> list[tuple[str, str]] | None:

@@ -166,6 +166,7 @@ CASES = [
     # the stated hint (PP 1, a 16-sample batch) would break the interleaved schedule: the hint is searched
     ("pipeline-zero-interleaved", ["recipe=qwen3_30b_a3b", "parallel.pipeline=0"], "parallel.pipeline=0"),
     ("gbs-below-interleaved", ["recipe=deepseek_v3", "train.global_batch_size=1"], "train.global_batch_size=1"),
+    ("absurd-vpp", ["recipe=qwen3_30b_a3b", f"parallel.virtual_pipeline={10**400}"], "parallel.virtual_pipeline="),
 ]
 
 HINTED = ["fp8-param-needs-distopt", "param-gather-needs-grad-overlap", "tp-overlap-needs-sp", "tp-overlap-needs-te",

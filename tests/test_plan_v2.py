@@ -22,6 +22,8 @@ import planner_accuracy as pa  # noqa: E402
 
 Q30 = pa.ROWS[6]
 """Qwen3-30B-A3B, 16 H100s, PP2 x VP24 x EP8, MBS 2 (Megatron-Bridge 25.09)."""
+Q235 = next(r for r in pa.ROWS if r.release == "25.09" and r.model == "qwen3_235b")
+"""Qwen3-235B-A22B, 256 H100s, TP2 PP8 VP4 EP32 (over 4 nodes), no all-to-all overlap (Megatron-Bridge 25.09)."""
 
 
 def _job(row, *extra):
@@ -172,7 +174,7 @@ def test_ep_all_to_all_splits_on_node_and_off_node():
 
 
 def test_a2a_overlap_hides_expert_communication_but_not_its_sms():
-    row = pa.ROWS[7]  # Qwen3-235B, EP32 over 4 nodes
+    row = Q235  # Qwen3-235B, EP32 over 4 nodes
     exposed, hidden = (stage_costs(j, derive(j), 1).parts["ep_comm"]  # a middle stage: 12 MoE layers
                        for j in (_job(row, "parallel.moe_a2a_overlap=false"), _job(row, "parallel.moe_a2a_overlap=true")))
     assert hidden < 0.8 * exposed
@@ -184,7 +186,7 @@ def test_a2a_overlap_hides_expert_communication_but_not_its_sms():
 def test_a2a_overlap_charges_the_dispatchers_own_sms():
     """The flex dispatcher's kernels (DeepEP / HybridEP: 20 SMs) leave computation more SMs than NCCL's all-to-all
     (one CTA per p2p channel, 32), so the same overlapped exchange exposes less with flex."""
-    row = pa.ROWS[7]
+    row = Q235
     nccl, flex = (_job(row, "parallel.moe_a2a_overlap=true", *extra) for extra in
                   ((), ("model.moe_token_dispatcher_type=flex", "model.moe_flex_dispatcher_backend=deepep")))
     assert a2a_sm_share(nccl.model) == pytest.approx(32 / 132)
@@ -205,8 +207,8 @@ def test_a2a_overlap_pairs_a_forward_with_another_microbatchs_backward():
     longer than the forward alone but shorter than forward + backward is hidden down to the SM share."""
     assert A2A_SM_SHARE == pytest.approx(20 / 132)  # DeepEP's default SMs of an H100's 132
     fwd, bwd = 1.0, 2.0
-    assert _overlapped_a2a(1.2, fwd, bwd) == pytest.approx(A2A_SM_SHARE * 1.2 + 2 * COLLECTIVE_LATENCY_S)
-    assert _overlapped_a2a(2.0, fwd, bwd) == pytest.approx((4.0 - 3.0) / 2 + 2 * COLLECTIVE_LATENCY_S)
+    assert _overlapped_a2a(1.2, fwd, bwd, A2A_SM_SHARE) == pytest.approx(A2A_SM_SHARE * 1.2 + 2 * COLLECTIVE_LATENCY_S)
+    assert _overlapped_a2a(2.0, fwd, bwd, A2A_SM_SHARE) == pytest.approx((4.0 - 3.0) / 2 + 2 * COLLECTIVE_LATENCY_S)
 
 
 def test_nvidia_layouts_for_qwen3_30b_on_16_h100s_keep_their_measured_order():
@@ -276,7 +278,8 @@ def test_search_keeps_the_jobs_all_to_all_overlap_and_never_switches_it_on():
     kept = [c for c in on if "parallel.moe_a2a_overlap=true" in c.overrides]
     assert kept
     for c in on:
-        allowed = "parallel.pipeline=1" in c.overrides or "parallel.virtual_pipeline=null" not in c.overrides
+        allowed = ("parallel.pipeline=1" in c.overrides or "parallel.virtual_pipeline=null" not in c.overrides) \
+            and "parallel.expert=1" not in c.overrides
         assert ("parallel.moe_a2a_overlap=true" in c.overrides) == (allowed and "train.recompute=full" not in c.overrides), c.overrides
 
 

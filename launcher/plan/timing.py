@@ -241,7 +241,7 @@ def _selective_recompute(job: JobConfig, mods: frozenset, moe: bool, att: float,
     return rec
 
 
-def _overlapped_a2a(comm: float, fwd: float, bwd: float, sm_share: float = A2A_SM_SHARE) -> float:
+def _overlapped_a2a(comm: float, fwd: float, bwd: float, sm_share: float) -> float:
     """Exposed all-to-all per pass under parallel.moe_a2a_overlap. Megatron-Core's combined 1F1B schedule
     (``overlap_moe_expert_parallel_comm``: ``combined_1f1b_schedule_for_no_pipelining`` /
     ``..._for_interleaved_pipelining``) runs one microbatch's forward together with another's backward, layer by
