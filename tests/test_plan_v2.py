@@ -268,6 +268,14 @@ def test_search_qwen3_30b_on_16_h100s_finds_nvidia_layout_family_fast():
         assert hits and hits[0].tokens_per_s >= 0.9 * best, layout
 
 
+def test_search_says_when_a_layout_leaves_little_memory_free():
+    found = search(_job(Q30), top=20)
+    tight = [c for c in found if c.peak_gb > 0.95 * c.gpu_memory_gb]
+    assert tight and len(tight) < len(found)  # both kinds among NVIDIA's Qwen3-30B candidates
+    for c in found:
+        assert ("GB free beyond cluster.memory_reserve_gb" in c.why) == (c in tight), (c.peak_gb, c.why)
+
+
 def test_search_keeps_the_jobs_all_to_all_overlap_and_never_switches_it_on():
     """The planner prices the overlap's GPU side only; NVIDIA's overlapped dropless Qwen3-30B runs measured half
     the throughput of its non-overlapped ones (Megatron-Bridge #1998), so the search does not turn it on by

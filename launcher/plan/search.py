@@ -287,9 +287,17 @@ def search(job: JobConfig, top: int = 10) -> list[Candidate]:
     return results[:top]
 
 
+TIGHT_FIT = 0.95
+"""A candidate predicted above this share of the GPU's memory says so in its "why" line: the planner's peak is
+an estimate (within a few percent of Megatron-Core's allocations on CPU), and allocator fragmentation is not in it."""
+
+
 def _why(job: JobConfig, lay: Layout, st, peak: float, cap: float) -> str:
     tr = job.train
     bits = [f"fits {peak / GB:.1f}/{cap / GB:.0f} GB"]
+    if peak > TIGHT_FIT * cap:  # the reserve covers the CUDA context and NCCL; fragmentation can take more
+        bits.append(f"only {(cap - peak) / GB:.1f} GB free beyond cluster.memory_reserve_gb="
+                    f"{job.cluster.memory_reserve_gb:g} (raise it to ask for headroom)")
     if lay.pp > 1:
         bits.append(f"bubble {100 * st.bubble_fraction:.0f}%")
     if tr.recompute != "none":
