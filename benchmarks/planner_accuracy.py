@@ -207,12 +207,9 @@ def _tp_overlap(row: Row) -> bool:
 
 
 def _fsdp() -> list[str]:
-    """Megatron FSDP when the schema has it; otherwise the distributed optimizer stands in (ZeRO-1)."""
-    from launcher.schema import ParallelConfig
-
-    # Megatron-LM refuses FSDP with CUDA_DEVICE_MAX_CONNECTIONS=1 (the profiles' value for TP/CP overlap)
-    return (["parallel.megatron_fsdp=true", "cluster.env.CUDA_DEVICE_MAX_CONNECTIONS=8"]
-            if "megatron_fsdp" in ParallelConfig.__dataclass_fields__ else [])
+    """Megatron FSDP; Megatron-LM refuses it with CUDA_DEVICE_MAX_CONNECTIONS=1 (the profiles' value for TP/CP
+    overlap)."""
+    return ["parallel.megatron_fsdp=true", "cluster.env.CUDA_DEVICE_MAX_CONNECTIONS=8"]
 
 
 def predict(row: Row, cluster: str = "h100"):

@@ -1170,24 +1170,16 @@ def _searched_alternative(job: JobConfig, problem: Problem, before: set, names: 
     choices and booleans: the other options."""
     for name in names:
         for text in _candidate_values(job, name, [t for ov in stated for k, t in ov if k == name])[:SEARCHED_PER_FIELD]:
-            if _fixes(job, [(name, text)], problem, before) and _clean_field(job, name, text):
+            if _fixes(job, [(name, text)], problem, before, own_fields_clean=True):
                 return f"{name}={text}"
     return None
-
-
-def _clean_field(job: JobConfig, name: str, text: str) -> bool:
-    """No error left on the field itself once it is set to ``text`` (an earlier error of the job, say a bound,
-    can hide the rules a searched value would break: those run only once the bounds hold)."""
-    fixed = copy.deepcopy(job)
-    _set(fixed, name, text)
-    return not any(p.field.split("[")[0] == name for p in errors(raw_problems(fixed)))
 
 
 def _candidate_values(job: JobConfig, name: str, stated: list[str]) -> list[str]:
     cls, kind = _FIELD_TYPES[name]
     section, _, attr = name.rpartition(".")
     current = getattr(getattr(job, section) if section else job, attr)
-    f = next(x for x in dataclasses.fields(cls) if x.name == attr)
+    f = cls.__dataclass_fields__[attr]
     null = ["null"] if kind.startswith("Optional") and current is not None else []
     if "choices" in f.metadata:
         return [str(c) for c in f.metadata["choices"] if c != current] + null
@@ -1211,7 +1203,11 @@ def _overrides(text: str) -> list[tuple[str, str]] | None:
     return [(m[1], m[2]) for m in pairs]
 
 
-def _fixes(job: JobConfig, overrides: list[tuple[str, str]], problem: Problem, before: set) -> bool:
+def _fixes(job: JobConfig, overrides: list[tuple[str, str]], problem: Problem, before: set,
+           own_fields_clean: bool = False) -> bool:
+    """The overrides remove the problem without a new error (and, with ``own_fields_clean``, leave no error on the
+    fields they set: an earlier error of the job, say a bound, can hide the rules a searched value would break,
+    which run only once the bounds hold)."""
     fixed = copy.deepcopy(job)
     try:
         for key, text in overrides:
@@ -1221,7 +1217,9 @@ def _fixes(job: JobConfig, overrides: list[tuple[str, str]], problem: Problem, b
         return False
     keys = {_key(p) for p in after if p.severity == "error" or p.severity == problem.severity}
     new_errors = {_key(p) for p in errors(after)} - before
-    return _key(problem) not in keys and not new_errors
+    touched = {k for k, _ in overrides} if own_fields_clean else set()
+    return _key(problem) not in keys and not new_errors and not any(
+        p.field.split("[")[0] in touched for p in errors(after))
 
 
 def _schema_fields() -> dict[str, tuple[type, str]]:

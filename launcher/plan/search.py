@@ -71,6 +71,11 @@ def candidates(job: JobConfig):
     model, cl = job.model, job.cluster
     base = derive(job)  # world and TE do not change between candidates
     world, te = base.world, base.transformer_engine
+    # the job's all-to-all overlap, kept where a layout allows it (never switched on by the search: the planner
+    # prices its GPU side only, and NVIDIA's two overlapped dropless Qwen3-30B H100 runs, 25.11 and 26.02, measured
+    # half of the non-overlapped ones: Megatron-Bridge #1998; its B200 recipes drop it for "CPU overhead")
+    fixed = _JobFacts(overlap=job.parallel.moe_a2a_overlap and _moe_overlap_possible(job, te),
+                      recomputes=_recompute_options(job, te))
     heads = model.num_attention_heads
     groups = query_groups(model)
     tps = [t for t in _divisors(cl.gpus_per_node) if heads % t == 0 and groups % t == 0]
@@ -88,7 +93,7 @@ def candidates(job: JobConfig):
                         for ep in eps:
                             for etp in _expert_tensor_sizes(job, tp):
                                 for fsdp in ((False, True) if pp == 1 and te and not model.num_experts else (False,)):
-                                    yield from _batch_and_recompute(job, tp, cp, pp, vp, ep, split, fsdp, etp)
+                                    yield from _batch_and_recompute(job, fixed, tp, cp, pp, vp, ep, split, fsdp, etp)
 
 
 def _expert_tensor_sizes(job: JobConfig, tp: int) -> list:
@@ -152,19 +157,29 @@ def _split_overrides(split: dict) -> list[str]:
     return [f"parallel.{k}={val(v)}" for k, v in split.items()]
 
 
-def _moe_overlap_allowed(job: JobConfig, pp: int, vp: int, ep: int) -> bool:
-    """Megatron-Core's conditions for overlap_moe_expert_parallel_comm (recompute checked per candidate)."""
+@dataclass(frozen=True)
+class _JobFacts:
+    """What every candidate of one search shares, worked out once."""
+
+    overlap: bool
+    """The job's MoE all-to-all overlap, where Megatron-Core allows it for the model (layouts checked apart)."""
+    recomputes: list
+    """(train.recompute, train.recompute_modules) pairs tried."""
+
+
+def _moe_overlap_possible(job: JobConfig, te: bool) -> bool:
+    """Megatron-Core's layout-independent conditions for overlap_moe_expert_parallel_comm (EP > 1 and VP with PP
+    are checked per layout, recompute per candidate)."""
     m = job.model
-    return (bool(m.num_experts) and ep > 1 and (pp == 1 or vp > 1) and m.moe_token_dispatcher_type in ("alltoall", "flex")
-            and job.precision.dtype in ("bf16", "fp16") and (m.mtp_num_layers or 0) <= 1
-            and derive(job).transformer_engine)
+    return (bool(m.num_experts) and m.moe_token_dispatcher_type in ("alltoall", "flex")
+            and job.precision.dtype in ("bf16", "fp16") and (m.mtp_num_layers or 0) <= 1 and te)
 
 
-def _recompute_options(job: JobConfig) -> list[tuple[str, list]]:
+def _recompute_options(job: JobConfig, te: bool) -> list[tuple[str, list]]:
     out = [("none", []), ("selective", [])]
     if job.model.multi_latent_attention:
         out.append(("selective", list(MODULE_RECOMPUTE["mla"])))
-    elif job.model.num_experts and job.model.moe_grouped_gemm and derive(job).transformer_engine \
+    elif job.model.num_experts and job.model.moe_grouped_gemm and te \
             and job.precision.fp8 != "delayed":  # Megatron refuses these two with delayed FP8 scaling
         out.append(("selective", list(MODULE_RECOMPUTE["moe"])))
     return out + [("full", [])]
@@ -191,12 +206,12 @@ def _schedules(job: JobConfig, pp: int, vp: int) -> list[str]:
     return ["1f1b"]
 
 
-def _batch_and_recompute(job, tp, cp, pp, vp, ep, split, fsdp=False, etp=None):
+def _batch_and_recompute(job, fixed, tp, cp, pp, vp, ep, split, fsdp=False, etp=None):
     for kind in _schedules(job, pp, vp):
-        yield from _batch_and_recompute_for(job, kind, tp, cp, pp, vp, ep, split, fsdp, etp)
+        yield from _batch_and_recompute_for(job, fixed, kind, tp, cp, pp, vp, ep, split, fsdp, etp)
 
 
-def _batch_and_recompute_for(job, kind, tp, cp, pp, vp, ep, split, fsdp=False, etp=None):
+def _batch_and_recompute_for(job, fixed, kind, tp, cp, pp, vp, ep, split, fsdp=False, etp=None):
     zb = kind == "zb_h1"
     par = dict(tensor=tp, pipeline=pp, virtual_pipeline=vp if vp > 1 else None, context=cp, expert=ep,
                sequence_parallel=tp > 1, distributed_optimizer=True, data=None, megatron_fsdp=fsdp, **split)
@@ -204,10 +219,7 @@ def _batch_and_recompute_for(job, kind, tp, cp, pp, vp, ep, split, fsdp=False, e
         par["expert_tensor"] = etp
     if zb:  # ZB-H1 reduces gradients once after the last W (validate_schedule)
         par["overlap_grad_reduce"] = False
-    # The job's all-to-all overlap, where Megatron-Core allows it at this layout; never switched on by the search:
-    # the planner prices its GPU side only, and NVIDIA's two overlapped dropless Qwen3-30B H100 runs (25.11, 26.02)
-    # measured half of the non-overlapped ones (Megatron-Bridge #1998; its B200 recipes drop it for "CPU overhead").
-    overlap = job.parallel.moe_a2a_overlap and _moe_overlap_allowed(job, pp, vp, ep)
+    overlap = fixed.overlap and ep > 1 and (pp == 1 or vp > 1)  # what this layout allows of the job's overlap
     sched = dict(kind=kind, overlap_p2p_comm=kind == "interleaved",
                  batch_p2p_comm=job.schedule.batch_p2p_comm and not (kind == "interleaved" and pp == 2),
                  microbatch_group_size=None)
@@ -225,7 +237,7 @@ def _batch_and_recompute_for(job, kind, tp, cp, pp, vp, ep, split, fsdp=False, e
     if fsdp and job.cluster.env.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":  # FSDP needs more than one queue
         cluster = dict(env={**job.cluster.env, "CUDA_DEVICE_MAX_CONNECTIONS": "8"})
         layout.append("cluster.env.CUDA_DEVICE_MAX_CONNECTIONS=8")
-    recomputes = [("none", [])] if zb else _recompute_options(job)  # the ZB-H1 executor has no recompute yet
+    recomputes = [("none", [])] if zb else fixed.recomputes  # the ZB-H1 executor has no recompute yet
     for mbs in MICRO_BATCH_SIZES:
         sized = _with(job, parallel=par, schedule=sched, train=dict(micro_batch_size=mbs), **(
             {"cluster": cluster} if cluster else {}))

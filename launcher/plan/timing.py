@@ -96,12 +96,16 @@ class StepTime:
 
 
 # ------------------------------------------------------------------------------------------- topology
+def _link_bandwidth(cl, network: bool) -> float:
+    """Bytes/s per GPU over the network or over NVLink, at the share of the line rate each reaches."""
+    if network:
+        return cl.network_bandwidth_gbps * 1e9 * cl.network_efficiency
+    return cl.nvlink_bandwidth_gbps * 1e9 * cl.comm_efficiency
+
+
 def _bandwidth(job: JobConfig, span: int) -> float:
     """Bytes/s per GPU for a group whose members lie within ``span`` consecutive ranks."""
-    cl = job.cluster
-    if span <= cl.gpus_per_node:
-        return cl.nvlink_bandwidth_gbps * 1e9 * cl.comm_efficiency
-    return cl.network_bandwidth_gbps * 1e9 * cl.network_efficiency
+    return _link_bandwidth(job.cluster, span > job.cluster.gpus_per_node)
 
 
 def _ring(nbytes: float, n: int, bw: float) -> float:
@@ -359,9 +363,8 @@ def _ep_ranks_per_node(job: JobConfig, lay: Layout) -> int:
 def _links_time(job: JobConfig, nvlink_bytes: float, network_bytes: float) -> float:
     """Bytes over NVLink and over the network at the same time, plus one collective's latency."""
     cl = job.cluster
-    nv = cl.nvlink_bandwidth_gbps * 1e9 * cl.comm_efficiency
-    net = cl.network_bandwidth_gbps * 1e9 * cl.network_efficiency
-    return max(nvlink_bytes / nv, network_bytes / net) + COLLECTIVE_LATENCY_S
+    return max(nvlink_bytes / _link_bandwidth(cl, False), network_bytes / _link_bandwidth(cl, True)) \
+        + COLLECTIVE_LATENCY_S
 
 
 def _all_stage_costs(job: JobConfig, lay: Layout) -> list[StageCosts]:
