@@ -19,6 +19,16 @@ from launcher.core import Layout
 from launcher.schema import FP8_FORMATS, FP8_RECIPES, ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig
 
 
+def compute_device() -> torch.device:
+    """The device this rank computes on: every tensor that reaches a collective or a p2p op is created here
+    (``device=compute_device()``). With ``init_process_group(backend="nccl")`` PyTorch binds NCCL to ``cuda``
+    tensors only, so a CPU tensor in an all-reduce raises "No backend type associated with device type cpu";
+    gloo would accept it, which is why the test suite emulates NCCL's rule (tests/_nccl_emulation.py)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def te_available() -> bool:
     """Transformer Engine importable and a GPU present (TE does not run on CPU)."""
     if not torch.cuda.is_available():

@@ -34,6 +34,8 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from models.backend import compute_device
+
 LATEST = "latest"
 MANIFEST = "launcher.json"
 LOCK = "LOCK"
@@ -215,7 +217,7 @@ def agree_loaded(error: Optional[str]) -> Optional[str]:
     if _world() == 1:
         return error
     flag = torch.tensor([0.0 if error else 1.0], dtype=torch.float64,
-                        device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
+                        device=compute_device())
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
     if flag.item() == 1.0:
         return None
@@ -327,7 +329,7 @@ def checkpoint_bytes(model, *, distributed_optimizer: bool) -> int:
         for chunk in model:
             for param in chunk.parameters():
                 local += param.numel() * (param.element_size() + 8 + (0 if param.dtype == torch.float32 else 4))
-    total = torch.tensor([float(local)], dtype=torch.float64)
+    total = torch.tensor([float(local)], dtype=torch.float64, device=compute_device())
     if _world() > 1:
         torch.distributed.all_reduce(total)
     return int(total.item())

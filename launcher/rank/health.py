@@ -15,6 +15,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from models.backend import compute_device
+
 
 def verdict(per_node: Dict[str, float], margin: float) -> List[str]:
     """Nodes whose bandwidth is below (1 - margin) x the median of all nodes (needs at least 2 nodes)."""
@@ -24,8 +26,6 @@ def verdict(per_node: Dict[str, float], margin: float) -> List[str]:
     return [node for node, bw in sorted(per_node.items()) if median > 0 and bw < (1 - margin) * median]
 
 
-def _device():
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _timed(fn, iters: int) -> float:
@@ -49,7 +49,7 @@ def probe(*, size_mb: float = 16.0, iters: int = 5, margin: float = 0.5) -> List
     nodes = max(1, world // local)
     node = rank // local
     numel = max(1, int(size_mb * 2**20 / 4))
-    buf = torch.ones(numel, dtype=torch.float32, device=_device())
+    buf = torch.ones(numel, dtype=torch.float32, device=compute_device())
     nbytes = numel * 4
 
     groups = [dist.new_group(list(range(n * local, (n + 1) * local))) for n in range(nodes)]  # collective

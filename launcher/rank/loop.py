@@ -13,6 +13,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from launcher.rank.batch import masked_token_loss, slice_batch_for_context_parallel
+from models.backend import compute_device
 
 # Stop requests: the Slurm job script turns --signal=B:USR1 into a STOP file in the bundle (torchrun would
 # die on USR1); SIGUSR1 sent straight to a rank works too. SIGTERM keeps its default: torchrun uses it to
@@ -24,7 +25,7 @@ def forward_step(data_iterator, model):
     """Megatron forward_step_func: this CP rank's slice of the batch through GPTModel, per-token losses
     reduced by ``masked_token_loss`` (a mean over the whole sequence's tokens, across the CP group)."""
     batch = next(data_iterator)
-    dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    dev = compute_device()
     batch = slice_batch_for_context_parallel({k: v.to(dev, non_blocking=True) for k, v in batch.items()})
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(masked_token_loss, batch["loss_mask"])
@@ -53,7 +54,7 @@ def reduce_report(local_loss: float, stop: bool) -> tuple:
     from megatron.core import parallel_state
 
     holder = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
-    dev = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    dev = compute_device()
     t = torch.tensor([local_loss if holder else 0.0, float(holder), float(stop)], dtype=torch.float64,
                      device=dev)
     torch.distributed.all_reduce(t)
@@ -63,7 +64,7 @@ def reduce_report(local_loss: float, stop: bool) -> tuple:
 def any_rank(flag: bool) -> bool:
     """World all-reduce of one flag: True when it is set on any rank."""
     t = torch.tensor([float(flag)], dtype=torch.float64,
-                     device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
+                     device=compute_device())
     torch.distributed.all_reduce(t)
     return bool(t[0] > 0)
 

@@ -31,6 +31,7 @@ from typing import Callable, List, Optional
 import torch
 
 from launcher.core.schedules import schedule_1f1b, schedule_zb_h1
+from models.backend import compute_device
 
 
 class Recorder:
@@ -145,7 +146,7 @@ def forward_backward_zb_h1(*, forward_step_func, data_iterator, model, num_micro
     te_dw = te_modules(model)
     inputs, outputs, fwd_sends, other_sends = {}, {}, {}, []
     forward_data_store: list = []
-    total_num_tokens = torch.zeros([], dtype=torch.int, device=_device())
+    total_num_tokens = torch.zeros([], dtype=torch.int, device=compute_device())
     STORE.clear()
     with STORE.capture():
         for op in ops:
@@ -198,10 +199,6 @@ def forward_backward_zb_h1(*, forward_step_func, data_iterator, model, num_micro
         config.finalize_model_grads_func([model], total_num_tokens if config.calculate_per_token_loss else None,
                                          pg_collection=pg, force_all_reduce=False)
     return forward_data_store
-
-
-def _device():
-    return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
 
 
 def _post_send(comm, next_=None, prev=None):
