@@ -29,7 +29,7 @@ def test_save_forces_the_deferred_param_gather_first(tmp_path, monkeypatch, over
     log = []
     model = [_Chunk(overlap, log), _Chunk(overlap, log)]
     monkeypatch.setattr(checkpoint, "_sharded_state", lambda *a, **k: log.append(("state",)) or {})
-    monkeypatch.setattr(dist_checkpointing, "save", lambda state, path: log.append(("write", path)))
+    monkeypatch.setattr(dist_checkpointing, "save", lambda state, path, *a: log.append(("write", path)))
     checkpoint.save(tmp_path, model=model, optimizer=None, scheduler=None, step=3, consumed=24)
     if overlap:
         assert log[:3] == [("param_sync", True), ("param_sync", True), ("state",)], log

@@ -53,9 +53,16 @@ def checkpoint_bytes(params: float, dtype: str) -> float:
 
 
 def estimated_save_s(params: float, dtype: str, *, nodes: int, write_gbps: float) -> float:
-    """The planner's save time: checkpoint bytes over the nodes' aggregate write bandwidth (every rank writes
-    its own shards in parallel)."""
+    """The planner's save time: checkpoint bytes over the nodes' aggregate write bandwidth. Saves are fully
+    parallel over DP (launcher/rank/checkpoint.py save_strategy, Megatron-LM's default), so every node writes
+    about an even share; the ranks refine this with the busiest node's bytes (``node_save_s``)."""
     return checkpoint_bytes(params, dtype) / (max(nodes, 1) * write_gbps * 1e9)
+
+
+def node_save_s(node_bytes: float, *, write_gbps: float) -> float:
+    """The ranks' save time before any save was measured: a save ends when the node writing most has written
+    its bytes (``node_bytes``, counted per rank under fully parallel save) at ``cluster.checkpoint_write_gbps``."""
+    return max(node_bytes, 0.0) / (write_gbps * 1e9)
 
 
 def measured_save_s(ckpt_dir: Path) -> Optional[tuple]:

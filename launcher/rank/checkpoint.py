@@ -319,20 +319,58 @@ def dir_error(ckpt_dir: Path, exc: BaseException) -> str:
         else f"checkpoint.dir={ckpt_dir}: {exc}"
 
 
-def checkpoint_bytes(model, *, distributed_optimizer: bool) -> int:
-    """About how many bytes one checkpoint takes (collective): each parameter once (DP rank 0 of its group),
-    in its dtype, plus fp32 Adam moments and, for non-fp32 parameters, the fp32 main copy."""
+def _param_bytes(param) -> int:
+    """One parameter's bytes in a checkpoint: its dtype, two fp32 Adam moments, an fp32 main copy unless fp32."""
+    return param.numel() * (param.element_size() + 8 + (0 if param.dtype == torch.float32 else 4))
+
+
+def _written_here(model) -> float:
+    """The bytes this rank writes under fully parallel save (``save_strategy``): a replicated shard is split
+    evenly over the ranks holding a replica, i.e. over the DP (with CP) group for dense parameters and the
+    expert-DP group for expert parameters (Megatron marks those ``allreduce=False``,
+    megatron/core/distributed/distributed_data_parallel.py); the distributed optimizer's DP shards come to
+    the same share."""
     from megatron.core import parallel_state
 
-    local = 0
-    if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0:
-        for chunk in model:
-            for param in chunk.parameters():
-                local += param.numel() * (param.element_size() + 8 + (0 if param.dtype == torch.float32 else 4))
-    total = torch.tensor([float(local)], dtype=torch.float64, device=compute_device())
-    if _world() > 1:
-        torch.distributed.all_reduce(total)
-    return int(total.item())
+    dense = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    expert = parallel_state.get_expert_data_parallel_world_size()
+    return float(sum(_param_bytes(p) / (dense if getattr(p, "allreduce", True) else expert)
+                     for chunk in model for p in chunk.parameters()))
+
+
+def checkpoint_bytes(model, *, distributed_optimizer: bool, ranks_per_node: Optional[int] = None) -> dict:
+    """About how many bytes one checkpoint takes (collective): ``total`` (every shard once, for the disk check)
+    and ``busiest_node`` (what the node that writes most writes, for the save time). Each rank's share is
+    ``_written_here``; one all-reduce of a world-sized vector on the compute device gives every rank all
+    shares. torchrun numbers ranks node by node (``ranks_per_node``, default LOCAL_WORLD_SIZE)."""
+    world, rank = _world(), _rank()
+    per_rank = torch.zeros(world, dtype=torch.float64, device=compute_device())
+    per_rank[rank] = _written_here(model)
+    if world > 1:
+        torch.distributed.all_reduce(per_rank)
+    shares = per_rank.cpu().tolist()
+    per_node = max(1, min(world, ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE") or world)))
+    nodes = [sum(shares[i:i + per_node]) for i in range(0, world, per_node)]
+    return {"total": int(round(sum(shares))), "busiest_node": int(round(max(nodes))), "nodes": len(nodes)}
+
+
+def save_strategy():
+    """Megatron-LM's default save: the torch_dist strategy wrapped in FullyParallelSaveStrategyWrapper over the
+    data-parallel group with context parallelism (megatron/training/checkpointing.py save_checkpoint,
+    ``if args.ckpt_fully_parallel_save: ... FullyParallelSaveStrategyWrapper(save_strategy, process_group,
+    args.ckpt_assume_constant_structure)``; ``fully_parallel_save`` defaults to True in
+    megatron/training/config/training_config.py). Every DP replica writes an even share of the replicated
+    shards instead of DP rank 0 writing all of them. Only metadata is exchanged (all_gather_object), no
+    tensors. Loading stays the plain torch_dist strategy, as Megatron-LM's default (``fully_parallel_load``
+    defaults to False there; its FullyParallelLoadStrategyWrapper allocates on "cuda",
+    megatron/core/dist_checkpointing/exchange_utils.py)."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"),
+                                            parallel_state.get_data_parallel_group(with_context_parallel=True),
+                                            False)  # ckpt_assume_constant_structure's default
 
 
 _ESTIMATE = {"bytes": 0}
@@ -491,7 +529,7 @@ def save(ckpt_dir: Path, *, model, optimizer, scheduler, step: int, consumed: in
     state = _sharded_state(model, optimizer, scheduler, step, consumed, is_loading=False,
                            optimizer_format=optimizer_format)
     try:
-        dist_checkpointing.save(state, str(tmp))
+        dist_checkpointing.save(state, str(tmp), save_strategy())
         message, crcs = None, _own_crcs(tmp, checksum)
     except BaseException as exc:  # torch's CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):

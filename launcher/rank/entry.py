@@ -118,9 +118,9 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
         if latest is not None:
             console.line(f"resumed from {latest} at step {lp.step} ({lp.consumed} samples consumed)")
     saved_at = lp.step
-    need_bytes = ckpt.checkpoint_bytes(model, distributed_optimizer=job.parallel.distributed_optimizer)
-    ckpt.preflight_dir(ckpt_dir, need_bytes)
-    guard = _stop_guard(job, latest, need_bytes, console)
+    need = ckpt.checkpoint_bytes(model, distributed_optimizer=job.parallel.distributed_optimizer)
+    ckpt.preflight_dir(ckpt_dir, need["total"])
+    guard = _stop_guard(job, latest, need["busiest_node"], console)
     train_iters, valid_iters = data.build_train_valid_iterators(
         data=job.data, model=job.model, train=tr, steps=layout.steps, consumed_samples=lp.consumed,
         dp_rank=ps.get_data_parallel_rank(), dp_size=layout.dp, num_chunks=len(model),
@@ -189,15 +189,16 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
     return 0
 
 
-def _stop_guard(job, resumed, need_bytes: int, console):
+def _stop_guard(job, resumed, node_bytes: int, console):
     """Stop in time for the Slurm time limit on every attempt (launcher/core/signal_lead.py): the job's end
-    time from job.sbatch, this run's save time (the resumed checkpoint's measured one, else the estimate)."""
+    time from job.sbatch, this run's save time (the resumed checkpoint's measured one, else the estimate: the
+    bytes the busiest node writes under fully parallel save over one node's write bandwidth)."""
     from launcher.core import signal_lead
     from launcher.rank import checkpoint as ckpt
 
     measured = (ckpt.read_manifest(Path(resumed)) or {}).get("save_seconds") if resumed is not None else None
     save_s = (float(measured) if isinstance(measured, (int, float)) else
-              need_bytes / (max(job.nodes, 1) * job.cluster.checkpoint_write_gbps * 1e9))
+              signal_lead.node_save_s(node_bytes, write_gbps=job.cluster.checkpoint_write_gbps))
     guard = signal_lead.StopGuard(signal_lead.job_end_from_env(), save_s=save_s, factor=job.slurm.signal_save_factor,
                                   margin_s=job.slurm.signal_margin_s)
     if guard.job_end is not None:
