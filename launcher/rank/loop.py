@@ -21,14 +21,36 @@ from models.backend import compute_device
 STOP_SIGNALS = (signal.SIGUSR1,)
 
 
-def forward_step(data_iterator, model):
-    """Megatron forward_step_func: this CP rank's slice of the batch through GPTModel, per-token losses
-    reduced by ``masked_token_loss`` (a mean over the whole sequence's tokens, across the CP group)."""
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    """Megatron forward_step_func, with Megatron-LM ``pretrain_gpt.py`` ``forward_step``'s protocol: this CP
+    rank's slice of the batch through GPTModel (``slice_batch_for_context_parallel``, pretrain_gpt.py
+    ``get_batch`` -> ``get_batch_on_this_cp_rank``), per-token losses reduced by ``masked_token_loss`` (a mean
+    over the whole sequence's tokens, across the CP group). Both paths give the model the same inputs as
+    pretrain_gpt.py: ``(tokens, position_ids, attention_mask=None, labels=, loss_mask=)`` (loss_mask masks
+    the MTP loss like the LM loss).
+
+    ``return_schedule_plan=True`` is how Megatron-Core's combined 1F1B schedule (parallel.moe_a2a_overlap,
+    ``overlap_moe_expert_parallel_comm``) calls it: ``combined_1f1b.combined_forward_backward_step`` passes the
+    GPTModel it unwrapped itself and expects ``(model.build_schedule_plan(...), loss_func)`` back, the plan an
+    ``AbstractSchedulePlan`` (pretrain_gpt.py ``forward_step``: ``if return_schedule_plan: assert
+    args.overlap_moe_expert_parallel_comm ... schedule_plan = model.build_schedule_plan(tokens, position_ids,
+    attention_mask, labels=labels, loss_mask=loss_mask)``)."""
     batch = next(data_iterator)
     dev = compute_device()
     batch = slice_batch_for_context_parallel({k: v.to(dev, non_blocking=True) for k, v in batch.items()})
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, partial(masked_token_loss, batch["loss_mask"])
+    loss_func = partial(masked_token_loss, batch["loss_mask"])
+    inputs = (batch["tokens"], batch["position_ids"], None)
+    if return_schedule_plan:
+        from megatron.core.utils import get_attr_wrapped_model
+
+        # the schedule already unwrapped DDP/Float16Module; unwrapping again is a no-op and keeps a wrapped
+        # chunk (a caller other than combined_1f1b) working the same
+        gpt = get_attr_wrapped_model(model, "build_schedule_plan", return_model_obj=True)
+        if not gpt.config.overlap_moe_expert_parallel_comm:  # pretrain_gpt.py asserts the same
+            raise RuntimeError("forward_step(return_schedule_plan=True) is the combined 1F1B schedule's call; "
+                               "it needs parallel.moe_a2a_overlap=true (overlap_moe_expert_parallel_comm)")
+        return gpt.build_schedule_plan(*inputs, labels=batch["labels"], loss_mask=batch["loss_mask"]), loss_func
+    return model(*inputs, labels=batch["labels"], loss_mask=batch["loss_mask"]), loss_func
 
 
 def schedule_func(kind: str) -> Callable:
