@@ -1,6 +1,7 @@
 """Run the rank wing (``launcher.rank``) under torchrun on CPU for tests: write a bundle, run, parse the step lines."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -38,10 +39,55 @@ def write_bundle(bundle: Path, overrides: Sequence[str], nproc: int = 1) -> Path
 
 
 def run_train(bundle: Path, nproc: int, timeout: int = 240) -> subprocess.CompletedProcess:
+    """torchrun of the bundle to its end. ``timeout`` is a hang detector on progress, not on total time: the run
+    is killed (and this raises) once it has printed nothing for ``timeout`` s; a slow run that keeps printing
+    steps runs to its end however loaded the machine is."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
            "-m", "launcher.rank", "--bundle", str(bundle)]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    out, err = communicate_on_progress(proc, timeout, f"torchrun of {bundle.name} ({nproc} ranks)")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def communicate_on_progress(proc: subprocess.Popen, idle_s: float, what: str) -> tuple[str, str]:
+    """``proc.communicate()``, except that a process (group) that writes nothing to stdout or stderr for
+    ``idle_s`` seconds is SIGKILLed and reported as hung, naming ``what`` and its last line. Started with
+    ``start_new_session=True``, its whole group goes (torchrun and its ranks)."""
+    import signal
+    import threading
+    import time
+
+    chunks = {"out": [], "err": []}
+    last = [time.monotonic()]
+
+    def pump(stream, key):
+        for line in iter(stream.readline, ""):
+            chunks[key].append(line)
+            last[0] = time.monotonic()
+
+    pumps = [threading.Thread(target=pump, args=(s, k), daemon=True)
+             for s, k in ((proc.stdout, "out"), (proc.stderr, "err")) if s is not None]
+    for t in pumps:
+        t.start()
+    hung = False
+    while proc.poll() is None:
+        if time.monotonic() - last[0] > idle_s:
+            hung = True
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.2)
+    proc.wait()
+    for t in pumps:
+        t.join(timeout=10)  # a grandchild holding the pipe open must not hold the test
+    out, err = "".join(chunks["out"]), "".join(chunks["err"])
+    if hung:
+        tail = (out + err).strip().splitlines()[-1:] or ["(nothing)"]
+        raise AssertionError(f"hang: {what} printed nothing for {idle_s:.0f} s (last line: {tail[0][:300]})\n"
+                             f"{out[-3000:]}\n{err[-3000:]}")
+    return out, err
 
 
 def steps(stdout: str) -> Dict[int, dict]:
@@ -81,6 +127,7 @@ def run_until(bundle: Path, nproc: int, marker: str, timeout: int = 240) -> str:
     """Start a run and SIGKILL its whole process group (torchrun + ranks, started here) as soon as a stdout
     line contains ``marker``: a crash, not a clean exit. Returns the stdout seen."""
     import signal
+    import threading
     import time
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
@@ -88,14 +135,28 @@ def run_until(bundle: Path, nproc: int, marker: str, timeout: int = 240) -> str:
            "-m", "launcher.rank", "--bundle", str(bundle)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             text=True, start_new_session=True)
-    seen, deadline = [], time.time() + timeout
+    # ``timeout`` is a hang detector on progress: the run is killed once it has printed nothing for that long
+    # (a watchdog thread: the readline below blocks while nothing comes)
+    seen, last, done = [], [time.monotonic()], threading.Event()
+
+    def watchdog():
+        while not done.wait(0.5):
+            if time.monotonic() - last[0] > timeout:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                return
+
+    threading.Thread(target=watchdog, daemon=True).start()
     try:
         for line in proc.stdout:
             seen.append(line)
-            if marker in line or time.time() > deadline:
+            last[0] = time.monotonic()
+            if marker in line:
                 break
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the group we created with start_new_session
+        done.set()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the group we created with start_new_session
         proc.wait()
     return "".join(seen)
 

@@ -1,7 +1,12 @@
 """Shared test helpers: compose jobs, run the CLI in-process, and locate the repository."""
 from __future__ import annotations
 
+import ast
+import re
+import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -42,3 +47,131 @@ def reference_run(tmp_path_factory):
             runs[key] = train(tmp_path_factory.mktemp("reference"), "uninterrupted", nproc, overrides)
         return runs[key]
     return get
+
+
+# --- Lanes --------------------------------------------------------------------------------------------------
+# `make test-fast` deselects the markers below; `make test` runs everything. The marks are given here, from what
+# a test does, not by hand in each file, so a new test file lands in the right lane without anyone remembering
+# a marker; a runtime guard (``_lane_guard``) fails a test that starts ranks or talks to the real Slurm without
+# its mark (a helper in another module can hide a spawn from the static reading).
+LANE_MARKS = ("multirank", "slurm", "gpu", "slow")
+SLOW_MODULES = {
+    # single-process, but minutes of work each: kept out of the fast lane (measured on the 2-core machine)
+}
+"""test module -> why it is in the `slow` lane although it starts no ranks."""
+_SPAWNS_RANKS = re.compile(r"""["'](?:torch\.distributed\.run|torchrun|launcher\.rank)["']|action=run|--nproc_per_node"""
+                           r"""|\bmp\.spawn\(|multiprocessing\.spawn\(""")
+_RANK_HELPERS = {"train", "run_train", "run_until"}
+"""`_rank_harness` functions that start torchrun."""
+_RANK_FIXTURES = {"reference_run"}
+_SLURM_FIXTURES = {"slurm", "slurm_cluster"}
+_SLURM_TOOLS = {"sbatch", "srun", "salloc", "squeue", "scontrol", "scancel", "sinfo"}
+
+
+class _ModuleSpawns:
+    """Which module-level functions of a test module start ranks, directly or through another function of the
+    same module (a helper, a fixture), read from the source once."""
+
+    def __init__(self, path: Path):
+        tree = ast.parse(path.read_text())
+        funcs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+            funcs.update({f"{cls.name}.{n.name}": n for n in cls.body if isinstance(n, ast.FunctionDef)})
+        from_harness = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                        and n.module == "_rank_harness" for a in n.names if a.name in _RANK_HELPERS}
+        source = path.read_text()
+        calls = {name: {n.id for n in ast.walk(f) if isinstance(n, ast.Name)} for name, f in funcs.items()}
+        spawns = {name for name, f in funcs.items()
+                  if _SPAWNS_RANKS.search(ast.get_source_segment(source, f) or "") or calls[name] & from_harness}
+        spawns |= {name for name, f in funcs.items() if {a.arg for a in f.args.args} & _RANK_FIXTURES}
+        while True:  # through helpers and fixtures of the same module
+            more = {name for name in funcs if name not in spawns and calls[name] & spawns}
+            if not more:
+                break
+            spawns |= more
+        self.funcs, self.spawns = funcs, spawns
+
+
+def _lane_of(item, modules: dict) -> set:
+    path = Path(str(item.fspath))
+    if path not in modules:
+        modules[path] = _ModuleSpawns(path)
+    mod = modules[path]
+    name = item.function.__name__ if hasattr(item, "function") else item.name
+    if getattr(item, "cls", None) is not None:
+        name = f"{item.cls.__name__}.{name}"
+    used = set(getattr(item, "fixturenames", ())) | {name}
+    lanes = set()
+    if used & mod.spawns or used & _RANK_FIXTURES:
+        lanes.add("multirank")
+    if used & _SLURM_FIXTURES:
+        lanes.add("slurm")
+    rel = path.relative_to(ROOT).as_posix()
+    if rel.startswith("tests/gpu/"):
+        lanes.add("gpu")
+    if rel in SLOW_MODULES:
+        lanes.add("slow")
+    return lanes
+
+
+def pytest_collection_modifyitems(config, items):
+    modules: dict = {}
+    cuda = None
+    for item in items:
+        for lane in sorted(_lane_of(item, modules)):
+            item.add_marker(getattr(pytest.mark, lane))
+        if item.get_closest_marker("gpu"):
+            if cuda is None:
+                cuda = _cuda_available()
+            if not cuda:
+                item.add_marker(pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False)"))
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _lane_needed(argv) -> str | None:
+    """The mark a child process with this argv needs, if any."""
+    if isinstance(argv, (str, bytes)):
+        argv = [argv]
+    words = [str(a) for a in argv]
+    if "torch.distributed.run" in words or "launcher.rank" in words or Path(words[0]).name == "torchrun" \
+            or ("launcher" in words and "action=run" in words):
+        return "multirank"
+    tool = Path(words[0]).name
+    if words[0].endswith("slurm/localhost/start.sh") or any(w.endswith("slurm/localhost/start.sh") for w in words):
+        return "slurm"
+    if tool in _SLURM_TOOLS:
+        found = shutil.which(words[0]) if "/" not in words[0] else words[0]
+        if found and not Path(found).resolve().is_relative_to(Path(tempfile.gettempdir()).resolve()):
+            return "slurm"  # the real one, not a test's stand-in script in a temporary directory
+    return None
+
+
+
+@pytest.fixture(autouse=True)
+def _lane_guard(request, monkeypatch):
+    """Fails a test that starts ranks or uses the real Slurm without the lane's mark (so `make test-fast` never
+    trains or queues by accident, and the static marking above cannot silently go stale)."""
+    original = subprocess.Popen.__init__
+    seen: list = []
+
+    def recording(self, args, *a, **kw):
+        lane = _lane_needed(args)
+        if lane:
+            seen.append((lane, args))
+        return original(self, args, *a, **kw)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", recording)
+    yield
+    missing = [(lane, args) for lane, args in seen if not request.node.get_closest_marker(lane)]
+    if missing:
+        lane, args = missing[0]
+        pytest.fail(f"{request.node.nodeid} starts {' '.join(map(str, args))[:200]} but is not marked {lane}: "
+                    f"it would run in `make test-fast`; mark it `@pytest.mark.{lane}` (or start it through a "
+                    f"helper of its own module, which tests/conftest.py reads)", pytrace=False)

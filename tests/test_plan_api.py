@@ -2,7 +2,6 @@
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -33,23 +32,15 @@ CASES = [(r, c) for r in RECIPES for c in CLUSTERS if c is None or not r.endswit
 @pytest.mark.parametrize("recipe,cluster", CASES, ids=[f"{r}-{c}" for r, c in CASES])
 def test_plan_and_search_every_recipe(recipe, cluster):
     job = _compose(recipe, cluster)
-    t0 = time.thread_time()
+    # (how fast plan and search are is benchmarks/planner_speed.py's business, as a ratio against a reference
+    # measured in the same run: CPU-time guards here failed on busy 2-core machines, issue 25)
     plan = plan_job(job)
-    t_plan = time.thread_time() - t0
     assert isinstance(plan, Plan)
-    # CPU seconds of this thread (wall time on a shared 2-core runner is noisy, and process time counts the
-    # threads earlier tests left behind): a guard against a planner that explodes (it takes 0.01-0.05 s; the
-    # speed target lives in benchmarks/login_node.py), 0.2 s tripped at 0.35 s in a full CI run
-    assert t_plan < 1.0
     data = json.loads(json.dumps(plan.to_dict()))
     assert data["gflops_per_token"] > 0 and len(data["stages"]) == job.parallel.pipeline
     assert 0 < plan.perf["mfu"] < 1 and plan.step.step_s > 0
     assert "GFLOP/token" in plan.text()
-    t0 = time.thread_time()
     found = search(job, top=5)
-    # a guard against a search that explodes, not the speed target (that lives in benchmarks/login_node.py):
-    # 405B's search measured 0.9-2.0 CPU s here depending on how loaded the shared cores were
-    assert time.thread_time() - t0 < 4.0
     assert found, "search found no layout that fits"
     assert all(c.peak_gb <= c.gpu_memory_gb for c in found)
     assert [c.tokens_per_s for c in found] == sorted((c.tokens_per_s for c in found), reverse=True)
@@ -93,11 +84,7 @@ def test_moe_models_plan_and_search():
                            "parallel.tp_comm_overlap=false"])
         plan = plan_job(job)
         assert plan.params["expert"] > plan.params["dense"]
-        t0 = time.thread_time()
-        search(job, top=3)
-        # a guard against a search that explodes, not the speed target (that lives in benchmarks/login_node.py):
-    # 405B's search measured 0.9-2.0 CPU s here depending on how loaded the shared cores were
-    assert time.thread_time() - t0 < 4.0
+        search(job, top=3)  # completes (its speed: benchmarks/planner_speed.py)
 
 
 def test_login_node_code_never_imports_torch():

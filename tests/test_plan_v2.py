@@ -3,7 +3,6 @@ per-module-recompute and last-stage terms move the prediction the way the mechan
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -248,9 +247,7 @@ def test_last_stage_pays_for_output_layer_and_loss():
 
 def test_search_qwen3_30b_on_16_h100s_finds_nvidia_layout_family_fast():
     job = _job(Q30)  # NVIDIA's 25.09 settings: token drop, alltoall dispatcher, no all-to-all overlap
-    t0 = time.thread_time()
-    found = search(job, top=20)
-    assert time.thread_time() - t0 < 2.0
+    found = search(job, top=20)  # "fast": benchmarks/planner_speed.py times it against a same-run reference
     assert found and all(c.peak_gb <= c.gpu_memory_gb for c in found)
     best = found[0].tokens_per_s
     # NVIDIA's layout is within the model's error of the best layout found, and NVIDIA's family (TP1 x PP2
@@ -293,9 +290,7 @@ def test_search_keeps_the_jobs_all_to_all_overlap_and_never_switches_it_on():
 
 def test_search_405b_tries_embedding_and_loss_split():
     job = compose_job(["recipe=llama405b", "cluster=h100"])
-    t0 = time.thread_time()
-    found = search(job, top=5)
-    assert time.thread_time() - t0 < 2.5
+    found = search(job, top=5)  # its speed: benchmarks/planner_speed.py
     assert any("parallel.account_for_embedding_in_pipeline_split=true" in c.overrides for c in found)
 
 
