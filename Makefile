@@ -5,7 +5,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 MEGATRON_CORE := megatron-core==0.19.2
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test test-fast test-gpu bench clean
+
+# Lanes (pytest marks given by tests/conftest.py from what each test does): `make test-fast` is the login node,
+# validation, planner, render and unit tests (no multi-rank training, no Slurm, no GPU), on both cores;
+# `make test` is everything (CI runs it); `make test-gpu` the tests in tests/gpu (skipped without CUDA).
+FAST := not multirank and not slurm and not gpu and not slow
 
 setup: $(VENV)/.installed
 
@@ -16,13 +21,21 @@ $(VENV)/.installed: pyproject.toml constraints/cpu.txt Makefile
 	# megatron-core declares Python>=3.12 but its wheel works on 3.11 (see DESIGN.md); no deps: torch is pinned above.
 	$(PY) -c 'import sys; sys.exit(sys.version_info >= (3, 12))' && \
 	  $(PY) -m pip install -q --no-deps --ignore-requires-python $(MEGATRON_CORE) || true
-	$(PY) -c 'import megatron.core, torch, launcher' && touch $@
+	# the import check, without Megatron-Core's four "Transformer Engine and Apex are not installed" fallback
+	# warnings (expected on CPU; silenced for this one check only, the ranks still print them)
+	$(PY) -W 'ignore:Transformer Engine and Apex are not installed:UserWarning' -c 'import megatron.core, torch, launcher' && touch $@
 
 run: setup
 	$(PY) -m launcher
 
 test: setup
 	$(PY) -m pytest -q --durations=25 tests
+
+test-fast: setup
+	$(PY) -m pytest -q -n 2 --durations=10 -m '$(FAST)' tests
+
+test-gpu: setup
+	$(PY) -m pytest -q -m gpu tests/gpu
 
 clean:
 	rm -rf $(VENV) runs

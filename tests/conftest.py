@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import re
 import shutil
 import subprocess
@@ -175,3 +176,83 @@ def _lane_guard(request, monkeypatch):
         pytest.fail(f"{request.node.nodeid} starts {' '.join(map(str, args))[:200]} but is not marked {lane}: "
                     f"it would run in `make test-fast`; mark it `@pytest.mark.{lane}` (or start it through a "
                     f"helper of its own module, which tests/conftest.py reads)", pytrace=False)
+
+
+# --- The one-node Slurm cluster -----------------------------------------------------------------------------
+SLURM_START = ROOT / "slurm" / "localhost" / "start.sh"
+SLURM_STOP = ROOT / "slurm" / "localhost" / "stop.sh"
+
+
+def _slurm_daemons_alive() -> set:
+    """Which of slurm/localhost's daemons run now, by their PID files (the ones start.sh and stop.sh use)."""
+    import os
+
+    state = Path(os.environ.get("SLURM_LOCAL_DIR", "/var/lib/slurm-localhost"))
+    pidfiles = {"munged": Path("/run/munge/munged.pid"), "slurmctld": state / "slurmctld.pid",
+                "slurmd": state / "slurmd.pid"}
+    alive = set()
+    for name, pidfile in pidfiles.items():
+        try:
+            pid = int(pidfile.read_text().strip())
+            if Path(f"/proc/{pid}/comm").read_text().strip() == name:
+                alive.add(name)
+        except (OSError, ValueError):
+            pass
+    return alive
+
+
+def _sinfo_up() -> bool:
+    try:
+        proc = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return proc.returncode == 0 and any(s.strip() in {"idle", "mix", "alloc", "comp"} for s in proc.stdout.split())
+
+
+def stop_started_slurm(started: set) -> str:
+    """Stop the daemons in ``started`` (the ones this session started), unless jobs that are not this
+    session's are queued (another engineer's suite may be using the cluster): then it is left running."""
+    if not started:
+        return "nothing to stop"
+    if "slurmctld" in started or "slurmd" in started:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            queued = subprocess.run(["squeue", "-h", "-o", "%A"], capture_output=True, text=True, timeout=60)
+            if queued.stdout.split():
+                return f"left running: jobs {' '.join(queued.stdout.split())} are queued"
+    proc = subprocess.run(["bash", str(SLURM_STOP), *sorted(started)], capture_output=True, text=True, timeout=120)
+    return (proc.stdout + proc.stderr).strip()
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A responding one-node Slurm cluster for the whole session. Started with slurm/localhost/start.sh when
+    `sinfo` does not answer (needs root); the daemons this session started are stopped at its end (also on
+    interpreter exit), the ones it found running are left alone."""
+    import atexit
+    import os
+
+    started: set = set()
+    if not _sinfo_up():
+        if os.geteuid() != 0:
+            pytest.fail(f"Slurm is not running and starting it needs root: run `sudo bash {SLURM_START}` first")
+        before = _slurm_daemons_alive()
+        proc = subprocess.run(["bash", str(SLURM_START)], capture_output=True, text=True, timeout=900)
+        started = _slurm_daemons_alive() - before
+        if proc.returncode != 0:
+            stop_started_slurm(started)
+            pytest.fail(f"{SLURM_START} failed:\n{proc.stdout}\n{proc.stderr}")
+    once = []
+
+    def stop():
+        if not once:
+            once.append(stop_started_slurm(started))
+
+    atexit.register(stop)
+    try:
+        assert _sinfo_up(), "Slurm does not answer: " + subprocess.run(
+            ["sinfo", "-N", "-l"], capture_output=True, text=True).stdout
+        for tool in ("sbatch", "scontrol", "scancel"):
+            assert shutil.which(tool), f"{tool} not found"
+        yield started
+    finally:
+        stop()

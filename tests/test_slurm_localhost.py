@@ -1,18 +1,17 @@
 """End to end against a real one-node Slurm on this machine (slurm/localhost/start.sh): sbatch, srun, the
 USR1 -> STOP file -> requeue path of job.sbatch, and the real smoke training submitted through Slurm.
 
-These tests fail (they do not skip) when Slurm is absent: if `sinfo` does not answer, the module starts the
-cluster with slurm/localhost/start.sh (needs root; CI runs it before `make test`). Jobs are followed with
+These tests fail (they do not skip) when Slurm is absent: if `sinfo` does not answer, the session starts the
+cluster with slurm/localhost/start.sh (needs root) and stops the daemons it started when it ends (conftest's
+`slurm_cluster`; a cluster it found running is left alone). Jobs are followed with
 `scontrol show job` (there is no slurmdbd, hence no sacct), every wait is bounded, and a job still queued or
 running when a test fails is cancelled.
 """
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
-import shutil
 import socket
 import subprocess
 import sys
@@ -28,7 +27,6 @@ from launcher.problems import errors
 from launcher.render import Bundle, cross_check, render_texts, write_bundle
 from launcher.validate import validate
 
-START = ROOT / "slurm" / "localhost" / "start.sh"
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
          "PREEMPTED", "SPECIAL_EXIT", "REVOKED"}
 # The profile's python (.venv/bin/python, relative to the checkout) is replaced by this interpreter, so the
@@ -36,26 +34,10 @@ FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
 PROFILE = ["cluster=slurm_local", f"cluster.python={sys.executable}"]
 
 
-def _sinfo_up() -> bool:
-    try:
-        proc = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return proc.returncode == 0 and any(s.strip() in {"idle", "mix", "alloc", "comp"} for s in proc.stdout.split())
-
-
 @pytest.fixture(scope="module")
-def slurm():
-    """A responding one-node Slurm cluster; started with slurm/localhost/start.sh when `sinfo` does not answer."""
-    if not _sinfo_up():
-        if os.geteuid() != 0:
-            pytest.fail(f"Slurm is not running and starting it needs root: run `sudo bash {START}` first")
-        proc = subprocess.run(["bash", str(START)], capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, f"{START} failed:\n{proc.stdout}\n{proc.stderr}"
-    assert _sinfo_up(), "Slurm does not answer: " + subprocess.run(
-        ["sinfo", "-N", "-l"], capture_output=True, text=True).stdout
-    for tool in ("sbatch", "scontrol", "scancel"):
-        assert shutil.which(tool), f"{tool} not found"
+def slurm(slurm_cluster):
+    """A responding one-node Slurm cluster: tests/conftest.py's session fixture starts it with
+    slurm/localhost/start.sh when `sinfo` does not answer, and stops at the session's end what it started."""
     return True
 
 

@@ -2,6 +2,9 @@
 # Stop the one-node Slurm cluster started by slurm/localhost/start.sh: slurmd, slurmctld, then munged, each by
 # the PID in its PID file (never by name). Jobs still running are cancelled first. Config and state are kept,
 # so start.sh brings the same cluster back.
+#
+#   bash slurm/localhost/stop.sh                   # all three
+#   bash slurm/localhost/stop.sh slurmd slurmctld  # only these (the test suite stops only what it started)
 set -uo pipefail
 STATE_DIR=${SLURM_LOCAL_DIR:-/var/lib/slurm-localhost}
 log() { echo "slurm-localhost: $*"; }
@@ -19,11 +22,16 @@ stop_pid() {  # stop_pid PIDFILE COMM
   rm -f "$1"
 }
 
-if command -v squeue >/dev/null && scontrol ping 2>/dev/null | grep -q 'is UP'; then
+WHICH=" ${*:-slurmd slurmctld munged} "
+for d in $WHICH; do
+  [[ $d =~ ^(slurmd|slurmctld|munged)$ ]] || { echo "slurm-localhost: error: unknown daemon '$d' (slurmd, slurmctld, munged)" >&2; exit 2; }
+done
+if [[ $WHICH == *" slurmctld "* || $WHICH == *" slurmd "* ]] && command -v squeue >/dev/null \
+   && scontrol ping 2>/dev/null | grep -q 'is UP'; then
   jobs=$(squeue -h -o %A 2>/dev/null | tr '\n' ' ')
   if [[ -n ${jobs// } ]]; then log "cancelling jobs: $jobs"; scancel $jobs 2>/dev/null; sleep 1; fi
 fi
-stop_pid "$STATE_DIR/slurmd.pid" slurmd
-stop_pid "$STATE_DIR/slurmctld.pid" slurmctld
-stop_pid /run/munge/munged.pid munged
-log "stopped"
+[[ $WHICH == *" slurmd "* ]] && stop_pid "$STATE_DIR/slurmd.pid" slurmd
+[[ $WHICH == *" slurmctld "* ]] && stop_pid "$STATE_DIR/slurmctld.pid" slurmctld
+[[ $WHICH == *" munged "* ]] && stop_pid /run/munge/munged.pid munged
+log "stopped:$WHICH"
