@@ -34,12 +34,22 @@ ZB_ATTR = "zb_delayed_wgrad"
 
 
 class WeightGradStore:
-    """Pending weight-gradient work of this process, one entry per microbatch, first in first out."""
+    """Pending weight-gradient work of this process, one entry per microbatch, first in first out.
+
+    Always on and O(1) per tensor: ``held_bytes`` is what the queued work keeps alive now (the GEMM inputs and
+    output gradients of the local path, the sum of their ``untyped_storage()`` sizes, a storage shared by several
+    tensors counted once), ``peak_bytes`` / ``peak_microbatches`` the most since the last :meth:`clear` (the
+    executor clears at the start of each step, so after a step they are that step's). TE's ``backward_dw``
+    work keeps its tensors inside TE and is not counted."""
 
     def __init__(self) -> None:
         self.capturing = False
         self._current: List[Callable[[], None]] = []
+        self._current_keys: List[int] = []
         self._queue: Deque[Tuple[int, List[Callable[[], None]]]] = collections.deque()
+        self._queue_keys: Deque[List[int]] = collections.deque()
+        self._storages: dict = {}  # storage data_ptr -> [nbytes, references from queued work]
+        self.held_bytes = self.peak_bytes = self.peak_microbatches = 0
 
     @contextlib.contextmanager
     def capture(self):
@@ -50,31 +60,62 @@ class WeightGradStore:
         finally:
             self.capturing = previous
 
-    def put(self, work: Callable[[], None]) -> None:
+    def put(self, work: Callable[[], None], tensors=()) -> None:
+        """Queue one W step of the current B; ``tensors``: what it keeps alive until it runs (counted)."""
         self._current.append(work)
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            entry = self._storages.get(key)
+            if entry is None:  # alive while referenced here, so its address cannot be reused meanwhile
+                entry = self._storages[key] = [storage.nbytes(), 0]
+                self.held_bytes += entry[0]
+            entry[1] += 1
+            self._current_keys.append(key)
+        self._note_peak()
+
+    def _note_peak(self) -> None:
+        if self.held_bytes > self.peak_bytes:
+            self.peak_bytes = self.held_bytes
+        self.peak_microbatches = max(self.peak_microbatches, self.pending())
+
+    def _release(self, keys: List[int]) -> None:
+        for key in keys:
+            entry = self._storages[key]
+            entry[1] -= 1
+            if not entry[1]:
+                self.held_bytes -= entry[0]
+                del self._storages[key]
 
     def flush(self, microbatch: int, te_modules=()) -> None:
         """Close the W work of one B (one microbatch); TE modules' backward_dw joins it."""
         work = self._current + [module.backward_dw for module in te_modules]
         self._queue.append((microbatch, work))
-        self._current = []
+        self._queue_keys.append(self._current_keys)
+        self._current, self._current_keys = [], []
+        self._note_peak()
 
     def pop(self, microbatch: Optional[int] = None) -> int:
         """Run the oldest microbatch's W; returns its microbatch index."""
         if not self._queue:
             raise RuntimeError("W slot with no pending weight-gradient work (schedule order is wrong)")
         mb, work = self._queue.popleft()
+        keys = self._queue_keys.popleft()
         if microbatch is not None and mb != microbatch:
             raise RuntimeError(f"W slot for microbatch {microbatch} but the oldest pending W is {mb}")
         for step in work:
             step()
+        self._release(keys)
         return mb
 
     def pending(self) -> int:
         return len(self._queue) + (1 if self._current else 0)
 
     def clear(self) -> None:
+        """Drop all pending work and reset the byte counters (the executor calls this at each step's start)."""
         self._current, self._queue = [], collections.deque()
+        self._current_keys, self._queue_keys, self._storages = [], collections.deque(), {}
+        self.held_bytes = self.peak_bytes = self.peak_microbatches = 0
 
 
 STORE = WeightGradStore()
@@ -111,7 +152,8 @@ def _linear_autograd():
                 layers.dist_reduce_scatter_func(sub, grad_input, group=group)
                 grad_input = sub
             grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None
-            STORE.put(_wgrad_step(weight, grad_output_2d, total_input_2d, ctx.main_grad))
+            STORE.put(_wgrad_step(weight, grad_output_2d, total_input_2d, ctx.main_grad),
+                      (grad_output_2d, total_input_2d))
             return grad_input, None, grad_bias, None, None, None, None, None, None, None
 
     return DeferredWgradLinear

@@ -13,10 +13,12 @@ Everything is in bytes, for one rank of the given stage. Pure Python: no torch, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 from launcher.core import Layout, derive, moe_layer_pattern
 from launcher.core.flops import kv_channels, query_groups
+from launcher.core.schedules import Op, schedule_zb_h1
 from launcher.schema import JobConfig, ModelConfig
 
 GB = 1e9
@@ -308,8 +310,9 @@ def recompute_fraction(job: JobConfig, lay: Layout, layers: int) -> float:
 def in_flight_microbatches(job: JobConfig, lay: Layout, stage: int) -> float:
     """Microbatches whose activations a stage holds at its peak, in units of the whole stage's layers.
 
-    1F1B and ZB-H1: stage r warms up with p - r - 1 forwards and runs one more before its first backward,
-    so it holds p - r (the first stage p); ZB-H1 keeps 1F1B's memory (Qi et al. 2024). Interleaved: stage r
+    1F1B: stage r warms up with p - r - 1 forwards and runs one more before its first backward, so it holds
+    p - r (the first stage p). ZB-H1 has the same F/B order, but what it holds besides is read from its op list
+    (``zb_peak_state``; ``stage_memory`` uses that instead of this count). Interleaved: stage r
     holds 2(p - r - 1) + (v - 1) g + 1 model-chunk microbatches (Megatron's warm-up count + 1, g the
     microbatch group size, default p), each 1/v of the stage: for r = 0 and g = p this is Megatron's
     p (1 + (p - 1)/(p v)); one more with parallel.moe_a2a_overlap (schedules.py: the combined 1F1B schedule
@@ -328,6 +331,117 @@ def in_flight_microbatches(job: JobConfig, lay: Layout, stage: int) -> float:
     return float(min(p - stage, m))
 
 
+# ------------------------------------------------------------------------- ZB-H1: deferred weight gradients
+def held_after_each_op(ops: list[Op]) -> list[tuple[int, int]]:
+    """(microbatches in flight, microbatches whose W is pending) after each op of one rank's op list.
+
+    F puts a microbatch in flight (all its activations). B frees them except what its deferred weight-gradient
+    GEMMs keep (``models/zero_bubble.py``: the W store holds each deferred linear's input and output gradient
+    until that microbatch's W), so the microbatch moves from in flight to pending; W frees the oldest pending
+    one; BW (1F1B) frees an in-flight one, nothing left pending. The state after a B is the one before the W
+    that may follow it: the store then holds that B's W work too, its most."""
+    in_flight = pending = 0
+    out = []
+    for op in ops:
+        if op.kind == "F":
+            in_flight += 1
+        elif op.kind == "B":
+            in_flight, pending = in_flight - 1, pending + 1
+        elif op.kind == "W":
+            pending -= 1
+        elif op.kind == "BW":
+            in_flight -= 1
+        else:
+            raise ValueError(f"op {op} is not F, B, W or BW")
+        out.append((in_flight, pending))
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def zb_h1_states(p: int, m: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per stage, the distinct (in flight, pending W) states of ``launcher.core.schedules.schedule_zb_h1(p, m)``,
+    the op list the rank executor runs literally (so planner and executor read one schedule)."""
+    return tuple(tuple(sorted(set(held_after_each_op(ops)))) for ops in schedule_zb_h1(p, m))
+
+
+def zb_peak_state(states, act_bytes: float, wgrad_bytes: float, while_in_flight: float = 0.0) -> tuple[int, int]:
+    """The (in flight, pending W) state of most memory: in_flight * act_bytes + pending * wgrad_bytes, plus
+    ``while_in_flight`` (the last stage's loss logits, held from its forward into its backward) when any
+    microbatch is in flight."""
+    return max(states, key=lambda st: st[0] * act_bytes + (while_in_flight if st[0] else 0.0) + st[1] * wgrad_bytes)
+
+
+def _deferred_gemms(job: JobConfig, lay: Layout, moe: bool) -> list[tuple[float, float]]:
+    """(input width, output-gradient width) per token of every deferred linear of one layer on one rank.
+
+    What a W keeps is the GEMM ``grad_output^T @ input`` (Megatron's ``LinearWithGradAccumulationAndAsync
+    Communication.backward`` / TE's ``wgrad_store.put([inputmat_total, grad_output], ...)``): a column-parallel
+    layer's input is full-width h on every TP rank (replicated, or under SP all-gathered into a fresh buffer over
+    the whole sequence) and its output gradient 1/TP; a row-parallel layer's input is 1/TP and its output
+    gradient full h over the whole sequence (the backward of SP's reduce-scatter is an all-gather). Widths are
+    per token of the whole micro-batch sequence, before CP (the caller multiplies by the rank's tokens)."""
+    model, t = job.model, lay.tp
+    h, n = model.hidden_size, model.num_attention_heads
+    if model.multi_latent_attention:
+        qk, v = model.qk_head_dim + model.qk_pos_emb_head_dim, model.v_head_dim
+        gemms = [(h, model.kv_lora_rank + model.qk_pos_emb_head_dim),  # duplicated KV down-projection
+                 (model.kv_lora_rank, n * (model.qk_head_dim + v) / t), (n * v / t, h)]
+        if model.q_lora_rank is None:
+            gemms.append((h, n * qk / t))
+        else:
+            gemms += [(h, model.q_lora_rank), (model.q_lora_rank, n * qk / t)]
+    else:
+        d = kv_channels(model)
+        q, kv = n * d, query_groups(model) * d
+        gemms = [(h, (q + 2 * kv) / t), (q / t, h)]  # linear_qkv (column), linear_proj (row)
+    up = 2 if model.activation == "swiglu" else 1
+
+    def mlp(f: float, shards: int, per_token: float = 1.0) -> list[tuple[float, float]]:
+        return [(per_token * h, per_token * up * f / shards), (per_token * f / shards, per_token * h)]
+    if not moe:
+        return gemms + mlp(model.ffn_hidden_size, t)
+    if model.moe_shared_expert_intermediate_size:
+        gemms += mlp(model.moe_shared_expert_intermediate_size, t)
+    # Routed experts: k routed copies per local token (tokens/SP after dispatch on average), gathered over ETP,
+    # as layer_activation_bytes_per_token counts them.
+    routed = model.moe_router_topk * lay.etp / sp_shards(lay)
+    return gemms + mlp(model.moe_ffn_hidden_size or model.ffn_hidden_size, lay.etp, routed)
+
+
+def layer_wgrad_bytes_per_token(job: JobConfig, lay: Layout, moe: bool) -> float:
+    """Bytes one pending W of one layer holds per token of the micro-batch (before CP). Both operands are in
+    the activation dtype; under FP8 TE keeps them quantised (1 byte; its wgrad GEMM runs in FP8)."""
+    a = DTYPE_BYTES.get(job.precision.dtype, 2)
+    g = 1 if job.precision.fp8 else a
+    return g * sum(i + o for i, o in _deferred_gemms(job, lay, moe))
+
+
+def output_wgrad_bytes_per_token(job: JobConfig, lay: Layout) -> float:
+    """Bytes the last stage's pending output-layer W holds per token: its input (h, full width) and the logits
+    gradient (padded vocabulary / TP), in the activation dtype (GPTModel's output layer is Megatron's own
+    ColumnParallelLinear on every backend, deferred by ``models.zero_bubble.defer_output_layer``)."""
+    return DTYPE_BYTES.get(job.precision.dtype, 2) * (job.model.hidden_size + lay.padded_vocab / lay.tp)
+
+
+def stage_wgrad_bytes(job: JobConfig, lay: Layout, stage: int) -> float:
+    """Bytes one microbatch's pending W holds on one rank of ``stage``: every deferred linear of its layers,
+    and on the last stage the output layer's input and logits gradient."""
+    layers = stage_layers(lay, stage)
+    n_moe = sum(1 for i in layers if lay.moe_pattern[i])
+    per_token = sum(n * layer_wgrad_bytes_per_token(job, lay, moe)
+                    for moe, n in ((True, n_moe), (False, len(layers) - n_moe)) if n)
+    if stage == lay.pp - 1:
+        per_token += output_wgrad_bytes_per_token(job, lay)
+    return per_token * job.train.micro_batch_size * job.model.seq_length / lay.cp
+
+
+def zb_h1_held_wgrad_bytes(job: JobConfig, lay: Layout, stage: int) -> float:
+    """The most bytes the W store of ``stage`` holds at once in a step: the most microbatches its op list
+    leaves pending (``zb_h1_states``) times one microbatch's pending W."""
+    states = zb_h1_states(lay.pp, max(1, lay.microbatches))[stage]
+    return max(pending for _, pending in states) * stage_wgrad_bytes(job, lay, stage)
+
+
 # --------------------------------------------------------------------------------------------- per stage
 @dataclass
 class StageMemory:
@@ -343,7 +457,10 @@ class StageMemory:
     """Microbatches of activations held at the peak (in whole-stage units)."""
     parts: dict = field(default_factory=dict)
     """Bytes by contributor: weights, grads, optimizer, fp8_weights, activations, output_logits,
-    comm_buffers, workspace, reserve."""
+    pending_wgrad (ZB-H1 only), comm_buffers, workspace, reserve."""
+    pending_w: int = 0
+    """ZB-H1: microbatches whose weight gradient is pending at the peak (their GEMM inputs and output
+    gradients are ``parts['pending_wgrad']``)."""
 
     @property
     def total(self) -> float:
@@ -355,7 +472,7 @@ class StageMemory:
 
     def to_dict(self) -> dict:
         return {"stage": self.stage, "layers": self.layers, "params": self.params, "in_flight": self.in_flight,
-                "total_gb": self.total / GB, "parts_gb": {k: v / GB for k, v in self.parts.items()}}
+                "pending_w": self.pending_w, "total_gb": self.total / GB, "parts_gb": {k: v / GB for k, v in self.parts.items()}}
 
 
 def grad_groups(lay: Layout) -> tuple[int, int]:
@@ -444,13 +561,24 @@ def stage_memory(job: JobConfig, lay: Layout, stage: int, cache: dict | None = N
     if stage == 0:
         per_mb += 8 * tokens + (h * tokens / sp if model.hidden_dropout > 0 else 0)  # token ids; emb dropout
     in_flight = in_flight_microbatches(job, lay, stage)
-    parts["activations"] = per_mb * in_flight + per_mb_mtp
     logits = 0.0
     if last:
         vp = lay.padded_vocab
         logits += 2 * a * h * tokens / sp  # final norm input + output-layer input
         logits += tokens * vp / t * logit_bytes(job, mtp)
+    pending = None
+    if job.schedule.kind == "zb_h1" and p > 1:  # the op list's state of most memory, pending W's counted
+        if ("wgrad", stage == p - 1, n_moe, n_layers) not in cache:
+            cache[("wgrad", stage == p - 1, n_moe, n_layers)] = stage_wgrad_bytes(job, lay, stage)
+        w_mb = cache[("wgrad", stage == p - 1, n_moe, n_layers)]
+        states = zb_h1_states(p, max(1, lay.microbatches))[stage]
+        in_flight, n_pending = zb_peak_state(states, per_mb, w_mb, logits)
+        logits = logits if in_flight else 0.0
+        pending = n_pending * w_mb
+    parts["activations"] = per_mb * in_flight + per_mb_mtp
     parts["output_logits"] = logits
+    if pending is not None:
+        parts["pending_wgrad"] = pending
     comm = 0.0
     if p > 1:
         comm += 2 * 2 * a * h * tokens / sp  # p2p send/recv buffers, both directions
@@ -469,7 +597,7 @@ def stage_memory(job: JobConfig, lay: Layout, stage: int, cache: dict | None = N
     work = max((per_token(k, True) for k in per_kind), default=0.0) * tokens
     parts["workspace"] = work * (2 if frac > 0 else 1)
     parts["reserve"] = job.cluster.memory_reserve_gb * GB
-    return StageMemory(stage, n_layers, rp.total, in_flight, parts)
+    return StageMemory(stage, n_layers, rp.total, in_flight, parts, n_pending if pending is not None else 0)
 
 
 def memory_per_stage(job: JobConfig, lay: Layout | None = None, static_cache: dict | None = None) -> list[StageMemory]:
