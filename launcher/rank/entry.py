@@ -127,7 +127,7 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
         cache_dir=job.data.cache_dir or str(bundle / "data_cache"))
     torch.distributed.barrier()  # every rank measures the CPU share at the same time
     peak, label = metrics.utilisation_basis(peak_tflops_bf16=job.cluster.peak_tflops_bf16,
-                                            on_gpu=torch.cuda.is_available())
+                                            on_gpu=torch.cuda.is_available(), fp8=job.precision.fp8)
     log = metrics.MetricsLogger(logging=job.logging, bundle=bundle, run_name=job.name, config=asdict(job), rank=rank,
                                 console=console, peak_tflops=peak, util_label=label)
 

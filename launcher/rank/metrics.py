@@ -33,13 +33,20 @@ def measure_cpu_matmul_tflops(seconds: float = 0.3, n: int = 512) -> float:
     return 2 * n**3 * done / (time.perf_counter() - start) / 1e12
 
 
-def utilisation_basis(*, peak_tflops_bf16: float, on_gpu: bool) -> tuple[float, str]:
+MFU_LABEL = "MFU"
+MFU_FP8_LABEL = "MFU vs BF16 peak"
+"""The label on FP8 runs: the denominator stays the dense BF16 peak (NVIDIA's and Megatron-Bridge's published MFU,
+and the planner's), about half the FP8 peak, so an FP8 run's figure is not a share of its own FP8 peak."""
+
+
+def utilisation_basis(*, peak_tflops_bf16: float, on_gpu: bool, fp8: Optional[str] = None) -> tuple[float, str]:
     """(peak TFLOP/s per rank, label) that the logged utilisation is measured against.
 
-    On GPU: the cluster profile's dense BF16 peak (MFU, as NVIDIA and Megatron report it). On CPU a GPU peak
-    means nothing: the run is fp32 and its ranks share the cores, so measure the per-rank share instead."""
+    On GPU: the cluster profile's dense BF16 peak (MFU, as NVIDIA and Megatron report it), also on FP8 runs
+    (``fp8``: precision.fp8, the recipe or None), whose label then says so. On CPU a GPU peak means nothing: the
+    run is fp32 and its ranks share the cores, so measure the per-rank share instead."""
     if on_gpu:
-        return peak_tflops_bf16, "MFU"
+        return peak_tflops_bf16, MFU_FP8_LABEL if fp8 else MFU_LABEL
     return measure_cpu_matmul_tflops(), "util vs measured CPU share"
 
 
