@@ -166,6 +166,41 @@ def test_login_side_never_raises_and_names_the_field(verdicts):
     assert not verdicts["failures"], "\n".join(verdicts["failures"][:40])
 
 
+PROBE_IDLE_S = 300
+"""Hang detector of the probes: a probe that starts no new case for this long is stopped and reported, naming
+its case. One case takes well under a second, except a first Inductor compile of the fused cross-entropy
+(model.cross_entropy_loss_fusion=true): tens of CPU seconds, over a minute of wall time on a busy machine."""
+
+
+def _wait_on_progress(procs, tmp_path) -> None:
+    """Wait for every probe to end; stop them all and fail, naming the case, if one makes no progress (prints
+    no new ``probe: case`` line) for PROBE_IDLE_S."""
+    import threading
+
+    last = [[time.monotonic(), "(starting: importing Megatron-Core)"] for _ in procs]
+
+    def pump(i, proc):
+        for line in proc.stdout:
+            last[i] = [time.monotonic(), line.strip()]
+
+    pumps = [threading.Thread(target=pump, args=(i, p), daemon=True) for i, p in enumerate(procs)]
+    for t in pumps:
+        t.start()
+    while any(p.poll() is None for p in procs):
+        stuck = [(i, what) for i, (p, (at, what)) in enumerate(zip(procs, last))
+                 if p.poll() is None and time.monotonic() - at > PROBE_IDLE_S]
+        if stuck:
+            for p in procs:
+                p.kill()
+            i, what = stuck[0]
+            err = (tmp_path / f"err{i}.txt").read_text(errors="replace")[-2000:]
+            raise AssertionError(f"hang: Megatron-Core probe {i} made no progress for {PROBE_IDLE_S} s; it was "
+                                 f"on {what}\n{err}")
+        time.sleep(0.5)
+    for t in pumps:
+        t.join(timeout=10)
+
+
 def test_what_the_login_node_accepts_megatron_core_builds(verdicts, tmp_path):
     unique: dict = {}
     for case, job in verdicts["accepted"].items():
@@ -179,18 +214,22 @@ def test_what_the_login_node_accepts_megatron_core_builds(verdicts, tmp_path):
         with open(tmp_path / f"err{shard}.txt", "w") as err:
             procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / "_mcore_probe.py"),
                                            str(tmp_path / f"cases{shard}.pkl"), str(tmp_path / f"out{shard}.json")],
-                                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err))
-    results, seconds, config_only, reused = {}, 0.0, 0, 0
+                                          cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True))
+    _wait_on_progress(procs, tmp_path)
+    results, seconds, config_only, reused, unstepped = {}, 0.0, 0, 0, 0
     for shard, proc in enumerate(procs):
-        proc.wait(timeout=600)
         assert proc.returncode == 0, (tmp_path / f"err{shard}.txt").read_text(errors="replace")[-3000:]
         out = json.loads((tmp_path / f"out{shard}.json").read_text())
         seconds, config_only = max(seconds, out.pop("__seconds__")), config_only + out.pop("__config_only__")
         out.pop("__slowest__")
         reused += out.pop("__reused__")
+        unstepped += out.pop("__no_cxx_unstepped__")
         results.update(out)
     print(f"\ndifferential: {len(cases)} distinct accepted configurations through Megatron-Core in {seconds} s "
           f"({len(cases) - config_only} models built, {config_only} too large: config objects and groups only; "
           f"{reused} of them the same build as another, whose result they share)")
+    if unstepped:
+        print(f"differential: no C++ compiler ($CXX or g++): {unstepped} jobs with model.cross_entropy_loss_fusion="
+              f"true built but not stepped (Inductor cannot compile the fused loss on this machine)")
     broken = [f"{case}: {error}" for case, error in results.items() if error]
     assert not broken, f"{len(broken)} accepted by validate but refused by Megatron-Core:\n" + "\n".join(broken[:60])
