@@ -32,6 +32,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from launcher import ROOT
 from launcher.config import job_to_yaml
 from launcher.core import derive
+from launcher.core.cuda_env import job_env
 from launcher.core.signal_lead import lead_for_render
 from launcher.schema import JobConfig
 
@@ -103,7 +104,8 @@ def template_context(job: JobConfig, bundle_dir: Path, signal_lead: dict | None 
         "container_mounts": ",".join(cluster.container_mounts),
         "master_port": MASTER_PORT,
         "rendezvous": "c10d" if cluster.launcher == "slurm" else "standalone",
-        "env": sorted((str(k), str(v)) for k, v in cluster.env.items()),
+        # cluster.env, plus CUDA_DEVICE_MAX_CONNECTIONS derived from this job where it sets none (core/cuda_env.py)
+        "env": sorted(job_env(job).items()),
         "secret_names": list(cluster.secret_env),
     }
 

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator
 
 from launcher.core import Layout, derive
 from launcher.core.blend import is_number, parse_blend
+from launcher.core.cuda_env import PRE_BLACKWELL, max_connections
 from launcher.problems import Problem, errors
 from launcher.schema import (SECTIONS, CheckpointConfig, DataConfig, JobConfig, LoggingConfig, ModelConfig,
                              ParallelConfig)
@@ -526,11 +527,6 @@ def rank_side_limits(job: JobConfig) -> list[Problem]:
                     "(action=megatron-args writes --ckpt-format fsdp_dtensor)", "parallel.megatron_fsdp=false")]
 
 
-PRE_BLACKWELL = ("H100", "H200", "GH200", "A100")
-"""GPUs on which Megatron-LM ties tensor/context parallelism to CUDA_DEVICE_MAX_CONNECTIONS=1 (arguments.py:
-"CUDA_DEVICE_MAX_CONNECTIONS requirement no longer exists since the Blackwell architecture")."""
-
-
 def _validate_cuda_connections(c: _Checks, job: JobConfig, lay: Layout) -> None:
     """CUDA_DEVICE_MAX_CONNECTIONS in cluster.env against the layout (Megatron-LM arguments.py validate_args):
     Megatron-FSDP needs more than one hardware queue (its all-gathers run beside compute); before Blackwell,
@@ -538,7 +534,8 @@ def _validate_cuda_connections(c: _Checks, job: JobConfig, lay: Layout) -> None:
     the GEMM it overlaps (tensor_parallel/layers.py relies on it)."""
     if job.cluster.gpu == "cpu":
         return
-    value, f = job.cluster.env.get("CUDA_DEVICE_MAX_CONNECTIONS"), "cluster.env.CUDA_DEVICE_MAX_CONNECTIONS"
+    # the value the ranks will see: cluster.env's, else the one derived from the job (launcher/core/cuda_env.py)
+    value, f = max_connections(job), "cluster.env.CUDA_DEVICE_MAX_CONNECTIONS"
     if job.parallel.megatron_fsdp:
         c.need(value != "1", f, value, "Megatron-FSDP needs CUDA_DEVICE_MAX_CONNECTIONS > 1 or unset "
                "(Megatron-LM refuses FSDP with 1)", f"{f}=8")

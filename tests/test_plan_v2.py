@@ -94,7 +94,8 @@ def test_cuda_device_max_connections_agrees_with_the_layout():
     FSDP or the MoE all-to-all overlap asserts it is 1. The search gives FSDP candidates their own value."""
     f = "cluster.env.CUDA_DEVICE_MAX_CONNECTIONS"
     fsdp = ["recipe=llama3_8b", "parallel.context=1", "parallel.megatron_fsdp=true"]
-    assert any("Megatron-FSDP needs" in e for e in _errors(compose_job(fsdp), f))
+    assert any("Megatron-FSDP needs" in e for e in _errors(compose_job([*fsdp, f"{f}=1"]), f))
+    assert not _errors(compose_job(fsdp), f)  # the profile's auto: unset for FSDP (launcher/core/cuda_env.py)
     assert not _errors(compose_job([*fsdp, f"{f}=8"]), f)
     tp = ["recipe=llama3_70b", f"{f}=8"]
     assert any("needs CUDA_DEVICE_MAX_CONNECTIONS=1" in e for e in _errors(compose_job(tp), f))
@@ -104,8 +105,9 @@ def test_cuda_device_max_connections_agrees_with_the_layout():
 
     found = search(compose_job(["recipe=llama3_8b"]), top=20)
     assert any("parallel.megatron_fsdp=true" in c.overrides for c in found)  # NVIDIA's best 8B layout is FSDP
-    for cand in found:
-        assert ("parallel.megatron_fsdp=true" in cand.overrides) == (f"{f}=8" in cand.overrides), cand.overrides
+    for cand in found:  # the profile's auto already leaves it unset for FSDP: no override needed, none added
+        assert not any(o.startswith(f"{f}=") for o in cand.overrides), cand.overrides
+        assert not _errors(compose_job(["recipe=llama3_8b", *cand.overrides]), f), cand.overrides
 
 
 def test_moe_a2a_overlap_rules():

@@ -39,7 +39,8 @@ def test_recipe_validates_and_renders(recipe, tmp_path):
 def test_gpu_recipes_validate_on_both_hopper_profiles(recipe, cluster):
     job = compose_job([f"recipe={recipe}", f"cluster={cluster}"])
     assert errors(validate(job)) == []
-    assert job.cluster.backend == "nccl" and job.cluster.env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    # CUDA_DEVICE_MAX_CONNECTIONS is derived per job (launcher/core/cuda_env.py; tests/test_cuda_env.py)
+    assert job.cluster.backend == "nccl" and job.cluster.env["CUDA_DEVICE_MAX_CONNECTIONS"] == "auto"
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from launcher import RECIPES_DIR
+from launcher.core import cuda_env
 from launcher.megatron_lm.translate import Entry, ImportError_, Launch, flatten, to_fields
 
 STANDINS = ("torchrun", "python", "python3", "srun", "sbatch", "mpirun")
@@ -387,7 +388,14 @@ def _body(values, defaults, root, new_model, env, cluster, source, extra) -> Dic
     base = canonical(flatten(base_job))
     want = canonical(values)
     body = {k: values[k] for k in base if k in values and base[k] != want[k]}  # in schema order
-    keep, report = env_entries(env, dict(base_job.cluster.env), set(base_job.cluster.secret_env))
+    profile_env = dict(base_job.cluster.env)
+    if profile_env.get(cuda_env.VAR) == cuda_env.AUTO:  # the value the profile would give this imported job
+        job_values = {**flatten(base_job), **values}
+        profile_env[cuda_env.VAR] = cuda_env.derived_for(
+            gpu=base_job.cluster.gpu, megatron_fsdp=bool(job_values["parallel.megatron_fsdp"]),
+            moe_a2a_overlap=bool(job_values["parallel.moe_a2a_overlap"]),
+            tensor=int(job_values["parallel.tensor"]), context=int(job_values["parallel.context"]))
+    keep, report = env_entries(env, profile_env, set(base_job.cluster.secret_env))
     body.update({f"cluster.env.{k}": val for k, val in keep.items()})
     body.update(extra)
     return body, report

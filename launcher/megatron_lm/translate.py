@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from launcher.core import derive
+from launcher.core.cuda_env import job_env
 from launcher.megatron_lm.table import FLAGS, IGNORED, LAUNCHER_ONLY, REQUIRED, UNREAD, UNSUPPORTED, Flag, fmt
 from launcher.schema import (FP8_FORMATS, FP8_RECIPES, MOE_LOAD_BALANCING, SECTIONS, JobConfig)
 
@@ -683,7 +684,7 @@ def to_args(job: JobConfig) -> Export:
                                                                     "parallel.data", "schedule.batch_p2p_comm",
                                                                     "train.train_tokens", "logging.wandb_mode"):
             missing.append(f"{name}={fmt(v[name])} ({why})")
-    env = dict(job.cluster.env)
+    env = job_env(job)  # CUDA_DEVICE_MAX_CONNECTIONS resolved for this job, as env.sh has it
     if job.logging.wandb_project:
         env["WANDB_MODE"] = job.logging.wandb_mode
     return Export(out, job.nodes, job.cluster.gpus_per_node, env, missing)

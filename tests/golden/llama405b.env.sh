@@ -1,4 +1,6 @@
 # Environment of run llama405b, from its cluster profile (cluster.env). Sourced by launch.sh on every node.
+# CUDA_DEVICE_MAX_CONNECTIONS, unless cluster.env sets it, follows this job's settings as Megatron-LM requires
+# (1 with TP/CP > 1 before Blackwell, 32 with the MoE all-to-all overlap, unset with Megatron-FSDP).
 # Secrets are never written here: WANDB_API_KEY, HF_TOKEN pass through by
 # name from the environment that submits the job (sbatch exports it; pyxis forwards it into the container).
 export CUDA_DEVICE_MAX_CONNECTIONS=1
