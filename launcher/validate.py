@@ -763,7 +763,22 @@ def zb_h1_rules(job: JobConfig) -> list[tuple]:
          f"{zb} does not support multi-token prediction yet", "model.mtp_num_layers=0"),
         (not p.tp_comm_overlap, "parallel.tp_comm_overlap", True,
          f"{zb} does not support TE userbuffer TP overlap yet", "parallel.tp_comm_overlap=false"),
+        # TE (2.7 .. 2.18) under FP8 computes the bias gradient in B (grad_output_preprocess) and gives the
+        # delayed wgrad GEMM bias=None (linear.py: "bias": bias if (grad_bias is None and not fp8) else None);
+        # its backward_dw then sets an empty bias grad from that None (base.py TransformerEngineBaseModule.
+        # backward_dw: bias_tensor.grad = bgrad.to(...); layernorm_mlp.py the same for fc1/fc2 biases). A stage
+        # >= 1 runs a second B before the first W (DDP's hook then took the bias grad): AttributeError there.
+        (precision_fp8_without_biases(job), "model.add_bias_linear" if job.model.add_bias_linear
+         else "model.add_qkv_bias", True, f"{zb} with precision.fp8 and linear biases fails in Transformer "
+         "Engine's backward_dw (transformer_engine/pytorch/module/base.py: bias_tensor.grad = bgrad.to(...) with "
+         "bgrad None under FP8)", " ".join(f"model.{b}=false" for b in ("add_bias_linear", "add_qkv_bias")
+                                  if getattr(job.model, b)) + " or precision.fp8=null precision.fp8_param=false"),
     ]
+
+
+def precision_fp8_without_biases(job: JobConfig) -> bool:
+    """zb_h1 trains FP8 only without linear biases (TE's backward_dw, see zb_h1_rules)."""
+    return job.precision.fp8 is None or not (job.model.add_bias_linear or job.model.add_qkv_bias)
 
 
 def validate_schedule(job: JobConfig, lay: Layout) -> list[Problem]:
