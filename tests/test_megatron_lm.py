@@ -191,7 +191,6 @@ NOT_READ = {
     # DDP / optimizer config attributes that differ in value but are not read for these jobs, with why
     "check_for_nan_in_grad": "our training loop checks the loss and gradient norm itself (train.nonfinite)",
     "data_parallel_sharding_strategy": "read by Megatron FSDP only (parallel.megatron_fsdp=false here)",
-    "align_param_gather": "when the interleaved chunks start their parameter all-gathers (overlap timing only)",
     "fp8_recipe": "read only with FP8 on",
     "muon_momentum": "Muon optimizer only", "optimizer_offload_fraction": "read only with optimizer CPU offload",
     "barrier_with_L1_time": "timers only",

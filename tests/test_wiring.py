@@ -198,6 +198,7 @@ def _expected(field: str, target: str, attr: str, job, lay, built):
         ("train.micro_batch_size", UB, "shape"): _ub_shape(job) if p.tp_comm_overlap else SKIP,
         ("parallel.virtual_pipeline", MPU, "virtual_pipeline_model_parallel_size"): (p.virtual_pipeline or 1) > 1 and p.virtual_pipeline or None,
         ("parallel.virtual_pipeline", TC, "virtual_pipeline_model_parallel_size"): (p.virtual_pipeline or 1) > 1 and p.virtual_pipeline or None,
+        ("parallel.virtual_pipeline", DDP, "align_param_gather"): (p.virtual_pipeline or 1) > 1,  # Megatron-LM's default
         ("parallel.expert_tensor", MPU, "expert_tensor_parallel_size"): p.expert_tensor or p.tensor,
         ("parallel.expert_tensor", TC, "expert_tensor_parallel_size"): p.expert_tensor or p.tensor,
         ("parallel.sequence_parallel", TC, "sequence_parallel"): p.sequence_parallel and p.tensor > 1,

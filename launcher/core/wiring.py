@@ -102,7 +102,7 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
     + _w(UB, "tp_size"),
     "parallel.pipeline": _w(MPU, "pipeline_model_parallel_size") + _tc("pipeline_model_parallel_size"),
     "parallel.virtual_pipeline": _w(MPU, "virtual_pipeline_model_parallel_size", same=False)
-    + _tc("virtual_pipeline_model_parallel_size", same=False),
+    + _tc("virtual_pipeline_model_parallel_size", same=False) + _w(DDP, "align_param_gather", same=False),
     "parallel.context": _w(MPU, "context_parallel_size") + _tc("context_parallel_size")
     + _w(UB, "shape", same=False),
     "parallel.expert": _w(MPU, "expert_model_parallel_size") + _tc("expert_model_parallel_size"),

@@ -29,6 +29,11 @@ def ddp_config(*, parallel: ParallelConfig, precision: PrecisionConfig, on_gpu: 
         # FP8 primary weights are re-quantised by the distributed optimizer only under fp8_param_gather
         # (optimizer/distrib_optimizer.py); Megatron-LM sets the two together (training/argument_utils.py).
         fp8_param_gather=precision.fp8_param,
+        # with virtual pipelines the interleaved schedule dispatches each chunk's parameter all-gather itself
+        # (config.param_sync_func, hook_model_config): Megatron-LM's --align-param-gather is on by default and
+        # forced off without VPP (megatron/training/arguments.py validate_args, "Setting args.overlap_p2p_comm
+        # and args.align_param_gather to False"); training.py get_megatron_ddp_config copies it into DDP's config
+        align_param_gather=(parallel.virtual_pipeline or 1) > 1,
         # Megatron-FSDP: parameters, gradients and optimizer state sharded over DP (ZeRO-3)
         use_megatron_fsdp=parallel.megatron_fsdp,
         data_parallel_sharding_strategy="optim_grads_params" if parallel.megatron_fsdp else "no_shard",
@@ -104,14 +109,23 @@ def build_scheduler(optimizer, *, train: TrainConfig, steps: int):
 
 
 def hook_model_config(model: List[torch.nn.Module], optimizer, *, parallel: ParallelConfig) -> None:
-    """Tell the pipeline schedule how to finalize grads and scale the loss (Megatron's training.py)."""
+    """Tell the pipeline schedule how to finalize grads, scale the loss and (overlapped on GPU) when to start
+    each chunk's gradient reduce and parameter all-gather, as Megatron-LM's training.py ``train`` does
+    ("Setup some training config params": no_sync_func / grad_sync_func under overlap_grad_reduce with
+    align_grad_reduce, its default; param_sync_func under overlap_param_gather with align_param_gather, i.e.
+    with virtual pipelines; a single function instead of a list for one chunk)."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.utils import get_model_config
+
+    def per_chunk(name):
+        return [getattr(m, name) for m in model] if len(model) > 1 else getattr(model[0], name)
 
     config = get_model_config(model[0])
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
-    if parallel.overlap_grad_reduce and torch.cuda.is_available():
-        config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
-        config.grad_sync_func = ([m.start_grad_sync for m in model] if len(model) > 1
-                                 else model[0].start_grad_sync)
+    ddp = getattr(model[0], "ddp_config", None)
+    if getattr(ddp, "overlap_grad_reduce", False):  # ddp_config turns it off without CUDA streams
+        config.no_sync_func = per_chunk("no_sync")
+        config.grad_sync_func = per_chunk("start_grad_sync")
+    if getattr(ddp, "overlap_param_gather", False) and getattr(ddp, "align_param_gather", False):
+        config.param_sync_func = per_chunk("start_param_sync")
