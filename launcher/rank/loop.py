@@ -70,6 +70,40 @@ def _mean_lm_loss(losses: List[Dict[str, torch.Tensor]]) -> float:
     return float(torch.stack([x["lm loss"].float() for x in losses]).mean()) if losses else 0.0
 
 
+def auxiliary_losses(config, num_microbatches: int, step: int) -> Dict[str, float]:
+    """This step's MoE load-balancing / z-losses and MTP losses, as Megatron-LM's ``training_log``
+    (megatron/training/training.py) computes them: Megatron-Core's own trackers, reduced across the ranks by
+    them (the MoE tracker all-reduces its per-layer values over the pipeline group and averages over the
+    TP x DP x CP group; the MTP helper all-reduces over the groups the MTP block registered), scaled by
+    ``1 / num_microbatches`` and then cleared. Every rank must call it every step (the reductions are
+    collectives; ``force_initialize`` gives ranks without MoE layers zero tensors on the compute device).
+    Returns {} for a dense model without MTP."""
+    out: Dict[str, float] = {}
+    if getattr(config, "num_moe_experts", None):
+        from megatron.core.transformer.moe.moe_utils import get_moe_metrics_tracker
+
+        balancing = config.moe_router_load_balancing_type
+        balancing = " ".join(balancing) if isinstance(balancing, (list, tuple)) else str(balancing)
+        names = [name for kind, name in (("aux_loss", "load_balancing_loss"),
+                                         ("seq_aux_loss", "seq_load_balancing_loss"),
+                                         ("global_aux_loss", "global_load_balancing_loss")) if kind in balancing]
+        if config.moe_z_loss_coeff is not None:  # training.py: `if args.moe_z_loss_coeff is not None`
+            names.append("z_loss")
+        totals: Dict[str, torch.Tensor] = {}
+        get_moe_metrics_tracker().report(
+            loss_scale=1 / num_microbatches, iteration=step, writer=None, wandb_writer=None,
+            per_layer_logging=False, force_initialize=True, track_names=names, num_layers=config.num_layers,
+            moe_layer_freq=config.moe_layer_freq, mtp_num_layers=config.mtp_num_layers, total_loss_dict=totals)
+        out.update({name: float(value) for name, value in totals.items()})
+    if getattr(config, "mtp_num_layers", None):
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+        totals = {}
+        MTPLossLoggingHelper.track_mtp_metrics(1 / num_microbatches, step, None, None, totals)
+        out.update({name: float(value) for name, value in totals.items()})
+    return out
+
+
 def reduce_report(local_loss: float, stop: bool) -> tuple:
     """World all-reduce: mean loss over the ranks that hold it (last stage, TP rank 0), and whether any
     rank asked to stop. One small collective per step."""
@@ -157,6 +191,9 @@ class Loop:
                              seq_length=self.seq_length, micro_batch_size=self.train.micro_batch_size,
                              forward_only=False)
         local_loss = _mean_lm_loss(losses)
+        from megatron.core.utils import get_model_config
+
+        aux = auxiliary_losses(get_model_config(self.model[0]), self.num_microbatches, self.step + 1)
         bad = None
         # Without a grad norm (clip_grad=0) a NaN gradient would only show in the next step's loss, after a
         # checkpoint may have saved the NaN weights; skipping needs the verdict before the update.
@@ -166,10 +203,10 @@ class Loop:
         self.consumed += self.train.global_batch_size
         if bad and self.train.nonfinite == "skip":  # no update: weights, Adam state and LR schedule unchanged
             return {"local_loss": local_loss, "lr": lr, "grad_norm": float("nan"), "nonfinite": True,
-                    "skipped": True}
+                    "skipped": True, "aux": aux}
         _, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
-        return {"local_loss": local_loss, "lr": lr, "nonfinite": bool(bad),
+        return {"local_loss": local_loss, "lr": lr, "nonfinite": bool(bad), "aux": aux,
                 "grad_norm": float(grad_norm) if grad_norm is not None else 0.0}
 
     @contextlib.contextmanager
@@ -232,7 +269,7 @@ class Loop:
             on_step({"step": self.step, "loss": loss, "lr": out["lr"], "grad_norm": out["grad_norm"],
                      "ms_per_step": elapsed * 1e3, "tokens_per_s": tokens_per_step / elapsed,
                      "tflops": tflops,
-                     "mem_gib": memory_gib()})
+                     "mem_gib": memory_gib(), **out.get("aux", {})})  # MoE/MTP losses: appended last
             if self.train.eval_interval and self.step % self.train.eval_interval == 0:
                 vi = valid_iters()
                 if vi is not None:

@@ -50,6 +50,12 @@ def utilisation_basis(*, peak_tflops_bf16: float, on_gpu: bool, fp8: Optional[st
     return measure_cpu_matmul_tflops(), "util vs measured CPU share"
 
 
+STEP_LINE_KEYS = frozenset({"step", "loss", "lr", "grad_norm", "ms_per_step", "tokens_per_s", "tflops", "mfu",
+                            "mem_gib"})
+"""The step line's fixed fields; any other metric (MoE load-balancing / z-loss, ``mtp_N loss``: Megatron-LM's
+training_log names) is appended after them, so tests/_rank_harness.py's STEP regex still parses the line."""
+
+
 class MetricsLogger:
     """Rank 0 prints and records; other ranks only keep quiet."""
 
@@ -79,7 +85,8 @@ class MetricsLogger:
             self.console.line(
                 "step {step:5d} | loss {loss:.4f} | lr {lr:.3e} | grad_norm {grad_norm:.3f} | "
                 "{ms_per_step:.1f} ms/step | tokens/s {tokens_per_s:.0f} | TFLOP/s {tflops:.4f} | "
-                "{label} {mfu:.2%} | mem {mem_gib:.2f} GiB".format(label=self.util_label, **metrics))
+                "{label} {mfu:.2%} | mem {mem_gib:.2f} GiB".format(label=self.util_label, **metrics)
+                + "".join(f" | {k} {metrics[k]:.4f}" for k in metrics if k not in STEP_LINE_KEYS))
         self._record(metrics, "train", step)
 
     def eval(self, step: int, loss: float) -> None:
