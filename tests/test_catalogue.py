@@ -276,8 +276,10 @@ def test_list_prints_the_catalogue_in_about_a_second():
             assert e.recipe + suffix in proc.stdout
         assert e.title.split(" (")[0] in proc.stdout
     assert "671.0B / 37.6B +11.6B MTP" in proc.stdout and "46.7B / 12.9B" in proc.stdout
-    # a guard against a list that explodes, not the target: it measured 1.3-1.8 CPU s on these shared 2 cores
-    assert cpu < 5.0, cpu
+    # a pathology bound, not the target ("about a second" is benchmarks/login_node.py's to measure): it measured
+    # 1.3-1.8 CPU s on these shared 2 cores; 18 CPU s (10x) only catches a list that imports torch or re-plans
+    # every recipe many times over. Allowed in tests/test_no_timing_asserts.py.
+    assert cpu < 18.0, cpu
 
 
 def test_list_as_json(cli):
