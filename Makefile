@@ -28,8 +28,12 @@ $(VENV)/.installed: pyproject.toml constraints/cpu.txt Makefile
 run: setup
 	$(PY) -m launcher
 
+# `make test` runs the fast lane on both cores (pytest-xdist: independent in-process tests), then the rest one
+# at a time (the multi-rank and Slurm tests keep both cores busy themselves); it fails if either part fails.
 test: setup
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q -n 2 --durations=10 -m '$(FAST)' tests; fast=$$?; \
+	$(PY) -m pytest -q --durations=25 -m 'not ($(FAST))' tests; rest=$$?; \
+	exit $$(( fast || rest ))
 
 test-fast: setup
 	$(PY) -m pytest -q -n 2 --durations=10 -m '$(FAST)' tests
