@@ -79,6 +79,10 @@ def test_llama3_8b_pp8_zb_h1_plans_pending_w_and_its_peak_is_the_last_stage():
         assert b.total == pytest.approx(a.total + held, rel=1e-9)
     assert max(ref, key=lambda st: st.total).stage == 0
     assert max(zb, key=lambda st: st.total).stage == 7 and zb[7].total > ref[0].total + 9e9
+    quoted = f"{ref[0].total / 1e9:.1f} GB on stage 0 under 1F1B, {zb[7].total / 1e9:.1f} GB on stage 7 under ZB-H1"
+    assert quoted in " ".join((ROOT / "README.md").read_text().split()), f"README should say: {quoted}"
+    notes = f"stage 0 ({ref[0].total / 1e9:.1f} GB, as 1F1B) to stage 7 ({ref[7].total / 1e9:.1f} → {zb[7].total / 1e9:.1f} GB)"
+    assert notes in " ".join((ROOT / "launcher" / "plan" / "NOTES.md").read_text().split()), notes
 
 
 def test_render_refuses_a_zb_h1_job_whose_pending_w_overflow_the_last_stage(cli, tmp_path):
@@ -128,6 +132,7 @@ def test_planned_pending_w_bytes_match_what_the_store_holds(tmp_path, name, npro
         planned = zb_h1_held_wgrad_bytes(job, plan_lay, stage)
         most = max(pend for _, pend in zb_h1_states(plan_lay.pp, plan_lay.microbatches)[stage])
         where = f"{name} stage {stage} tp {rep['tp']}: held {rep['peak_bytes']} B, planned {planned:.0f} B"
+        print(where)  # shown with pytest -s
         assert rep["microbatches"] == plan_lay.microbatches == 8
         assert rep["peak_microbatches"] == most, where
         assert abs(rep["peak_bytes"] - planned) <= TOLERANCE * planned, where
