@@ -85,9 +85,8 @@ def transformer_config(*, model: ModelConfig, parallel: ParallelConfig, precisio
         use_cpu_initialization=not on_gpu, perform_initialization=True,
         # fused kernels: only with Transformer Engine (the local spec's fused softmax needs apex/TE kernels)
         # TE fuses the weight-gradient accumulation into DDP's main_grad buffer (Megatron-LM's default with TE)
-        gradient_accumulation_fusion=te, bias_activation_fusion=te and gated,
-        bias_dropout_fusion=on_gpu, masked_softmax_fusion=te, apply_rope_fusion=False,
-        persist_layer_norm=False, deallocate_pipeline_outputs=on_gpu,
+        gradient_accumulation_fusion=te, bias_dropout_fusion=on_gpu, masked_softmax_fusion=te,
+        **_activation_rope_fusions(model, te), persist_layer_norm=False, deallocate_pipeline_outputs=on_gpu,
         transformer_impl="transformer_engine" if te else "local",
         **_recompute_fields(recompute, recompute_num_layers, recompute_modules), **_moe_fields(model, layout, on_gpu),
         **_schedule_fields(layout, schedule), **backend.fp8_fields(precision, te),
@@ -104,6 +103,33 @@ def transformer_config(*, model: ModelConfig, parallel: ParallelConfig, precisio
                       rotary_scaling_factor=1.0)  # read by yarn only; Megatron-LM's value with --rope-type rope
         return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
+
+
+def _activation_rope_fusions(model: ModelConfig, te: bool) -> dict:
+    """Bias-activation and RoPE fusion as Megatron-LM sets them, on the Transformer Engine path.
+
+    - bias_activation_fusion: Megatron-LM's --bias-swiglu-fusion / --bias-gelu-fusion are on by default
+      (--no-bias-*-fusion turn them off); SwiGLU takes the first, GeLU the second, which validate_args turns off
+      without linear biases ("Disable bias gelu fusion if we are disabling bias altogether",
+      megatron/training/arguments.py; megatron/training/argument_utils.py core_transformer_config_from_args).
+      squared ReLU has no fused kernel (TransformerConfig: "activation function should be either gelu, swiglu,
+      or quick_geglu"), so it stays off.
+    - apply_rope_fusion: on by default (--no-rope-fusion), off without RoPE (validate_args: "if
+      args.position_embedding_type != 'rope': args.apply_rope_fusion = False"); MLA here uses rope_type
+      "rope", for which MLATransformerConfig refuses it ("apply_rope_fusion for MLA only works with YARN
+      RoPE"). The kernel is TE's (rope_utils.fused_apply_rotary_pos_emb, None without TE, and
+      TransformerConfig then refuses the fusion): on only where it imports.
+
+    The CPU path (local spec, no TE or apex) keeps both off: the fused kernels are TE's / jit fusions made for
+    CUDA."""
+    if not te:
+        return {"bias_activation_fusion": False, "apply_rope_fusion": False}
+    from megatron.core.models.common.embeddings import rope_utils
+
+    bias_act = {"swiglu": True, "gelu": model.add_bias_linear}.get(model.activation, False)
+    rope = (model.position_embedding == "rope" and not model.multi_latent_attention
+            and rope_utils.fused_apply_rotary_pos_emb is not None)
+    return {"bias_activation_fusion": bias_act, "apply_rope_fusion": rope}
 
 
 def _vpp(layout: Layout) -> Optional[int]:
