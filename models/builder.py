@@ -85,7 +85,8 @@ def transformer_config(*, model: ModelConfig, parallel: ParallelConfig, precisio
         use_cpu_initialization=not on_gpu, perform_initialization=True,
         # fused kernels: only with Transformer Engine (the local spec's fused softmax needs apex/TE kernels)
         # TE fuses the weight-gradient accumulation into DDP's main_grad buffer (Megatron-LM's default with TE)
-        gradient_accumulation_fusion=te, bias_dropout_fusion=on_gpu, masked_softmax_fusion=te,
+        gradient_accumulation_fusion=_grad_accumulation_fusion(parallel, te), bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=te,
         **_activation_rope_fusions(model, te), persist_layer_norm=False, deallocate_pipeline_outputs=on_gpu,
         transformer_impl="transformer_engine" if te else "local",
         **_recompute_fields(recompute, recompute_num_layers, recompute_modules), **_moe_fields(model, layout, on_gpu),
@@ -103,6 +104,22 @@ def transformer_config(*, model: ModelConfig, parallel: ParallelConfig, precisio
                       rotary_scaling_factor=1.0)  # read by yarn only; Megatron-LM's value with --rope-type rope
         return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
+
+
+def _grad_accumulation_fusion(parallel: ParallelConfig, te: bool) -> bool:
+    """TE accumulates weight gradients straight into DDP's main_grad buffer (Megatron-LM's default with TE).
+    Megatron-FSDP takes that only from TE 2.10 on (megatron/core/distributed/fsdp/mcore_fsdp_adapter.py:
+    "Megatron-FSDP with gradient_accumulation_fusion requires Transformer Engine version 2.10 or higher"), and
+    the image (Dockerfile, NGC PyTorch 25.09) ships an older TE: with FSDP the fusion is on only where the
+    installed TE is 2.10 or newer (unfused, TE writes .grad and FSDP reduces it: slower, same numbers)."""
+    if not te or not parallel.megatron_fsdp:
+        return te
+    from megatron.core.utils import is_te_min_version
+
+    try:
+        return bool(is_te_min_version("2.10"))
+    except Exception:  # noqa: BLE001 - no TE metadata (a CPU test building the GPU config): not fusable
+        return False
 
 
 def _activation_rope_fusions(model: ModelConfig, te: bool) -> dict:

@@ -72,3 +72,19 @@ def test_mla_keeps_rope_fusion_off(gpu_te, monkeypatch):
     job = compose_job(["recipe=deepseek_v3"])
     cfg = transformer_config(model=job.model, parallel=job.parallel, precision=job.precision)
     assert cfg.multi_latent_attention and cfg.apply_rope_fusion is False and cfg.bias_activation_fusion is True
+
+
+@pytest.mark.parametrize("te_version, fsdp, fused", [("2.7", True, False), ("2.10", True, True),
+                                                      ("2.7", False, True)])
+def test_fsdp_fuses_grad_accumulation_only_with_te_2_10(gpu_te, monkeypatch, te_version, fsdp, fused):
+    """Megatron-FSDP asserts TE >= 2.10 for gradient_accumulation_fusion (mcore_fsdp_adapter.py); the image's
+    NGC 25.09 TE is older, so the derived setting follows the installed TE."""
+    from megatron.core import utils
+
+    from models.builder import transformer_config
+
+    monkeypatch.setattr(utils, "is_te_min_version",
+                        lambda v, **k: tuple(map(int, te_version.split("."))) >= tuple(map(int, v.split("."))))
+    cfg = transformer_config(model=ModelConfig(), parallel=ParallelConfig(megatron_fsdp=fsdp),
+                             precision=PrecisionConfig(dtype="bf16"))
+    assert cfg.gradient_accumulation_fusion is fused
