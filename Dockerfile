@@ -1,6 +1,9 @@
 # GPU image for the rank side: NGC PyTorch ships CUDA, cuDNN, NCCL, Transformer Engine and NVIDIA apex, so
 # nothing GPU-specific is built here. Use it as cluster.container_image (pyxis/enroot) after pushing it.
 #   docker build -t megatron-launcher:latest .
+# Its Transformer Engine is older than 2.10, which Megatron-FSDP needs for fused gradient accumulation
+# (mcore_fsdp_adapter.py): models/builder.py then leaves that fusion off for parallel.megatron_fsdp runs;
+# a newer image with TE >= 2.10 turns it on by itself.
 FROM nvcr.io/nvidia/pytorch:25.09-py3
 
 WORKDIR /opt/launcher
