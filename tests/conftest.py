@@ -64,6 +64,14 @@ SLOW_MODULES = {
 """test module -> why it is in the `slow` lane although it starts no ranks."""
 _SPAWNS_RANKS = re.compile(r"""["'](?:torch\.distributed\.run|torchrun|launcher\.rank)["']|action=run|--nproc_per_node"""
                            r"""|\bmp\.spawn\(|multiprocessing\.spawn\(""")
+_STARTS_PER_RANK = re.compile(r"for rank in range\(")
+
+
+def _spawns_ranks(source: str) -> bool:
+    """torchrun/launcher.rank/action=run/mp.spawn, or a Popen per rank (a test's own gloo workers)."""
+    return bool(_SPAWNS_RANKS.search(source) or ("Popen(" in source and _STARTS_PER_RANK.search(source)))
+
+
 _RANK_HELPERS = {"train", "run_train", "run_until"}
 """`_rank_harness` functions that start torchrun."""
 _RANK_FIXTURES = {"reference_run"}
@@ -85,8 +93,11 @@ class _ModuleSpawns:
         source = path.read_text()
         calls = {name: {n.id for n in ast.walk(f) if isinstance(n, ast.Name)} for name, f in funcs.items()}
         spawns = {name for name, f in funcs.items()
-                  if _SPAWNS_RANKS.search(ast.get_source_segment(source, f) or "") or calls[name] & from_harness}
+                  if _spawns_ranks(ast.get_source_segment(source, f) or "") or calls[name] & from_harness}
         spawns |= {name for name, f in funcs.items() if {a.arg for a in f.args.args} & _RANK_FIXTURES}
+        if spawns or _spawns_ranks(source):  # a function that runs this very file as a script runs its ranks too
+            spawns |= {name for name, f in funcs.items() if "__file__" in (seg := ast.get_source_segment(source, f)
+                                                                            or "") and "subprocess." in seg}
         while True:  # through helpers and fixtures of the same module
             more = {name for name in funcs if name not in spawns and calls[name] & spawns}
             if not more:

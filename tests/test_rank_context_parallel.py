@@ -203,7 +203,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run_ranks(world: int, cp_sizes: list, timeout: float = 120.0) -> None:
+def _run_ranks(world: int, cp_sizes: list, timeout: float = 600.0) -> None:
+    # ``timeout``: a hang detector (the ranks print only at their end, so there is no progress to watch), 10x the
+    # 20-60 s these take on a busy 2-core machine; 120 s ran out at load average 67 (issue 25)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
     port = str(_free_port())
     procs = [subprocess.Popen([sys.executable, __file__, str(world), str(rank), port, ",".join(map(str, cp_sizes))],
