@@ -40,6 +40,8 @@ HINTS = {
     "output_logits": "model.cross_entropy_loss_fusion=true (bf16 softmax), more parallel.tensor (shards the "
                      "vocabulary), or fewer layers on the last stage (parallel.account_for_loss_in_pipeline_split=true "
                      "or parallel.last_stage_layers)",
+    "pending_wgrad": "schedule.kind=1f1b (no deferred weight gradients), more parallel.tensor (shards the deferred "
+                     "GEMM operands and the logits gradient), or a smaller train.micro_batch_size",
     "workspace": "train.recompute=selective instead of full, or a smaller train.micro_batch_size",
     "comm_buffers": "a smaller train.micro_batch_size",
     "reserve": "cluster.memory_reserve_gb (only if you know the site's overhead is smaller)",
@@ -219,7 +221,8 @@ def oom_message(plan: Plan) -> str:
              f"(GPU has {cap:g} GB usable):"]
     for s in over:
         parts = ", ".join(f"{k} {v / GB:.1f}" for k, v in s.parts.items() if v >= 0.05 * GB)
-        lines.append(f"  stage {s.stage} ({s.layers} layers, {s.in_flight:g} microbatches in flight): "
+        pending = f", {s.pending_w} with weight gradients pending" if "pending_wgrad" in s.parts else ""
+        lines.append(f"  stage {s.stage} ({s.layers} layers, {s.in_flight:g} microbatches in flight{pending}): "
                      f"{s.total / GB:.1f} GB = {parts}")
     peak = plan.peak_stage
     top = peak.largest(3)
