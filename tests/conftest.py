@@ -72,6 +72,23 @@ def _spawns_ranks(source: str) -> bool:
     return bool(_SPAWNS_RANKS.search(source) or ("Popen(" in source and _STARTS_PER_RANK.search(source)))
 
 
+def _runs_the_default_action(func: ast.AST) -> bool:
+    """A literal `[python, "-m", "launcher", ...]` without an action=: on the default cluster=local that trains
+    (the embedded default). A list with *args is not read (its action is not known here)."""
+    for node in ast.walk(func):
+        if not isinstance(node, ast.List):
+            continue
+        words = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
+        if not any(a == "-m" and b == "launcher" for a, b in zip(words, words[1:])):
+            continue
+        if any(isinstance(e, ast.Starred) for e in node.elts):
+            continue
+        text = [ast.unparse(e) for e in node.elts]
+        if not any("action=" in t or "--help" in t or "--cfg" in t for t in text):
+            return True
+    return False
+
+
 _RANK_HELPERS = {"train", "run_train", "run_until"}
 """`_rank_harness` functions that start torchrun."""
 _RANK_FIXTURES = {"reference_run"}
@@ -93,7 +110,8 @@ class _ModuleSpawns:
         source = path.read_text()
         calls = {name: {n.id for n in ast.walk(f) if isinstance(n, ast.Name)} for name, f in funcs.items()}
         spawns = {name for name, f in funcs.items()
-                  if _spawns_ranks(ast.get_source_segment(source, f) or "") or calls[name] & from_harness}
+                  if _spawns_ranks(ast.get_source_segment(source, f) or "") or calls[name] & from_harness
+                  or _runs_the_default_action(f)}
         spawns |= {name for name, f in funcs.items() if {a.arg for a in f.args.args} & _RANK_FIXTURES}
         if spawns or _spawns_ranks(source):  # a function that runs this very file as a script runs its ranks too
             spawns |= {name for name, f in funcs.items() if "__file__" in (seg := ast.get_source_segment(source, f)
