@@ -14,15 +14,17 @@ FAST := not multirank and not slurm and not gpu and not slow
 
 setup: $(VENV)/.installed
 
+# A quiet first screen: pip at -qq (errors only: no build-backend notes such as setuptools' "Editable
+# installation" banner, no index warnings from a machine's pip.conf). megatron-core declares Python>=3.12 but
+# its wheel works on 3.11 (see DESIGN.md); no deps: torch is pinned above. The import check runs without
+# Megatron-Core's four "Transformer Engine and Apex are not installed" fallback warnings (expected on CPU;
+# silenced for this one check only, the ranks still print them).
 $(VENV)/.installed: pyproject.toml constraints/cpu.txt Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints/cpu.txt -e '.[train,dev]'
-	# megatron-core declares Python>=3.12 but its wheel works on 3.11 (see DESIGN.md); no deps: torch is pinned above.
+	$(PY) -m pip install -qq --upgrade pip
+	$(PY) -m pip install -qq -c constraints/cpu.txt -e '.[train,dev]'
 	$(PY) -c 'import sys; sys.exit(sys.version_info >= (3, 12))' && \
-	  $(PY) -m pip install -q --no-deps --ignore-requires-python $(MEGATRON_CORE) || true
-	# the import check, without Megatron-Core's four "Transformer Engine and Apex are not installed" fallback
-	# warnings (expected on CPU; silenced for this one check only, the ranks still print them)
+	  $(PY) -m pip install -qq --no-deps --ignore-requires-python $(MEGATRON_CORE) || true
 	$(PY) -W 'ignore:Transformer Engine and Apex are not installed:UserWarning' -c 'import megatron.core, torch, launcher' && touch $@
 
 run: setup
