@@ -41,9 +41,21 @@ def init_distributed(*, cluster: ClusterConfig, layout: Layout, seed: int) -> No
         raise ValueError(f"world size {world} is not a multiple of tensor x pipeline x context = "
                          f"{layout.model_parallel}")
     parallel_state.initialize_model_parallel(**parallel_state_kwargs(layout))
-    torch.manual_seed(seed)
-    # Per-rank named RNG streams (TP dropout etc.); on CPU they are CPU generator states (cpu_compat).
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    rank_seed = stage_seed(seed, parallel_state.get_pipeline_model_parallel_rank())
+    torch.manual_seed(rank_seed)
+    # Per-rank named RNG streams (TP dropout, and on a GPU every weight: with use_cpu_initialization=False
+    # Megatron-Core/TE draw each weight inside get_cuda_rng_tracker().fork()); on CPU they are CPU generator
+    # states (cpu_compat). Seeded from the stage's seed, so stage 1's layer j is not stage 0's layer j.
+    tensor_parallel.model_parallel_cuda_manual_seed(rank_seed)
+
+
+def stage_seed(seed: int, pp_rank: int) -> int:
+    """The seed of pipeline stage ``pp_rank``: Megatron-LM's ``_set_random_seed`` (megatron/training/initialize.py)
+    adds ``100 * pp_rank`` before seeding torch and the model-parallel RNG tracker, so stages draw different weights
+    on the GPU init path. (It also adds ``10 * dp_rank`` under ``--data-parallel-random-init``, off by default: DP
+    replicas must start equal.) The CPU init path reseeds every layer from its global number on top of this
+    (models/builder.py), which keeps CPU initial weights layout-independent for the parity tests."""
+    return seed + 100 * pp_rank
 
 
 def close() -> None:

@@ -5,15 +5,17 @@ Megatron-Core has no zero-bubble schedule, so this module runs one with Megatron
 its ``P2PCommunicator`` for every pipeline send/recv, and its ``finalize_model_grads`` at the end. The op
 order is ``launcher.core.schedules.schedule_zb_h1`` — the list the planner simulates — executed literally:
 
-* F: receive the activation (blocking), forward, post the send to the next stage (non-blocking);
-* B: receive the output gradient (blocking), backward with the weight-gradient GEMMs of the parallel linear
-  layers deferred (``models/zero_bubble.py``), post the input gradient upstream at once;
+* F: forward on the received activation; its output is sent to the next stage;
+* B: backward on the received output gradient, with the weight-gradient GEMMs of the parallel linear layers
+  deferred (``models/zero_bubble.py``); the input gradient is sent upstream at once;
 * W: run one microbatch's deferred weight-gradient GEMMs (oldest first), accumulating into DDP's
   ``main_grad`` buffers.
 
-Only receives block, and every send is posted as soon as its tensor exists, so a rank waits exactly when the
-simulator's dependency rule says it must (no send/recv pairing deadlock, whatever the op order). Sends are
-waited at B of the same microbatch (forward sends) or at the end of the step.
+The sends and receives around them are the p2p program ``launcher.core.p2p.plan`` derives from the op list,
+executed literally: each group posted as one ``batch_isend_irecv``, a send fused with the next receive from the
+same peer (Megatron's ``send_forward_recv_backward`` rule, so two stages never both wait on a lone send under
+NCCL's blocking sends), each receive waited right before the op that needs it. ``tests/test_nccl_semantics.py``
+replays the program, and the order the ranks really issue, under NCCL's rules for PP 2..16.
 
 Gradient reduction: a parameter's gradient is complete only after its last W, so the DP reduce (and the
 embedding/SP all-reduces) run once, in ``finalize_model_grads`` after the last W, as with 1F1B without
@@ -30,6 +32,7 @@ from typing import Callable, List, Optional
 
 import torch
 
+from launcher.core import p2p
 from launcher.core.schedules import schedule_1f1b, schedule_zb_h1
 from models.backend import compute_device
 
@@ -112,10 +115,11 @@ def forward_backward_zb_h1(*, forward_step_func, data_iterator, model, num_micro
                            micro_batch_size: int, decoder_seq_length: Optional[int] = None,
                            forward_only: bool = False, collect_non_loss_data: bool = False,
                            first_val_step: Optional[bool] = None, recorder: Optional[Recorder] = None,
-                           order: Callable = schedule_zb_h1):
+                           order: Callable = schedule_zb_h1, p2p_communicator=None, pg_collection=None):
     """Megatron's forward_backward_func interface, running the ZB-H1 order. ``forward_only`` (evaluation)
     runs Megatron's 1F1B function: forwards are the same in both schedules. ``order`` is exchangeable for
-    tests (``schedule_1f1b`` runs 1F1B's order through this executor)."""
+    tests (``schedule_1f1b`` runs 1F1B's order through this executor). ``p2p_communicator`` and
+    ``pg_collection`` as in Megatron-Core's schedules (default: from parallel_state)."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import schedules as S
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
@@ -128,35 +132,42 @@ def forward_backward_zb_h1(*, forward_step_func, data_iterator, model, num_micro
             forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
             num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
             decoder_seq_length=decoder_seq_length, forward_only=True, collect_non_loss_data=collect_non_loss_data,
-            first_val_step=first_val_step)
+            first_val_step=first_val_step, p2p_communicator=p2p_communicator, pg_collection=pg_collection)
     model = model[0] if isinstance(model, list) else model
     data_iterator = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
     config = get_model_config(model)
     if config.no_sync_func is not None or config.grad_sync_func is not None:
         raise ValueError("zb_h1 reduces gradients once after the last W; overlap_grad_reduce is not supported")
-    comm_config = copy.copy(config)
-    comm_config.batch_p2p_comm = False  # sends stay in flight (batched p2p waits on every call)
-    comm = P2PCommunicator(pp_group=parallel_state.get_pipeline_model_parallel_group(), config=comm_config)
-    pg = S._build_default_pg_collection()
+    pg = pg_collection or S._build_default_pg_collection()
+    comm = p2p_communicator or P2PCommunicator(pp_group=parallel_state.get_pipeline_model_parallel_group(),
+                                               config=config)
     first, last = comm.is_pp_first_stage, comm.is_pp_last_stage
     shape = S.get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size,
                                 decoder_seq_length=decoder_seq_length, config=config, tp_group=pg.tp,
                                 cp_group=pg.cp)[0]
-    ops = order(comm.total_stages, num_microbatches)[comm.current_stage]
+    rank, stages = comm.current_stage, comm.total_stages
+    program = p2p.plan(order(stages, num_microbatches)[rank], rank, stages)
+    peers = {rank + 1: comm.next_rank, rank - 1: comm.prev_rank}
     te_dw = te_modules(model)
-    inputs, outputs, fwd_sends, other_sends = {}, {}, {}, []
+    tensors: dict = {}  # tag (act<mb> / grad<mb>) -> tensor received, or to send
+    inputs, outputs, requests = {}, {}, {}
     forward_data_store: list = []
     total_num_tokens = torch.zeros([], dtype=torch.int, device=compute_device())
     STORE.clear()
     with STORE.capture():
-        for op in ops:
-            mb = op.microbatch
+        for event in program:
+            if event[0] == "post":
+                requests[event[1]] = _post(event[2], tensors, peers, comm.pp_group, shape, config, recorder)
+                continue
+            if event[0] == "wait":
+                reqs, what = requests.pop(event[1], ((), None))
+                if reqs:
+                    with _span(recorder, *what):
+                        _wait(reqs)
+                continue
+            op, mb = event[1], event[1].microbatch
             if op.kind == "F":
-                x = None
-                if not first:
-                    with _span(recorder, "recv_fwd", mb):
-                        x, _, _ = comm._communicate(tensor_send_next=None, tensor_send_prev=None, recv_prev=True,
-                                                    recv_next=False, tensor_shape=shape)
+                x = tensors.pop(f"act{mb}") if not first else None
                 with _span(recorder, "F", mb):
                     out, tokens = S.forward_step(
                         forward_step_func, data_iterator, model, num_microbatches, x, forward_data_store, config,
@@ -165,16 +176,10 @@ def forward_backward_zb_h1(*, forward_step_func, data_iterator, model, num_micro
                         current_microbatch=mb, is_last_stage=last)
                 total_num_tokens += tokens
                 if not last:
-                    with _span(recorder, "send_fwd", mb):
-                        fwd_sends[mb] = _post_send(comm, next_=out)
+                    tensors[f"act{mb}"] = out  # sent by the program's next post
                 inputs[mb], outputs[mb] = x, out
             elif op.kind in ("B", "BW"):
-                grad = None
-                if not last:
-                    with _span(recorder, "recv_bwd", mb):
-                        _, grad, _ = comm._communicate(tensor_send_next=None, tensor_send_prev=None,
-                                                       recv_prev=False, recv_next=True, tensor_shape=shape)
-                _wait(fwd_sends.pop(mb, None))  # received downstream: its gradient came back
+                grad = tensors.pop(f"grad{mb}") if not last else None
                 x, out = inputs.pop(mb), outputs.pop(mb)
                 S.deallocate_output_tensor(out, config.deallocate_pipeline_outputs)
                 with _span(recorder, op.kind, mb):
@@ -183,16 +188,14 @@ def forward_backward_zb_h1(*, forward_step_func, data_iterator, model, num_micro
                     if op.kind == "BW":
                         STORE.pop(mb)
                 if not first:
-                    with _span(recorder, "send_bwd", mb):
-                        other_sends.append(_post_send(comm, prev=grad_in))
+                    tensors[f"grad{mb}"] = grad_in[0] if isinstance(grad_in, list) else grad_in
             elif op.kind == "W":
                 with _span(recorder, "W", mb):
                     STORE.pop(mb)
             else:
                 raise ValueError(f"op {op} is not F, B, W or BW")
-    with _span(recorder, "wait", num_microbatches):
-        for reqs in list(fwd_sends.values()) + other_sends:
-            _wait(reqs)
+    if requests:
+        raise RuntimeError(f"p2p groups never waited: {sorted(requests)}")
     if STORE.pending():
         raise RuntimeError(f"{STORE.pending()} microbatches of weight gradients were never run")
     if config.finalize_model_grads_func is not None:
@@ -201,11 +204,29 @@ def forward_backward_zb_h1(*, forward_step_func, data_iterator, model, num_micro
     return forward_data_store
 
 
-def _post_send(comm, next_=None, prev=None):
-    """Megatron's p2p send, left in flight; returns its requests."""
-    _, _, reqs = comm._communicate(tensor_send_next=next_, tensor_send_prev=prev, recv_prev=False,
-                                   recv_next=False, tensor_shape=None, wait_on_reqs=False)
-    return reqs
+def _post(ops, tensors: dict, peers: dict, group, shape, config, recorder) -> tuple:
+    """Post one group of the p2p program as one ``batch_isend_irecv`` (NCCL group semantics: the ops progress
+    together, so a send and the receive posted with it never wait on each other). Receive buffers are
+    allocated as Megatron's ``P2PCommunicator`` does (compute device, pipeline dtype, requires_grad) and stored
+    under their tag once posted. Returns (requests, span of the wait that completes them)."""
+    p2p_ops, received = [], []
+    for kind, peer, _, tag in ops:
+        if kind == "send":
+            p2p_ops.append(torch.distributed.P2POp(torch.distributed.isend, tensors.pop(tag), peers[peer], group))
+        else:
+            buf = torch.empty(shape, requires_grad=True, device=compute_device(), dtype=config.pipeline_dtype)
+            tensors[tag] = buf
+            p2p_ops.append(torch.distributed.P2POp(torch.distributed.irecv, buf, peers[peer], group))
+            received.append(tag)
+    sends = [tag for kind, _, _, tag in ops if kind == "send"]
+    if sends:
+        mb = int(sends[0].lstrip("actgrd"))
+        with _span(recorder, "send_fwd" if sends[0].startswith("act") else "send_bwd", mb):
+            reqs = torch.distributed.batch_isend_irecv(p2p_ops)
+    else:
+        reqs = torch.distributed.batch_isend_irecv(p2p_ops)
+    wait = received[0] if received else sends[0]
+    return reqs, ("recv_fwd" if wait.startswith("act") else "recv_bwd", int(wait.lstrip("actgrd")))
 
 
 def _wait(reqs) -> None:

@@ -1,0 +1,258 @@
+"""What NCCL does not forgive, checked on CPU: device discipline of collectives, and p2p orders under NCCL's
+blocking-send rules for every pipeline schedule the ranks execute (launcher/core/p2p.py,
+tests/_nccl_emulation.py, tests/_p2p_fake_rank.py)."""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _rank_harness import TINY, communicate_on_progress, layout, write_bundle
+from launcher.core import p2p
+from launcher.core.schedules import build_schedule
+
+ROOT = Path(__file__).resolve().parents[1]
+PPS = range(2, 17)
+
+
+def _microbatches(kind: str, p: int) -> list:
+    # fewer microbatches than stages (partial warm-up), and more than twice as many (a long steady state)
+    return [p, 2 * p] if kind == "interleaved" else sorted({max(1, p - 1), 2 * p + 1})
+
+
+# ---------------------------------------------------------------------------------- the replay itself
+def _unfused(ops, r: int, p: int) -> list:
+    """The ZB-H1 executor's order before the fix: receive (blocking) before an op, post its send alone after."""
+    prog, lone, n = [], [], 0
+    for op in ops:
+        before, after = p2p._neighbours(r, p, op)
+        for kind, peer, tag in before:
+            prog += [("post", (r, n), [(kind, peer, "pp", tag)], "pair"), ("wait", (r, n))]
+            n += 1
+        prog.append(("op", op))
+        for kind, peer, tag in after:
+            prog.append(("post", (r, n), [(kind, peer, "pp", tag)], "pair"))
+            lone.append((r, n))
+            n += 1
+    return prog + [("wait", i) for i in lone]
+
+
+@pytest.mark.parametrize("kind", ["zb_h1", "1f1b"])
+def test_planned_p2p_programs_replay_without_deadlock_for_pp_2_to_16(kind):
+    for p in PPS:
+        for m in (1, p - 1, p, 2 * p + 1, 4 * p):
+            if m < 1:
+                continue
+            programs = p2p.plan_all(build_schedule(kind, p, m))
+            # every activation and gradient crosses once per stage boundary
+            assert p2p.replay(programs) == 2 * (p - 1) * m, (kind, p, m)
+
+
+@pytest.mark.parametrize("p", [3, 4, 8, 16])
+def test_replay_deadlocks_on_the_unfused_send_then_receive_order(p):
+    """Finding 3's order: stage r posts 'send activation' then waits on 'receive gradient' while stage r+1 posts
+    'send gradient' then waits on 'receive activation' on the same pair: a cycle under NCCL's blocking sends."""
+    sched = build_schedule("zb_h1", p, 2 * p)
+    with pytest.raises(p2p.Deadlock, match="can never move"):
+        p2p.replay([_unfused(ops, r, p) for r, ops in enumerate(sched)])
+
+
+def test_replay_rules_one_by_one():
+    send = lambda item, peer, tag="x": ("post", item, [("send", peer, "pp", tag)], "pair")  # noqa: E731
+    recv = lambda item, peer, tag="x": ("post", item, [("recv", peer, "pp", tag)], "pair")  # noqa: E731
+    # a lone send completes only with the peer's receive, not into a buffer
+    with pytest.raises(p2p.Deadlock):
+        p2p.replay([[send((0, 0), 1), ("wait", (0, 0))], [("coll", "w", [0, 1])]])
+    # two ranks that both send first deadlock; posting the pair as one group does not
+    with pytest.raises(p2p.Deadlock):
+        p2p.replay([[send((0, 0), 1), recv((0, 1), 1), ("wait", (0, 1))],
+                     [send((1, 0), 0), recv((1, 1), 0), ("wait", (1, 1))]])
+    grouped = [[("post", (r, 0), [("send", 1 - r, "pp", "x"), ("recv", 1 - r, "pp", "x")], "group"),
+                ("wait", (r, 0))] for r in (0, 1)]
+    assert p2p.replay(grouped) == 2
+    # on separate communicators the two directions do not block each other (Megatron's PP=2 WORLD trick)
+    apart = [[("post", (0, 0), [("send", 1, "pp", "x")], "pair"), ("post", (0, 1), [("recv", 1, "world", "x")],
+              "pair"), ("wait", (0, 1))],
+             [("post", (1, 0), [("send", 0, "world", "x")], "pair"), ("post", (1, 1), [("recv", 0, "pp", "x")],
+              "pair"), ("wait", (1, 1))]]
+    assert p2p.replay(apart) == 2
+    # matched ops that carry different data are an error, not a silent success
+    with pytest.raises(ValueError, match="sends a"):
+        p2p.replay([[send((0, 0), 1, "a"), ("wait", (0, 0))], [recv((1, 0), 0, "b"), ("wait", (1, 0))]])
+
+
+# ---------------------------------------------------------------------------------- what the ranks issue
+@pytest.fixture(scope="module")
+def fake_rank_traces(tmp_path_factory):
+    """One training step of every executed schedule, recorded as each stage of PP 2..16 (one process)."""
+    specs = [f"{kind}:{p}:{m}:{2 if kind == 'interleaved' else 1}"
+             for kind in ("1f1b", "zb_h1", "interleaved") for p in PPS for m in _microbatches(kind, p)]
+    out = tmp_path_factory.mktemp("p2p") / "traces.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "_p2p_fake_rank.py"), str(out), *specs],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    _, err = communicate_on_progress(proc, 600, "the fake-rank p2p recorder")
+    assert proc.returncode == 0, err[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "zb_h1", "interleaved"])
+def test_every_executed_schedule_replays_under_nccl_rules_for_pp_2_to_16(fake_rank_traces, kind):
+    covered = set()
+    for spec, programs in fake_rank_traces.items():
+        k, p, m, _ = spec.split(":")
+        if k != kind:
+            continue
+        matched = p2p.replay(programs)
+        per_chunk = 2 if kind == "interleaved" else 1
+        # every activation and gradient crosses each chunk boundary once (2 chunk boundaries more per extra chunk)
+        assert matched == 2 * (int(p) * per_chunk - 1) * int(m), spec
+        covered.add(int(p))
+    assert covered == set(PPS)
+
+
+def test_zb_h1_executor_issues_exactly_the_planned_program(fake_rank_traces):
+    """The executor posts the groups the plan derives, in its order (tags aside: the trace knows sizes)."""
+    for spec, programs in fake_rank_traces.items():
+        kind, p, m, _ = spec.split(":")
+        if kind != "zb_h1":
+            continue
+        planned = p2p.plan_all(build_schedule("zb_h1", int(p), int(m)))
+        for r, (executed, plan) in enumerate(zip(programs, planned)):
+            shape = [(ev[0], [(o[0], o[1]) for o in ev[2]] if ev[0] == "post" else tuple(ev[1]))
+                     for ev in executed]
+            want = [(ev[0], [(o[0], o[1]) for o in ev[2]] if ev[0] == "post" else tuple(ev[1]))
+                    for ev in plan if ev[0] != "op"]
+            assert shape == want, f"{spec} rank {r}"
+
+
+def _emulated_run(tmp_path: Path, name: str, nproc: int, overrides: list) -> dict:
+    """A real torchrun job with NCCL's device rule enforced and every p2p op and collective recorded."""
+    bundle = write_bundle(tmp_path / name, overrides, nproc)
+    trace = tmp_path / f"{name}-trace"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore",
+               LAUNCHER_NCCL_EMULATION="1", LAUNCHER_P2P_TRACE=str(trace),
+               PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "_nccl_site"), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+           "-m", "launcher.rank", "--bundle", str(bundle)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    out, err = communicate_on_progress(proc, 300, f"torchrun of {name} under the NCCL emulation")
+    assert proc.returncode == 0, f"{name} failed under the NCCL emulation:\n{out[-2000:]}\n{err[-5000:]}"
+    traces = {r: json.loads((trace / f"rank-{r}.json").read_text())["events"] for r in range(nproc)}
+    # request ids count per process: make them (rank, id), as launcher.core.p2p.replay keys groups
+    return {r: [(ev[0], (r, ev[1]), *ev[2:]) if ev[0] in ("post", "wait") else tuple(ev) for ev in events]
+            for r, events in traces.items()}
+
+
+def _p2p_only(events: list, p: int) -> list:
+    """Posts and waits, item ids renumbered per rank, the pipeline group named as the recorder names it, sizes
+    dropped (the stand-in stage is smaller), one wait per group (a batch returns one request per op)."""
+    ids, out, waited = {}, [], set()
+    pp = "g" + "-".join(str(r) for r in range(p))
+    for ev in events:
+        key = tuple(ev[1]) if ev[0] in ("post", "wait") and isinstance(ev[1], (list, tuple)) else ev[1]
+        if ev[0] == "post":
+            ids[key] = len(ids)
+            out.append(("post", ids[key], [(o[0], o[1], "pp" if o[2] == pp else o[2]) for o in ev[2]], ev[3]))
+        elif ev[0] == "wait" and key in ids and key not in waited:
+            waited.add(key)
+            out.append(("wait", ids[key]))
+    return out
+
+
+@pytest.mark.parametrize("name,nproc,kind,vpp", [("zb_h1_pp4", 4, "zb_h1", 1), ("interleaved_pp2_vp2", 2,
+                                                                                   "interleaved", 2)])
+def test_real_ranks_issue_the_recorded_order_and_keep_nccl_device_rules(tmp_path, fake_rank_traces, name, nproc,
+                                                                       kind, vpp):
+    """A real multi-process job (checkpoint save and resume probes, loss reduction, the pipeline schedule) under
+    the emulation: no host tensor reaches a collective, and each step's p2p events are exactly those the
+    one-process recorder saw for that stage, so the PP 2..16 replay above is of what ranks really do."""
+    steps, m = 2, _microbatches(kind, nproc)[0]  # a microbatch count the fake-rank sweep recorded
+    overrides = [*TINY, *layout(pp=nproc), f"schedule.kind={kind}", f"train.train_steps={steps}",
+                 "checkpoint.save_at_end=true", f"model.num_layers={nproc * vpp * 1}",
+                 f"train.global_batch_size={2 * m}"]
+    if vpp > 1:
+        overrides.append(f"parallel.virtual_pipeline={vpp}")
+    traces = _emulated_run(tmp_path, name, nproc, overrides)
+    p2p.replay([traces[r] for r in range(nproc)])  # the whole run, collectives included
+    recorded = fake_rank_traces[f"{kind}:{nproc}:{m}:{vpp}"]
+    for r in range(nproc):
+        one_step = _p2p_only(recorded[r], nproc)
+        executed = _p2p_only(traces[r], nproc)
+        assert len(executed) == steps * len(one_step), f"rank {r}: {len(executed)} events vs {len(one_step)}/step"
+        n = len(one_step)
+        for step in range(steps):
+            assert [(e[0], e[2], e[3]) if e[0] == "post" else e[:1] for e in executed[step * n:(step + 1) * n]] == \
+                [(e[0], e[2], e[3]) if e[0] == "post" else e[:1] for e in one_step], \
+                f"rank {r} step {step + 1}: the real rank's p2p order differs from the recorded one"
+
+
+# ---------------------------------------------------------------------------------- device discipline
+def test_emulation_refuses_a_host_tensor_in_a_collective_like_nccl(tmp_path):
+    script = r"""
+import os, sys
+sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
+import _nccl_emulation as emu
+emu.install()
+import torch, torch.distributed as dist
+from models.backend import compute_device
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="file://" + sys.argv[1])
+results = []
+for make in (lambda: torch.tensor([1.0]),                                  # host: refused
+             lambda: torch.tensor([1.0], dtype=torch.float64).double(),  # dtype only: still host
+             lambda: torch.tensor([1.0], device=compute_device()),       # on the compute device
+             lambda: torch.zeros(2).to(compute_device())):               # moved there
+    try:
+        dist.all_reduce(make()); results.append("ok")
+    except emu.NcclDeviceError:
+        results.append("refused")
+gloo = dist.new_group([0], backend="gloo")
+dist.all_reduce(torch.zeros(1), group=gloo); results.append("gloo group ok")
+print(results)
+"""
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "init")], cwd=ROOT, capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "['refused', 'refused', 'ok', 'ok', 'gloo group ok']"
+
+
+RANK_WING = ["launcher/rank", "models", "data/rank.py"]
+FACTORIES = {"tensor", "zeros", "ones", "empty", "full", "arange", "as_tensor", "from_numpy", "rand", "randn",
+             "randint", "linspace", "eye"}
+HOST_TENSORS_ALLOWED = {
+    ("launcher/rank/metrics.py", "randn"): "matmul probe operands, moved to the device by the caller before use",
+    ("launcher/rank/data.py", "as_tensor"): "the DataLoader's collate builds CPU batches; forward_step moves "
+                                            "them to compute_device() before the model sees them",
+    ("models/builder.py", "randint"): "a seed drawn from a CPU generator (a Python int), no tensor leaves",
+}
+
+
+def _factory_calls_without_device():
+    for base in RANK_WING:
+        paths = [ROOT / base] if base.endswith(".py") else sorted((ROOT / base).rglob("*.py"))
+        for path in paths:
+            if not path.exists():
+                continue
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
+                        and node.func.attr in FACTORIES and not any(k.arg == "device" for k in node.keywords)):
+                    yield path.relative_to(ROOT).as_posix(), node.func.attr, node.lineno
+
+
+def test_rank_wing_makes_no_host_tensor_outside_the_allow_list():
+    """Every torch factory call in the rank wing names its device (compute_device() for anything that may
+    reach a collective), or is listed above with why a host tensor is right there."""
+    found = [(path, fn, line) for path, fn, line in _factory_calls_without_device()
+             if (path, fn) not in HOST_TENSORS_ALLOWED]
+    assert not found, f"torch factory calls without device= in the rank wing: {found}"
+    stale = set(HOST_TENSORS_ALLOWED) - {(path, fn) for path, fn, _ in _factory_calls_without_device()}
+    assert not stale, f"allow-list entries that no longer match a call: {stale}"
