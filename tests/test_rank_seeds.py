@@ -1,0 +1,38 @@
+"""Pipeline stages start from different weights on the GPU init path (issue: every stage drew the same layer
+weights from the same RNG tracker seed), with Megatron-LM's seed formula; the CPU init path stays
+layout-independent (the parity tests rely on it)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from _rank_harness import TINY, communicate_on_progress, layout
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_stage_seed_is_megatron_lms_formula():
+    from launcher.rank.setup import stage_seed
+
+    # megatron/training/initialize.py _set_random_seed: seed + 100 * pipeline rank (no DP term by default)
+    assert [stage_seed(1234, r) for r in range(4)] == [1234, 1334, 1434, 1534]
+
+
+def test_two_stages_draw_different_weights_on_the_gpu_init_path(tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+           str(ROOT / "tests" / "_seed_worker.py"), str(out), *TINY, *layout(pp=2), "cluster.gpus_per_node=2"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _, err = communicate_on_progress(proc, 300, "the seed worker (2 ranks)")
+    assert proc.returncode == 0, err[-4000:]
+    ranks = sorted((json.loads(p.read_text()) for p in out.glob("rank-*.json")), key=lambda r: r["pp_rank"])
+    assert [r["torch_seed"] for r in ranks] == [r["seed"] + 100 * r["pp_rank"] for r in ranks]
+    stage0, stage1 = ranks
+    # GPU init path: weights come from the stage's RNG tracker, so stage 1's first layer is not stage 0's
+    assert stage0["gpu_init"] != stage1["gpu_init"]
+    # CPU init path: every layer reseeded from its global number; layer 0 of stage 1 is global layer 2 (of 4)
+    assert stage0["cpu_init"] != stage1["cpu_init"]
