@@ -57,11 +57,27 @@ def reference_run(tmp_path_factory):
 # its mark (a helper in another module can hide a spawn from the static reading).
 LANE_MARKS = ("multirank", "slurm", "gpu", "slow")
 SLOW_MODULES = {
+    # CPU seconds are shares of one `make test-fast` run at load averages 11-63 (13.4 CPU min in all before these
+    # moved here); the fast lane's budget is 3 minutes on 2 idle cores
     "tests/test_validate_differential.py":
         "builds every accepted mutation of two recipes in Megatron-Core (two probe processes, ~1,000 models): the "
         "suite's slowest test (212 s in a full run at load 5-9, issue 25)",
+    "tests/test_fuzz_cli.py": "2,000 fuzzed override sets through the CLI: 15% of the fast lane's CPU time alone",
+    "tests/test_plan_api.py::test_plan_and_search_every_recipe":
+        "a layout search for every recipe on three clusters (35 searches, up to 2.5 CPU s each; 12%)",
+    "tests/test_invalid_configs.py::test_every_printed_alternative_validates":
+        "re-validates every alternative printed for 125 refused configs, each through the hint search (9%)",
+    "tests/test_catalogue.py::test_architecture_builds_and_steps_on_cpu":
+        "builds and steps every architecture in Megatron-Core in this process (rank side)",
+    "tests/test_wiring.py::test_mtp_block_spec_reaches_the_last_chunk": "21 Megatron-Core model builds (rank side)",
+    "tests/test_train_gpu_proxy.py": "trains benchmarks/gpu_proxy.py's tiny model on CPU in a subprocess",
+    "tests/test_plan_activations_real.py": "runs real models to count their saved tensors, in a subprocess",
+    "tests/test_data_preprocess.py::test_byte_identical_to_reference_encoding":
+        "encodes the corpus with the reference tokenizer path too (4 cases, 4%)",
+    "tests/test_nccl_semantics.py::test_every_executed_schedule_replays_under_nccl_rules_for_pp_2_to_16":
+        "replays every executed schedule for PP 2..16 (90 s of setup at load 60)",
 }
-"""test module -> why it is in the `slow` lane although it starts no ranks."""
+"""test module, or module::test function -> why it is in the `slow` lane although it starts no ranks."""
 _SPAWNS_RANKS = re.compile(r"""["'](?:torch\.distributed\.run|torchrun|launcher\.rank)["']|action=run|--nproc_per_node"""
                            r"""|\bmp\.spawn\(|multiprocessing\.spawn\(""")
 _STARTS_PER_RANK = re.compile(r"for rank in range\(")
@@ -141,7 +157,7 @@ def _lane_of(item, modules: dict) -> set:
     rel = path.relative_to(ROOT).as_posix()
     if rel.startswith("tests/gpu/"):
         lanes.add("gpu")
-    if rel in SLOW_MODULES:
+    if rel in SLOW_MODULES or f"{rel}::{item.originalname if hasattr(item, 'originalname') else name}" in SLOW_MODULES:
         lanes.add("slow")
     return lanes
 
