@@ -1,0 +1,75 @@
+"""The GPU lane's jobs (tests/gpu/): override lists for a first node, torch-free so that a CPU test
+(tests/test_gpu_lane_jobs.py) composes, validates and renders every one of them on the login node: the lane
+cannot rot unseen between the rare runs on a GPU.
+
+Sizes: a small Llama (4 layers at hidden 1024, GQA, SwiGLU, RoPE) that trains in seconds on an H100/H200 yet has
+GEMMs large enough for FP8 to be exercised (every dimension a multiple of 16, as TE's FP8 GEMMs need); the MFU
+job is the Llama3-8B layer width (hidden 4096, FFN 14336) so that the planner's prediction is meaningful.
+"""
+from __future__ import annotations
+
+from typing import List
+
+SMALL_LLAMA = ["recipe=smoke", "data=mock", "model.num_layers=4", "model.hidden_size=1024",
+               "model.ffn_hidden_size=3584", "model.num_attention_heads=16", "model.num_query_groups=4",
+               "model.seq_length=1024", "model.vocab_size=32000", "model.make_vocab_size_divisible_by=128",
+               "train.micro_batch_size=2", "train.lr=3e-4", "train.min_lr=3e-5", "train.warmup_steps=2",
+               "train.eval_interval=0", "logging.tensorboard=false", "checkpoint.save_at_end=false"]
+"""The small Llama on mock data (token ids drawn per sample: no tokenizer or corpus needed on the node)."""
+
+GPU = ["cluster=h100", "cluster.launcher=local", "nodes=1", "precision.dtype=bf16",
+       "precision.transformer_engine=true"]
+"""A GPU node of the h100 profile (same NCCL/env rules on H200), run by torchrun on this node; TE required."""
+
+
+def gpus(n: int) -> List[str]:
+    return [f"cluster.gpus_per_node={n}"]
+
+
+def parallel(tp: int = 1, pp: int = 1, vpp: int = 0, ep: int = 1) -> List[str]:
+    out = [f"parallel.tensor={tp}", f"parallel.pipeline={pp}", f"parallel.expert={ep}",
+           f"parallel.sequence_parallel={'true' if tp > 1 else 'false'}", "parallel.context=1"]
+    if vpp:
+        out.append(f"parallel.virtual_pipeline={vpp}")
+    return out
+
+
+def fp8_llama(n: int, steps: int = 20) -> List[str]:
+    """TE layers + FP8 (tensorwise scaling) on every GPU of the node: TP over up to 2 GPUs, the rest DP."""
+    tp = 2 if n >= 2 else 1
+    return [*SMALL_LLAMA, *GPU, *gpus(n), *parallel(tp=tp), "precision.fp8=tensorwise",
+            f"train.global_batch_size={2 * n // tp * 4}", f"train.train_steps={steps}"]
+
+
+def pipeline(kind: str, steps: int = 10) -> List[str]:
+    """PP4 on 4 GPUs, 8 microbatches, the same model and data for 1f1b, interleaved (VPP2) and zb_h1."""
+    vpp = 2 if kind == "interleaved" else 0
+    return [*SMALL_LLAMA, *GPU, *gpus(4), *parallel(pp=4, vpp=vpp), "model.num_layers=8",
+            f"schedule.kind={kind}", "train.global_batch_size=16", f"train.train_steps={steps}"]
+
+
+def moe(overlap: bool, steps: int = 10) -> List[str]:
+    """A small MoE (8 experts, top-2) with EP2 on 2 GPUs; with or without the all-to-all overlap, which runs
+    Megatron-Core's combined 1F1B schedule."""
+    return [*SMALL_LLAMA, *GPU, *gpus(2), *parallel(ep=2), "model.num_experts=8", "model.moe_router_topk=2",
+            "model.moe_ffn_hidden_size=1024", "model.moe_token_dispatcher_type=alltoall",
+            f"parallel.moe_a2a_overlap={'true' if overlap else 'false'}", "train.global_batch_size=8",
+            f"train.train_steps={steps}"]
+
+
+def checkpointed(n: int, steps: int = 6, every: int = 3) -> List[str]:
+    return [*fp8_llama(n, steps), f"checkpoint.save_interval={every}"]
+
+
+def mfu(n: int = 1, steps: int = 12) -> List[str]:
+    """Llama3-8B layer width, 4 layers, seq 4096, BF16 on one GPU (no FP8: the planner's BF16 peak applies)."""
+    return [*SMALL_LLAMA, *GPU, *gpus(n), *parallel(), "model.hidden_size=4096", "model.ffn_hidden_size=14336",
+            "model.num_attention_heads=32", "model.num_query_groups=8", "model.seq_length=4096",
+            "model.vocab_size=128256", "train.micro_batch_size=1", f"train.global_batch_size={4 * n}",
+            f"train.train_steps={steps}"]
+
+
+ALL = {"fp8_llama_1": fp8_llama(1), "fp8_llama_8": fp8_llama(8), "pp4_1f1b": pipeline("1f1b"),
+       "pp4_interleaved": pipeline("interleaved"), "pp4_zb_h1": pipeline("zb_h1"), "moe_ep2": moe(False),
+       "moe_ep2_a2a_overlap": moe(True), "checkpointed_1": checkpointed(1), "mfu_1": mfu(1)}
+"""Every job of the lane (the CPU test renders each)."""
