@@ -41,8 +41,9 @@ def schedule_1f1b(p: int, m: int) -> list[list[Op]]:
 
 def schedule_zb_h1(p: int, m: int) -> list[list[Op]]:
     """ZB-H1 (Qi et al., ICLR 2024, Fig. 3): 1F1B's order of F and B (so at most p - r microbatches in flight
-    on rank r, 1F1B's activation memory), with the weight-gradient passes split off and rank r running its
-    W's r microbatches late. The deferred W's fill the time rank r would wait for the next B from downstream,
+    on rank r, 1F1B's activations), with the weight-gradient passes split off and rank r running its W's r
+    microbatches late (so rank r also holds up to r + 1 microbatches' weight-gradient operands: the planner
+    counts them, launcher/plan/memory.py). The deferred W's fill the time rank r would wait for the next B from downstream,
     which shrinks the bubble from (p-1)(T_F+T_B+T_W) to (p-1)(T_F+T_B-T_W); the remaining W's run at the end."""
     out = []
     for r in range(p):
