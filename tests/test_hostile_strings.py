@@ -64,6 +64,9 @@ def test_hostile_values_pass_through_literally(template, tmp_path):
     bin_dir.mkdir()
     argv_log = tmp_path / "srun.argv"
     _stub(bin_dir, "scontrol", "echo node0\n")
+    # the job's end time (squeue -o %e): unknown here. Without this stand-in a machine with Slurm's client
+    # installed but no slurmctld running waits ~18 s per case for squeue to give up (issue 25)
+    _stub(bin_dir, "squeue", "exit 1\n")
     _stub(bin_dir, "srun", f'printf "%s\\0" "$@" > {shlex.quote(str(argv_log))}\n'
                            'while [[ "$1" == --* ]]; do shift; done\n"$@"\n')
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "42",
