@@ -4,6 +4,7 @@ before any checkpoint; 'skip' drops that step's update (no optimizer or schedule
 from __future__ import annotations
 
 import math
+import types
 
 import torch
 
@@ -13,6 +14,9 @@ from launcher.rank.loop import Loop
 
 
 class _Chunk(torch.nn.Module):
+    # what Loop reads of a Megatron chunk's config (get_model_config): a dense model, no MoE or MTP losses
+    config = types.SimpleNamespace(num_moe_experts=None, mtp_num_layers=None)
+
     def __init__(self):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(4))

@@ -7,7 +7,7 @@ d DP size), so any layout with the same global batch sees the same samples per s
 """
 from __future__ import annotations
 
-from typing import Iterator, List, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -58,12 +58,28 @@ def _batches(dataset, *, start: int, train: TrainConfig, dp_rank: int, dp_size: 
     return iter(loader)
 
 
+def chunks_reading_data(num_chunks: int) -> List[bool]:
+    """Per model chunk of this rank: does it read batches (first or last pipeline stage of the whole
+    pipeline: tokens/position ids for the embedding, labels/loss mask for the loss and MTP)?"""
+    from megatron.core import parallel_state as ps
+
+    def vp(c):
+        return c if num_chunks > 1 else None
+    return [ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp(c))
+            or ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp(c)) for c in range(num_chunks)]
+
+
 def build_train_valid_iterators(*, data: DataConfig, model: ModelConfig, train: TrainConfig, steps: int,
                                 consumed_samples: int, dp_rank: int, dp_size: int, cache_dir: str,
-                                num_chunks: int = 1) -> Tuple[list, callable]:
+                                num_chunks: int = 1, reads: Optional[Sequence[bool]] = None) -> Tuple[list, callable]:
     """Train iterators (one per virtual pipeline chunk, each yielding this rank's micro-batches from
     ``consumed_samples`` on) and a factory of fresh validation iterators (same shape; every evaluation
-    reads the same validation samples, so eval losses are comparable across steps)."""
+    reads the same validation samples, so eval losses are comparable across steps).
+
+    ``reads[c]`` says whether chunk c reads batches: as in Megatron-LM (pretrain_gpt.py ``get_batch`` returns
+    Nones off the first and last pipeline stage), a chunk that is neither gets ``None`` instead of a loader and
+    its forward step reads nothing, so middle stages start no DataLoader workers. The datasets are still built
+    on every rank: the per-node index-cache build ends in a world barrier (data/datasets.py)."""
     from data.datasets import build_gpt_datasets
 
     train_samples, valid_samples, test_samples = dataset_sizes(train, steps)
@@ -71,12 +87,14 @@ def build_train_valid_iterators(*, data: DataConfig, model: ModelConfig, train: 
         data=data, seq_length=model.seq_length, seed=train.seed, train_samples=train_samples,
         valid_samples=valid_samples, test_samples=test_samples, cache_dir=cache_dir, vocab_size=model.vocab_size)
     kw = dict(train=train, dp_rank=dp_rank, dp_size=dp_size, num_workers=data.num_workers)
-    train_iters = [_batches(train_ds, start=consumed_samples, **kw) for _ in range(num_chunks)]
+    reads = list(reads) if reads is not None else [True] * num_chunks
+    train_iters = [_batches(train_ds, start=consumed_samples, **kw) if reads[c] else None for c in range(num_chunks)]
 
     def valid_iters():
         if valid_ds is None:
             return None
         # Evaluation reads a few batches; starting workers for each evaluation would cost more than it saves.
-        return [_batches(valid_ds, start=0, **{**kw, "num_workers": 0}) for _ in range(num_chunks)]
+        return [_batches(valid_ds, start=0, **{**kw, "num_workers": 0}) if reads[c] else None
+                for c in range(num_chunks)]
 
     return train_iters, valid_iters

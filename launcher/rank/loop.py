@@ -35,9 +35,12 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     ``AbstractSchedulePlan`` (pretrain_gpt.py ``forward_step``: ``if return_schedule_plan: assert
     args.overlap_moe_expert_parallel_comm ... schedule_plan = model.build_schedule_plan(tokens, position_ids,
     attention_mask, labels=labels, loss_mask=loss_mask)``)."""
-    batch = next(data_iterator)
-    dev = compute_device()
-    batch = slice_batch_for_context_parallel({k: v.to(dev, non_blocking=True) for k, v in batch.items()})
+    if data_iterator is None:  # a middle pipeline stage reads no batch (pretrain_gpt.py get_batch: Nones)
+        batch = dict.fromkeys(("tokens", "position_ids", "labels", "loss_mask"))
+    else:
+        dev = compute_device()
+        batch = slice_batch_for_context_parallel({k: v.to(dev, non_blocking=True)
+                                                  for k, v in next(data_iterator).items()})
     loss_func = partial(masked_token_loss, batch["loss_mask"])
     inputs = (batch["tokens"], batch["position_ids"], None)
     if return_schedule_plan:
