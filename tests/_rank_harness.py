@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP = re.compile(r"^step\s+(\d+) \| loss ([0-9.]+) \| lr (\S+) \| grad_norm ([0-9.]+) .*TFLOP/s ([0-9.]+)")
@@ -38,16 +38,18 @@ def write_bundle(bundle: Path, overrides: Sequence[str], nproc: int = 1) -> Path
     return bundle
 
 
-def run_train(bundle: Path, nproc: int, timeout: int = 240) -> subprocess.CompletedProcess:
+def run_train(bundle: Path, nproc: int, timeout: int = 240, env: Optional[dict] = None,
+              what: Optional[str] = None) -> subprocess.CompletedProcess:
     """torchrun of the bundle to its end. ``timeout`` is a hang detector on progress, not on total time: the run
     is killed (and this raises) once it has printed nothing for ``timeout`` s; a slow run that keeps printing
-    steps runs to its end however loaded the machine is."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+    steps runs to its end however loaded the machine is. ``env`` adds to (or overrides) the ranks' environment;
+    ``what`` names the run in a hang message."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore", **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
            "-m", "launcher.rank", "--bundle", str(bundle)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    out, err = communicate_on_progress(proc, timeout, f"torchrun of {bundle.name} ({nproc} ranks)")
+    out, err = communicate_on_progress(proc, timeout, what or f"torchrun of {bundle.name} ({nproc} ranks)")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

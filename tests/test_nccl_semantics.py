@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from _rank_harness import TINY, communicate_on_progress, layout, write_bundle
+from _rank_harness import TINY, communicate_on_progress, layout, run_train, write_bundle
 from launcher.core import p2p
 from launcher.core.schedules import build_schedule
 
@@ -136,15 +136,11 @@ def _emulated_run(tmp_path: Path, name: str, nproc: int, overrides: list) -> dic
     """A real torchrun job with NCCL's device rule enforced and every p2p op and collective recorded."""
     bundle = write_bundle(tmp_path / name, overrides, nproc)
     trace = tmp_path / f"{name}-trace"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore",
-               LAUNCHER_NCCL_EMULATION="1", LAUNCHER_P2P_TRACE=str(trace),
+    env = dict(LAUNCHER_NCCL_EMULATION="1", LAUNCHER_P2P_TRACE=str(trace),
                PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "_nccl_site"), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-           "-m", "launcher.rank", "--bundle", str(bundle)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    out, err = communicate_on_progress(proc, 300, f"torchrun of {name} under the NCCL emulation")
-    assert proc.returncode == 0, f"{name} failed under the NCCL emulation:\n{out[-2000:]}\n{err[-5000:]}"
+    proc = run_train(bundle, nproc, 300, env=env, what=f"torchrun of {name} under the NCCL emulation")
+    assert proc.returncode == 0, \
+        f"{name} failed under the NCCL emulation:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
     traces = {r: json.loads((trace / f"rank-{r}.json").read_text())["events"] for r in range(nproc)}
     # request ids count per process: make them (rank, id), as launcher.core.p2p.replay keys groups
     return {r: [(ev[0], (r, ev[1]), *ev[2:]) if ev[0] in ("post", "wait") else tuple(ev) for ev in events]

@@ -43,7 +43,7 @@ def need(n: int):
 
 def run(tmp_path: Path, name: str, overrides, resume_from: Path | None = None) -> dict:
     """torchrun of the job's bundle on this node's GPUs (progress-based hang detector); per-step losses."""
-    from _rank_harness import Run, communicate_on_progress, write_bundle
+    from _rank_harness import Run, run_train, write_bundle
     from launcher.config import compose_job
     from launcher.core.cuda_env import job_env
 
@@ -51,14 +51,9 @@ def run(tmp_path: Path, name: str, overrides, resume_from: Path | None = None) -
     n = job.cluster.gpus_per_node
     extra = [f"checkpoint.load={resume_from}"] if resume_from else []
     bundle = write_bundle(tmp_path / name, [*overrides, *extra], n)
-    env = dict(os.environ, OMP_NUM_THREADS="4", PYTHONUNBUFFERED="1", **job_env(job))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", "--standalone",
-           "-m", "launcher.rank", "--bundle", str(bundle)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    out, err = communicate_on_progress(proc, 600, f"{name} on {n} GPUs")
-    assert proc.returncode == 0, f"{name} failed:\n{out[-3000:]}\n{err[-6000:]}"
-    return Run(bundle, subprocess.CompletedProcess(cmd, 0, out, err))
+    proc = run_train(bundle, n, 600, env=dict(OMP_NUM_THREADS="4", **job_env(job)), what=f"{name} on {n} GPUs")
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return Run(bundle, proc)
 
 
 def _close(a: dict, b: dict, rel: float) -> bool:
