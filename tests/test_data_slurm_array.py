@@ -179,6 +179,7 @@ def _kill_when_writing(shard_prefix: str, array_job: str, timeout_s: float = 120
     raise AssertionError(f"no partial output of {shard_prefix} within {timeout_s} s")
 
 
+@pytest.mark.multirank  # it also trains the embedded default (python -m launcher) on the prepared blend
 def test_array_on_local_slurm_killed_task_resubmitted_equals_one_process_run(slurm, tmp_path):
     from data.preprocess import preprocess
 

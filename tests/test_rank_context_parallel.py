@@ -97,7 +97,7 @@ def _check_cp(cp_size: int) -> None:
 
     seen = {}
 
-    def recording_model(tokens, position_ids, attention_mask, labels=None):
+    def recording_model(tokens, position_ids, attention_mask, labels=None, loss_mask=None):
         seen.update(tokens=tokens, position_ids=position_ids, labels=labels)
         return torch.zeros(tokens.shape)
 
