@@ -85,6 +85,35 @@ def test_lock_refuses_a_live_owner_and_takes_a_dead_ones(tmp_path):
     assert not (tmp_path / ckpt.LOCK).exists()
 
 
+def test_a_second_run_stops_at_the_lock_before_building_its_model(tmp_path, monkeypatch):
+    """The lock is taken right after the process group, before the model build (~60 s on a real job): a run
+    whose checkpoint dir is held stops with the lock's line and never reaches the build."""
+    import models
+    from launcher.config import job_to_yaml
+    from launcher.rank import entry, setup
+
+    job = compose_job(["recipe=smoke", f"checkpoint.dir={tmp_path / 'ckpt'}"])
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "config.yaml").write_text(job_to_yaml(job))
+    monkeypatch.setattr(setup, "init_distributed", lambda **kw: None)
+
+    def build(**kw):
+        raise AssertionError("the model was built before the lock was taken")
+
+    monkeypatch.setattr(models, "build_model", build)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / "ckpt").mkdir()
+        (tmp_path / "ckpt" / ckpt.LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": other.pid,
+                                                               "job": "", "bundle": "/runs/first"}))
+        with pytest.raises(entry.RunRefused, match=r"is in use by another run .*bundle /runs/first"):
+            entry.train(bundle, console=None)
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_lock_staleness_rules(monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     assert ckpt.lock_is_stale({"host": "elsewhere", "pid": 1, "job": "77"}, 0)       # this job, requeued

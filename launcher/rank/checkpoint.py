@@ -27,6 +27,7 @@ import os
 import shutil
 import socket
 import time
+import uuid
 import zlib
 from dataclasses import asdict
 from pathlib import Path
@@ -34,6 +35,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from launcher.core import dirlock
 from models.backend import compute_device
 
 LATEST = "latest"
@@ -227,61 +229,37 @@ def agree_loaded(error: Optional[str]) -> Optional[str]:
 
 # ---- lock --------------------------------------------------------------------------------------------------
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _lock_owner(bundle: Path, run: str) -> dict:
     return {"host": socket.gethostname(), "pid": os.getpid(), "job": os.environ.get("SLURM_JOB_ID", ""),
-            "bundle": str(bundle), "run": run,
+            "bundle": str(bundle), "run": run, "token": uuid.uuid4().hex,
             "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
 def lock_is_stale(owner: dict, age_s: float) -> bool:
-    """Ours to take: its process is gone (same host), it is this Slurm job (a requeue or torchrun restart), or
-    it was not refreshed for LOCK_STALE_S (its node is gone)."""
-    if owner.get("job") and owner.get("job") == os.environ.get("SLURM_JOB_ID"):
-        return True
-    if owner.get("host") == socket.gethostname():
-        return not _pid_alive(int(owner.get("pid", 0))) or int(owner.get("pid", 0)) == os.getpid()
-    return age_s > LOCK_STALE_S
+    """Ours to take (``launcher.core.dirlock.owner_gone``): its process is gone (same host), it is this Slurm job
+    (a requeue or torchrun restart), or it was not refreshed for LOCK_STALE_S (its node is gone)."""
+    return dirlock.owner_gone(owner, age_s, stale_s=LOCK_STALE_S)
 
 
 class DirLock:
-    """Exclusive use of a checkpoint dir by one run (rank 0 holds it; ``acquire`` is collective)."""
+    """Exclusive use of a checkpoint dir by one run (rank 0 holds it; ``acquire`` is collective). The file
+    protocol (atomic create-with-owner, guarded takeover of a stale lock) is ``launcher.core.dirlock``."""
 
     def __init__(self, ckpt_dir: Path, *, bundle: Path, run: str):
         self.path, self.owner = Path(ckpt_dir) / LOCK, _lock_owner(bundle, run)
         self.held, self._touched = False, 0.0
 
     def _try(self) -> Optional[str]:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                try:
-                    owner = json.loads(self.path.read_text())
-                    age = time.time() - self.path.stat().st_mtime
-                except (OSError, ValueError):
-                    owner, age = {}, LOCK_STALE_S + 1  # unreadable: a writer died half-way
-                if not lock_is_stale(owner, age):
-                    where = f"job {owner['job']}" if owner.get("job") else f"pid {owner.get('pid')} on {owner.get('host')}"
-                    return (f"checkpoint.dir={self.path.parent} is in use by another run ({where}, bundle "
-                            f"{owner.get('bundle')}, since {owner.get('since')}); use another checkpoint.dir")
-                self.path.unlink(missing_ok=True)
-                continue
-            with os.fdopen(fd, "w") as fh:
-                fh.write(json.dumps(self.owner) + "\n")
+        holder = dirlock.take(self.path, self.owner, lock_is_stale)
+        if holder is None:
             self.held, self._touched = True, time.time()
             return None
-        return f"checkpoint.dir={self.path.parent}: could not take {self.path}"
+        if not holder:
+            return (f"checkpoint.dir={self.path.parent} is being taken by another run right now ({self.path} is "
+                    "still being written); use another checkpoint.dir, or start this run once that one stops")
+        where = f"job {holder['job']}" if holder.get("job") else f"pid {holder.get('pid')} on {holder.get('host')}"
+        return (f"checkpoint.dir={self.path.parent} is in use by another run ({where}, bundle "
+                f"{holder.get('bundle')}, since {holder.get('since')}); use another checkpoint.dir")
 
     def acquire(self) -> None:
         message = None
@@ -302,11 +280,7 @@ class DirLock:
 
     def release(self) -> None:
         if self.held:
-            try:
-                if json.loads(self.path.read_text()).get("pid") == os.getpid():
-                    self.path.unlink()
-            except (OSError, ValueError):
-                pass
+            dirlock.release(self.path, self.owner)
             self.held = False
 
 

@@ -49,12 +49,7 @@ class RunRefused(Exception):
 
 def train(bundle: Path, console) -> int:
     from launcher.core import derive, load_job
-    from launcher.core.flops import flops_per_token
-    from launcher.rank import checkpoint as ckpt, data, elastic, loop, metrics, optim, setup
-    from megatron.core import parallel_state as ps
-    from models import backend, build_model
-
-    import torch
+    from launcher.rank import checkpoint as ckpt, elastic, setup
 
     job = load_job(bundle / "config.yaml")
     layout, tr = derive(job), job.train
@@ -65,7 +60,26 @@ def train(bundle: Path, console) -> int:
 
         for line in health.probe():
             console.line(line)
-    rank = torch.distributed.get_rank()
+    # The checkpoint dir's lock before anything expensive: a second run on the same dir stops in seconds, not
+    # after building its model.
+    ckpt.check_options(job.checkpoint)
+    ckpt_dir = Path(job.checkpoint.dir) if job.checkpoint.dir else bundle / "checkpoints"
+    identity = ckpt.run_identity(job)
+    lock = ckpt.DirLock(ckpt_dir, bundle=bundle, run=ckpt.run_hash(identity))
+    try:
+        lock.acquire()
+        return _build_and_train(bundle, console, job, layout, ckpt_dir, identity, lock)
+    except ckpt.CheckpointError as exc:
+        raise RunRefused(str(exc)) from None
+    finally:
+        lock.release()
+
+
+def _build_and_train(bundle, console, job, layout, ckpt_dir, identity, lock) -> int:
+    from launcher.rank import loop, optim
+    from models import backend, build_model
+
+    tr = job.train
     backend.check_planned_backend(job.precision, layout)
     backend.check_flex_dispatcher(job.model)
     backend.initialize_tp_comm_overlap(model=job.model, parallel=job.parallel, precision=job.precision, train=tr,
@@ -80,17 +94,7 @@ def train(bundle: Path, console) -> int:
     lp = loop.Loop(model=model, optimizer=optimizer, scheduler=scheduler, train=tr, seq_length=job.model.seq_length,
                    num_microbatches=layout.microbatches, kind=job.schedule.kind, dp_size=layout.dp,
                    record_timeline=job.schedule.record_timeline)
-    ckpt.check_options(job.checkpoint)
-    ckpt_dir = Path(job.checkpoint.dir) if job.checkpoint.dir else bundle / "checkpoints"
-    identity = ckpt.run_identity(job)
-    lock = ckpt.DirLock(ckpt_dir, bundle=bundle, run=ckpt.run_hash(identity))
-    try:
-        return _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp, ckpt_dir, identity,
-                             lock)
-    except ckpt.CheckpointError as exc:
-        raise RunRefused(str(exc)) from None
-    finally:
-        lock.release()
+    return _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp, ckpt_dir, identity, lock)
 
 
 def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp, ckpt_dir, identity, lock) -> int:
@@ -102,7 +106,6 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
     import torch
 
     tr, rank = job.train, torch.distributed.get_rank()
-    lock.acquire()
     checksum = job.checkpoint.verify == "checksum"
     latest = None
     if not job.checkpoint.resume:
