@@ -16,12 +16,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_AND_TORCH = ("torch", "megatron", "transformer_engine", "apex", "triton")
-SHARED = ("launcher", "launcher.schema", "launcher.core", "data", "data.blend")
-"""Read by both wings (data.blend: blend parsing and path resolution, pure Python)."""
+SHARED = ("launcher", "launcher.schema", "launcher.core", "data", "data.blend", "data.index")
+"""Read by both wings (data.blend: blend parsing and path resolution, pure Python; data.index: the .idx header,
+numpy)."""
 RANK = ("launcher.rank", "models", "data.datasets", "data.tokenizer")
 LOGIN = ("launcher.__main__", "launcher.cli", "launcher.actions", "launcher.validate", "launcher.plan",
          "launcher.render", "launcher.executor", "launcher.overrides", "launcher.help", "launcher.config",
          "launcher.problems", "data.preflight", "launcher.megatron_lm", "launcher.catalog")
+TOOLS = ("launcher.hf",)
+"""Commands of their own that need torch on a login node (export-hf/import-hf read and write torch_dist
+checkpoints): ``launcher.__main__`` starts them by module name; no login module reaches them (checked below)."""
 
 
 def _modules() -> dict[str, Path]:
@@ -88,11 +92,13 @@ def _wing(module: str) -> str:
         return "shared"
     if _in(module, LOGIN):
         return "login"
-    return "tool"
+    if _in(module, TOOLS):
+        return "tool"
+    return "unplaced"
 
 
 def test_every_launcher_module_has_a_wing():
-    unplaced = [m for m in MODULES if m.startswith("launcher") and _wing(m) == "tool"]
+    unplaced = [m for m in MODULES if m.startswith("launcher") and _wing(m) == "unplaced"]
     assert not unplaced, f"place these in a wing in tests/test_layering.py: {unplaced}"
 
 
@@ -112,6 +118,20 @@ def test_rank_wing_module_reaches_no_login_module(module):
 def test_shared_core_reaches_only_itself_and_no_torch(module):
     bad = sorted(n for n in reach(module) if _in(n, GPU_AND_TORCH) or _in(n, RANK) or _in(n, LOGIN))
     assert not bad, f"{module} reaches {bad}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _wing(m) in ("login", "rank", "shared")))
+def test_no_wing_reaches_the_torch_tools(module):
+    """The HF tools import torch: a login module reaching them would too; the rank wing has no business there."""
+    bad = sorted(n for n in reach(module) if _in(n, TOOLS))
+    assert not bad, f"{module} reaches {bad}"
+
+
+def test_the_hf_tools_are_handed_over_by_name_before_the_login_cli():
+    """``python -m launcher export-hf`` must not import the login CLI (nor the tools statically)."""
+    source = (ROOT / "launcher" / "__main__.py").read_text()
+    assert "launcher.hf" not in direct_imports("launcher.__main__")
+    assert source.index('import_module("launcher.hf")') < source.index("from launcher.cli import main")
 
 
 def test_the_checker_sees_imports_inside_functions(tmp_path, monkeypatch):

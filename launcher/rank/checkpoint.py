@@ -691,6 +691,11 @@ def resume(ckpt_dir: Path, *, identity: dict, load_from: Optional[str], checksum
                                                         world=_world())) for p in share]
         error = f"{len(problems)} damaged file(s): {'; '.join(problems[:3])}" if problems else None
         with_rng = manifest.get("rng_layout") == rng_layout()  # unknown (no manifest): not restored
+        weights_only = bool(manifest.get("weights_only"))  # `import-hf`: model weights, no optimizer/step/RNG
+        if weights_only and error is None:
+            error = weights_mismatch(manifest, identity)
+            if error is not None:  # the same model entry on every rank: nothing to fall back to
+                raise CheckpointError(f"checkpoint.load={path}: {error}")
         fmt = manifest.get("optimizer_format", DEFAULT_OPTIMIZER_FORMAT)
         saved_dp = (manifest.get("rng_layout") or [None] * 3)[2]
         if error is None and distributed_optimizer and fmt == "dp_reshardable" and saved_dp not in (None, rng_layout()[2]):
@@ -703,7 +708,7 @@ def resume(ckpt_dir: Path, *, identity: dict, load_from: Optional[str], checksum
         if error is None:
             try:
                 step, consumed = load(path, model=model, optimizer=optimizer, scheduler=scheduler,
-                                      with_rng=with_rng, optimizer_format=fmt)
+                                      with_rng=with_rng, optimizer_format=fmt, weights_only=weights_only)
             except BaseException as exc:  # noqa: BLE001 - any load failure means: try the previous checkpoint
                 # (torch.distributed.checkpoint's CheckpointException is a BaseException: caught by `except
                 # Exception`, the rank whose shard was bad died while the others waited for it)
@@ -756,11 +761,30 @@ def rng_layout() -> list:
             parallel_state.get_data_parallel_world_size(with_context_parallel=True)]
 
 
+def weights_mismatch(manifest: dict, identity: dict) -> Optional[str]:
+    """A weights-only checkpoint (``import-hf``) records the model fields that shape its tensors: the ones this job
+    sets differently, or None (a longer context, other dropout or routing settings are fine)."""
+    theirs = manifest.get("weights_of") or {}
+    diff = [f"{k}={v!r} there, {identity.get(k)!r} here" for k, v in sorted(theirs.items()) if identity.get(k) != v]
+    return f"its weights are of another model ({'; '.join(diff)})" if diff else None
+
+
 def load(path: Path, *, model, optimizer, scheduler, with_rng: bool = True,
-         optimizer_format: str = DEFAULT_OPTIMIZER_FORMAT) -> tuple:
-    """Load a checkpoint into model/optimizer/scheduler/RNG; returns (step, consumed_samples)."""
+         optimizer_format: str = DEFAULT_OPTIMIZER_FORMAT, weights_only: bool = False) -> tuple:
+    """Load a checkpoint into model/optimizer/scheduler/RNG; returns (step, consumed_samples). A weights-only
+    checkpoint (``import-hf``) loads the model's weights alone and starts at step 0 (Megatron-LM's --finetune with
+    --no-load-optim --no-load-rng): the optimizer's fp32 main parameters are copied from the loaded weights."""
     from megatron.core import dist_checkpointing, tensor_parallel
 
+    if weights_only:
+        for chunk in model:  # each virtual stage's chunk reads its own tensors (the keys are global)
+            state = dist_checkpointing.load({"model": _unwrap(chunk).sharded_state_dict()}, str(path))
+            _unwrap(chunk).load_state_dict(state["model"])
+        # bf16/fp16: the optimizer's fp32 main parameters were copied from the initial weights when it was built;
+        # Megatron-LM's load_checkpoint calls the same after a --no-load-optim load (megatron/training/checkpointing.py)
+        if hasattr(optimizer, "reload_model_params"):
+            optimizer.reload_model_params()
+        return 0, 0
     _materialize_optimizer_state(optimizer)
     _tolerate_missing_adam_step()
     template = _sharded_state(model, optimizer, scheduler, 0, 0, is_loading=True, optimizer_format=optimizer_format)

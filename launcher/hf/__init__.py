@@ -1,0 +1,120 @@
+"""Hugging Face in and out: ``python -m launcher export-hf`` / ``import-hf`` (also ``python -m launcher.hf``).
+
+    python -m launcher export-hf --checkpoint DIR/iter_N --output OUT [--config BUNDLE/config.yaml]
+                                 [--tokenizer tokenizer.json] [--max-shard-size 5GB]
+    python -m launcher import-hf --hf HF_DIR --output CKPT_DIR [key=value ...]   (the job's recipe overrides)
+
+A wing of its own (tests/test_layering.py, TOOLS): both commands read or write torch_dist checkpoints, which only
+torch and Megatron-Core's ``dist_checkpointing`` can do, so this package imports torch (CPU is enough: one
+process, no GPU, no network; it runs on a login node with the ``train`` extra installed). The torch-free login
+commands (compose, validate, plan, render, submit) never import it: ``launcher/__main__.py`` hands these two
+commands over by module name before the login CLI is imported, and no login module reaches this package.
+What it may import: the schema and core, the rank wing's model builder (import builds the model once), the
+login side's composition (import-hf takes the job's overrides) and transformers/safetensors.
+
+Megatron-Bridge's ``AutoBridge`` mappings were not used: Bridge is not installable beside this stack here (it
+pins its own megatron-core and Transformer Engine, which has no CPU build) and its conversion builds the model at
+the target layout on GPUs; the mappings it uses (QKV interleaving, gated fc1, vocabulary padding) are the
+Megatron-Core layouts documented in ``mapping.py``, checked here by byte-identical round trips and logits.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+USAGE = {
+    "export-hf": "python -m launcher export-hf --checkpoint DIR/iter_N --output OUT [--config BUNDLE/config.yaml] "
+                 "[--tokenizer PATH] [--max-shard-size 5GB]",
+    "import-hf": "python -m launcher import-hf --hf HF_DIR --output CKPT_DIR [key=value ...]",
+}
+FLAGS = {"export-hf": {"--checkpoint", "--output", "--config", "--tokenizer", "--max-shard-size"},
+         "import-hf": {"--hf", "--output"}}
+REQUIRED = {"export-hf": ("--checkpoint", "--output"), "import-hf": ("--hf", "--output")}
+
+
+class UsageError(Exception):
+    pass
+
+
+def parse(command: str, argv: List[str]) -> tuple:
+    """(flags, overrides): ``--flag value`` or ``--flag=value`` pairs, and key=value job overrides."""
+    flags, overrides, it = {}, [], iter(argv)
+    for token in it:
+        if token in ("-h", "--help"):
+            raise UsageError("help")
+        if token.startswith("--"):
+            name, eq, value = token.partition("=")
+            if name not in FLAGS[command]:
+                raise UsageError(f"{command}: unknown flag {name}; flags are {', '.join(sorted(FLAGS[command]))}")
+            value = value if eq else next(it, None)
+            if value is None:
+                raise UsageError(f"{command}: {name} needs a value")
+            flags[name] = value
+        elif "=" in token and command == "import-hf":
+            overrides.append(token)
+        else:
+            raise UsageError(f"{command}: unexpected argument {token!r}; usage: {USAGE[command]}")
+    missing = [f for f in REQUIRED[command] if f not in flags]
+    if missing:
+        raise UsageError(f"{command}: {', '.join(missing)} is required; usage: {USAGE[command]}")
+    return flags, overrides
+
+
+def parse_size(text: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    t = text.strip().upper()
+    for unit, mult in units.items():
+        if t.endswith(unit) and t[: -len(unit)].replace(".", "", 1).isdigit():
+            return int(float(t[: -len(unit)]) * mult)
+    if t.isdigit():
+        return int(t)
+    raise UsageError(f"--max-shard-size {text}: not a size; try --max-shard-size 5GB")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv else ""
+    if command not in USAGE:
+        print(f"error: the command is export-hf or import-hf, not {command!r}", file=sys.stderr)
+        return 2
+    try:
+        flags, overrides = parse(command, argv[1:])
+        return _export(flags) if command == "export-hf" else _import(flags, overrides)
+    except UsageError as exc:
+        if str(exc) == "help":
+            print(f"usage: {USAGE[command]}")
+            return 0
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _export(flags: dict) -> int:
+    from launcher.hf.export import ExportError, export
+
+    try:
+        export(Path(flags["--checkpoint"]), Path(flags["--output"]),
+               config=Path(flags["--config"]) if "--config" in flags else None, tokenizer=flags.get("--tokenizer"),
+               max_shard_bytes=parse_size(flags.get("--max-shard-size", "5GB")))
+    except ExportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _import(flags: dict, overrides: List[str]) -> int:
+    from launcher.config import ConfigError, compose_job
+    from launcher.hf.importer import ImportRefused, import_hf
+
+    try:
+        job = compose_job(overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import_hf(Path(flags["--hf"]), Path(flags["--output"]), job)
+    except ImportRefused as exc:
+        for line in exc.lines:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    return 0

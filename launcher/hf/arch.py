@@ -1,0 +1,178 @@
+"""Which Hugging Face architecture a model entry is, its ``config.json``, and the field-by-field comparison.
+
+The HF config of a model entry is built once (:func:`hf_config`), from transformers' own config classes; import
+compares a checkpoint's ``config.json`` with it field by field, so the two directions cannot disagree about what
+a field means. Families (transformers/models/<name>/configuration_<name>.py):
+
+- ``llama``: RMSNorm, SwiGLU, RoPE (Llama 3.1's scaling as ``rope_type: llama3``), GQA, untied or tied.
+- ``qwen3``: the same with per-head q/k RMSNorm (``qk_layernorm``), no biases.
+- ``qwen3_moe``: Qwen3 with routed experts (softmax top-k, no shared expert).
+- ``mixtral``: Llama with routed experts (softmax top-k).
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+from launcher.schema import ModelConfig
+
+# Megatron-Core's Llama 3.x RoPE scaling constants (RotaryEmbedding._apply_scaling defaults,
+# megatron/core/models/common/embeddings/rotary_pos_embedding.py): only the factor is a setting.
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+class Unsupported(ValueError):
+    """A model entry this converter has no HF architecture for: one line naming the field."""
+
+
+def family(model: ModelConfig) -> str:
+    """The HF architecture family of a model entry, or Unsupported naming what has none."""
+    if model.multi_latent_attention:
+        raise Unsupported("model.multi_latent_attention=true (DeepSeek-V3): HF conversion of MLA and MTP is not "
+                          "implemented yet; supported: Llama 3/3.1, Qwen3, Qwen3-MoE, Mixtral")
+    if model.normalization != "RMSNorm" or model.activation != "swiglu" or model.position_embedding != "rope":
+        raise Unsupported(f"model.normalization={model.normalization}, model.activation={model.activation}, "
+                          f"model.position_embedding={model.position_embedding} (GPT-3 style): HF conversion needs "
+                          "RMSNorm, swiglu and rope (Llama/Qwen3/Mixtral); GPT-2 export is not implemented yet")
+    if model.mtp_num_layers:
+        raise Unsupported(f"model.mtp_num_layers={model.mtp_num_layers}: MTP layers have no HF Llama/Qwen3/Mixtral "
+                          "equivalent; use model.mtp_num_layers=0")
+    if model.rotary_percent != 1.0:
+        raise Unsupported(f"model.rotary_percent={model.rotary_percent}: HF Llama rotates the whole head; "
+                          "use model.rotary_percent=1.0")
+    if model.add_bias_linear:
+        raise Unsupported("model.add_bias_linear=true: HF Llama/Qwen3 have no biases on the MLP; use "
+                          "model.add_bias_linear=false")
+    if model.num_experts:
+        if model.moe_router_score_function != "softmax" or model.moe_router_enable_expert_bias \
+                or model.moe_router_num_groups or model.moe_router_topk_scaling_factor not in (None, 1.0):
+            raise Unsupported("model.moe_router_score_function=sigmoid / expert bias / group-limited routing "
+                              "(DeepSeek-V3 routing): not implemented yet; Mixtral and Qwen3-MoE route with softmax")
+        if model.moe_shared_expert_intermediate_size:
+            raise Unsupported("model.moe_shared_expert_intermediate_size is set: Mixtral and Qwen3-MoE have no "
+                              "shared expert; use null")
+        if model.moe_first_k_dense or model.moe_layer_freq != 1:
+            raise Unsupported(f"model.moe_first_k_dense={model.moe_first_k_dense}, model.moe_layer_freq="
+                              f"{model.moe_layer_freq}: Mixtral and Qwen3-MoE have experts in every layer; use 0 and 1")
+        return "qwen3_moe" if model.qk_layernorm else "mixtral"
+    if model.qk_layernorm:
+        if model.add_qkv_bias:
+            raise Unsupported("model.add_qkv_bias=true with qk_layernorm: Qwen3 has no QKV bias; use "
+                              "model.add_qkv_bias=false")
+        return "qwen3"
+    if model.add_qkv_bias:
+        raise Unsupported("model.add_qkv_bias=true: HF Llama biases the output projection too (attention_bias); "
+                          "use model.add_qkv_bias=false")
+    return "llama"
+
+
+def _rope(model: ModelConfig) -> dict:
+    if model.rope_scaling:
+        return {"rope_type": "llama3", "rope_theta": float(model.rotary_base),
+                "factor": float(model.rope_scaling_factor), **LLAMA3_ROPE}
+    return {"rope_type": "default", "rope_theta": float(model.rotary_base)}
+
+
+def hf_config(model: ModelConfig, *, dtype: str = "float32", bos_token_id: Optional[int] = None,
+              eos_token_id: Optional[int] = None):
+    """The transformers config object of this model entry (raises Unsupported)."""
+    import transformers
+
+    fam = family(model)
+    common = dict(
+        vocab_size=model.vocab_size, hidden_size=model.hidden_size, num_hidden_layers=model.num_layers,
+        num_attention_heads=model.num_attention_heads,
+        num_key_value_heads=model.num_query_groups or model.num_attention_heads,
+        head_dim=model.kv_channels or model.hidden_size // model.num_attention_heads,
+        max_position_embeddings=model.max_position_embeddings or model.seq_length, rms_norm_eps=model.norm_epsilon,
+        rope_parameters=_rope(model), tie_word_embeddings=model.tie_embeddings, hidden_act="silu",
+        attention_dropout=model.attention_dropout, initializer_range=model.init_method_std,
+        bos_token_id=bos_token_id, eos_token_id=eos_token_id, dtype=dtype)
+    if fam == "llama":
+        return transformers.LlamaConfig(intermediate_size=model.ffn_hidden_size, attention_bias=False,
+                                        mlp_bias=False, **common)
+    if fam == "qwen3":
+        return transformers.Qwen3Config(intermediate_size=model.ffn_hidden_size, attention_bias=False, **common)
+    moe = dict(num_experts_per_tok=model.moe_router_topk, router_aux_loss_coef=model.moe_aux_loss_coeff)
+    if fam == "mixtral":
+        return transformers.MixtralConfig(intermediate_size=model.moe_ffn_hidden_size or model.ffn_hidden_size,
+                                          num_local_experts=model.num_experts, **moe, **common)
+    # Qwen3-MoE: norm_topk_prob renormalises the top-k softmax weights; Megatron-Core's softmax router with
+    # moe_router_pre_softmax=False (its default) takes the softmax over the top-k scores, the same thing.
+    return transformers.Qwen3MoeConfig(intermediate_size=model.ffn_hidden_size,
+                                       moe_intermediate_size=model.moe_ffn_hidden_size or model.ffn_hidden_size,
+                                       num_experts=model.num_experts, norm_topk_prob=True, decoder_sparse_step=1,
+                                       mlp_only_layers=[], attention_bias=False, **moe, **common)
+
+
+# HF config field -> the model entry field it comes from; None: a Megatron-Core constant (no field to change).
+COMPARED = {
+    "model_type": "model", "hidden_size": "hidden_size", "num_hidden_layers": "num_layers",
+    "num_attention_heads": "num_attention_heads", "num_key_value_heads": "num_query_groups",
+    "head_dim": "kv_channels", "intermediate_size": "ffn_hidden_size", "moe_intermediate_size": "moe_ffn_hidden_size",
+    "vocab_size": "vocab_size", "rms_norm_eps": "norm_epsilon", "tie_word_embeddings": "tie_embeddings",
+    "num_local_experts": "num_experts", "num_experts": "num_experts", "num_experts_per_tok": "moe_router_topk",
+    "rope_theta": "rotary_base", "rope_type": "rope_scaling", "factor": "rope_scaling_factor",
+    "low_freq_factor": None, "high_freq_factor": None, "original_max_position_embeddings": None,
+    "attention_bias": "add_qkv_bias", "mlp_bias": "add_bias_linear", "norm_topk_prob": None, "hidden_act": "activation",
+}
+_MOE_ONLY = {"num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"}
+_ROPE = ("rope_theta", "rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _fields(cfg) -> dict:
+    out = {k: getattr(cfg, k, None) for k in COMPARED if k not in _ROPE}
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    out.update(rope_theta=rope.get("rope_theta"), rope_type=rope.get("rope_type", "default"))
+    if rope.get("rope_type", "default") != "default":
+        out.update({k: rope.get(k) for k in _ROPE[2:]})
+    return out
+
+
+def _close(a, b) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        try:
+            return abs(float(a) - float(b)) <= 1e-9 * max(1.0, abs(float(a)))
+        except (TypeError, ValueError):
+            return False
+    return a == b
+
+
+def _line(key: str, theirs, ours, model: ModelConfig) -> str:
+    field = COMPARED[key]
+    if key == "model_type":
+        return (f"model: the HF config.json is a {theirs!r} model, the model entry makes a {ours!r} one "
+                "(qk_layernorm and num_experts decide it); choose a model entry of that architecture")
+    if field is None:
+        return (f"the HF config.json has {key}={theirs!r}; Megatron-Core fixes it at {ours!r} "
+                "(this checkpoint cannot be imported as it is)")
+    if key == "rope_type":
+        suggest = theirs not in (None, "default")
+        if theirs not in (None, "default", "llama3"):
+            return (f"model.rope_scaling={model.rope_scaling}: the HF config.json has rope_type={theirs!r}, which "
+                    "Megatron-Core's RoPE does not implement (default and llama3 only)")
+    elif key in ("hidden_act", "attention_bias", "mlp_bias"):
+        return (f"model.{field}={getattr(model, field)!r}: the HF config.json has {key}={theirs!r}, the model "
+                f"entry exports {key}={ours!r}; choose a model entry that matches")
+    else:
+        suggest = theirs
+    return (f"model.{field}={getattr(model, field)!r}: the HF config.json has {key}={theirs!r}; "
+            f"try model.{field}={suggest!r}")
+
+
+def compare(theirs, model: ModelConfig) -> List[str]:
+    """One line per field where the HF config ``theirs`` differs from what this model entry would export."""
+    try:
+        ours = hf_config(model)
+    except Unsupported as exc:
+        return [str(exc)]
+    a, b = _fields(theirs), _fields(ours)
+    moe = bool(model.num_experts) or any(getattr(theirs, k, None) for k in ("num_local_experts", "num_experts"))
+    lines = []
+    for key in COMPARED:
+        if key in _MOE_ONLY and not moe:
+            continue
+        if key in _ROPE[2:] and not (key in a and key in b):
+            continue  # the scaling's own fields: compared when both scale (rope_type says when one does not)
+        if not _close(a.get(key), b.get(key)):
+            lines.append(_line(key, a.get(key), b.get(key), model))
+    return lines

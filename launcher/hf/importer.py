@@ -1,0 +1,208 @@
+"""``import-hf``: a Hugging Face model directory -> a weights-only torch_dist checkpoint a job starts from.
+
+1. The HF ``config.json`` is compared with the job's model entry field by field (``arch.compare``): every
+   difference is one line, and nothing is built or written.
+2. The model is built with Megatron-Core in this one process (TP=PP=EP=1, the job's dtype, the local spec; its
+   vocabulary padded as the job pads it: ``make_vocab_size_divisible_by`` x the job's TP). Every tensor of its
+   sharded state dict is filled from the HF tensors through the mapping (``mapping.py``); an HF tensor left unused
+   or a Megatron tensor left unfilled stops the import with one line.
+3. ``dist_checkpointing.save`` writes it; ``launcher.json`` marks it ``weights_only`` (no optimizer, scheduler,
+   step or RNG state) and records the model fields that shape the weights. A job then starts from it with
+   ``checkpoint.load=OUT/iter_0000000`` at any TP/PP/EP layout: torch_dist reshards on load.
+
+Memory: the whole model once in the job's dtype (it is built to be saved), plus one HF tensor group at a time
+(``safe_open`` maps the files lazily).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import torch
+
+from launcher.hf import arch, mapping
+from launcher.schema import JobConfig, ParallelConfig, PrecisionConfig
+
+WEIGHT_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                 "kv_channels", "vocab_size", "normalization", "activation", "position_embedding", "tie_embeddings",
+                 "add_bias_linear", "add_qkv_bias", "qk_layernorm", "num_experts", "moe_ffn_hidden_size",
+                 "moe_shared_expert_intermediate_size", "moe_first_k_dense", "moe_layer_freq",
+                 "moe_router_enable_expert_bias", "multi_latent_attention", "mtp_num_layers")
+"""Model fields that decide which tensors a checkpoint holds and their shapes (recorded in launcher.json)."""
+IGNORED_HF = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+"""Buffers some HF checkpoints carry that are not weights."""
+_STACKED = re.compile(r"^((?:decoder|mtp)\.layers)\.(\D.*)$")
+
+
+class ImportRefused(Exception):
+    """The HF checkpoint does not fit the model entry: one line per problem."""
+
+    def __init__(self, lines: List[str]):
+        super().__init__("\n".join(lines))
+        self.lines = lines
+
+
+class HFTensors:
+    """The tensors of an HF model directory (sharded with an index, or one model.safetensors), read lazily."""
+
+    def __init__(self, root: Path):
+        from safetensors import safe_open
+
+        index = root / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        elif (root / "model.safetensors").is_file():
+            files = ["model.safetensors"]
+        else:
+            raise ImportRefused([f"--hf {root}: no model.safetensors(.index.json) there (safetensors weights only; "
+                                 "convert .bin weights with transformers first)"])
+        self._handles = {f: safe_open(str(root / f), framework="pt") for f in files}
+        self.where = {name: f for f, h in self._handles.items() for name in h.keys()}
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handles[self.where[name]].get_tensor(name)
+
+
+def _logical(key: str, prefix: Tuple[int, ...]) -> Tuple[str, tuple]:
+    """A stored key with its leading offsets -> the per-layer name the mapping uses (see torch_dist.Reader)."""
+    m = _STACKED.match(key)
+    if m and prefix:
+        return f"{m[1]}.{prefix[0]}.{m[2]}", tuple(prefix[1:])
+    return key, tuple(prefix)
+
+
+def targets_of(chunk) -> Dict[Tuple[str, tuple], torch.Tensor]:
+    """(per-layer checkpoint name, expert index) -> the parameter tensor it is saved from."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    out = {}
+    for v in nested_values(chunk.sharded_state_dict()):
+        if isinstance(v, ShardedTensorFactory):  # gated fc1: built into its two halves, same key and offsets
+            first = next(s for s in nested_values(v.build()) if isinstance(s, ShardedTensor))
+            prefix = first.global_offset[:first.prepend_axis_num]
+        elif isinstance(v, ShardedTensor):
+            prefix = v.global_offset[:v.prepend_axis_num]
+        else:
+            continue
+        out[_logical(v.key, tuple(int(i) for i in prefix))] = v.data
+    return out
+
+
+def single_process_group() -> None:
+    """A world-1 gloo group for Megatron-Core's build and save in this process: a file store, no port."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        store = os.path.join(tempfile.mkdtemp(prefix="import-hf-"), "store")
+        dist.init_process_group("gloo", store=dist.FileStore(store, 1), rank=0, world_size=1)
+
+
+def build_single(job: JobConfig):
+    """The job's model at TP=PP=EP=1 in this process (world of one, gloo), its vocabulary padded for the job's TP."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    from launcher.core import derive
+    from models import build_model, cpu_compat
+    from models.builder import layout_of
+
+    single_process_group()
+    cpu_compat.apply()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+        tensor_parallel.model_parallel_cuda_manual_seed(job.train.seed)
+    parallel, precision = ParallelConfig(), PrecisionConfig(dtype=job.precision.dtype, transformer_engine="false")
+    layout = replace(layout_of(model=job.model, parallel=parallel, precision=precision),
+                     padded_vocab=derive(job).padded_vocab)
+    [chunk] = build_model(model=job.model, parallel=parallel, precision=precision, layout=layout, seed=job.train.seed)
+    return chunk
+
+
+def fill(chunk, hf: HFTensors, model) -> None:
+    """Copy every HF tensor into the Megatron model through the mapping; refuse leftovers on either side."""
+    targets = targets_of(chunk)
+    used, filled, problems = set(), set(), []
+    for unit in mapping.units(model):
+        where = next(((k, unit.index) for k in unit.mcore if (k, unit.index) in targets), None)
+        absent = [n for n in unit.hf if n not in hf.where]
+        if where is None or absent:
+            problems.append(f"{absent[0] if absent else unit.hf[0]}: not in the HF checkpoint" if absent else
+                            f"{unit.mcore[0]}: the built model has no such tensor")
+            continue
+        target = targets[where]
+        value = unit.join([hf.get(n) for n in unit.hf], target.shape)
+        if tuple(value.shape) != tuple(target.shape):
+            problems.append(f"{', '.join(unit.hf)}: shape {tuple(value.shape)} after conversion, the model has "
+                            f"{tuple(target.shape)} at {where[0]}")
+            continue
+        with torch.no_grad():
+            target.copy_(value.to(target.dtype))
+        used.update(unit.hf)
+        filled.add(where)
+    tied = {"lm_head.weight"} if model.tie_embeddings else set()
+    extra = sorted(n for n in hf.where if n not in used and n not in tied and not IGNORED_HF.search(n))
+    if extra:
+        problems.append(f"{len(extra)} HF tensor(s) have no place in the model entry, e.g. {', '.join(extra[:3])}")
+    unfilled = sorted(k for k in targets if k not in filled)
+    if unfilled:
+        problems.append(f"{len(unfilled)} model tensor(s) got no HF weights, e.g. {unfilled[0][0]}")
+    if problems:
+        raise ImportRefused(problems)
+
+
+def import_hf(hf_dir: Path, output: Path, job: JobConfig, log=print) -> Path:
+    """Validate, build, fill, save; returns OUT/iter_0000000."""
+    from transformers import AutoConfig
+
+    start = time.perf_counter()
+    hf_dir, output = Path(hf_dir), Path(output)
+    if not (hf_dir / "config.json").is_file():
+        raise ImportRefused([f"--hf {hf_dir}: no config.json there (a Hugging Face model directory is needed)"])
+    try:
+        cfg = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
+    except (ValueError, KeyError, OSError) as exc:
+        raise ImportRefused([f"--hf {hf_dir}/config.json: transformers cannot read it "
+                             f"({str(exc).splitlines()[0][:160]})"]) from None
+    problems = arch.compare(cfg, job.model)
+    if problems:
+        raise ImportRefused(problems)
+    final = output / "iter_0000000"
+    if final.exists():
+        raise ImportRefused([f"--output {output}: {final} exists already; choose a new directory"])
+    hf = HFTensors(hf_dir)
+    chunk = build_single(job)
+    fill(chunk, hf, job.model)
+    from megatron.core import dist_checkpointing
+
+    tmp = output / f"iter_0000000.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        dist_checkpointing.save({"model": chunk.sharded_state_dict()}, str(tmp))
+        files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "crc32": None}
+                 for p in sorted(tmp.rglob("*")) if p.is_file()}
+        manifest = {"step": 0, "run": "hf-import", "weights_only": True, "source": str(hf_dir.resolve()),
+                    "weights_of": {f"model.{k}": getattr(job.model, k) for k in WEIGHT_FIELDS},
+                    "identity": {"data.tokenizer": job.data.tokenizer,
+                                 **{f"model.{f}": v for f, v in vars(job.model).items()}},
+                    "padded_vocab": int(chunk.embedding.word_embeddings.weight.shape[0]),
+                    "dtype": job.precision.dtype, "files": files,
+                    "saved_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        (tmp / "launcher.json").write_text(json.dumps(manifest, indent=1, default=str) + "\n")
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"imported {hf_dir} ({type(cfg).__name__}) -> {final}: {len(hf.where)} HF tensors, "
+        f"{sum(r['size'] for r in files.values()) / 1e6:.1f} MB, {time.perf_counter() - start:.1f} s; start a job "
+        f"from it with checkpoint.load={final}")
+    return final

@@ -1,0 +1,181 @@
+"""Weight names and layouts: Megatron-Core's torch_dist checkpoint <-> a Hugging Face causal-LM state dict.
+
+One table of :class:`Unit`s serves both directions. A unit is one Megatron-Core tensor (a checkpoint key, and an
+index into its leading expert axis) and the Hugging Face tensors it becomes. Names on the Megatron side are the
+*checkpoint* names, which are the Transformer Engine names for both layer specs: the local spec's
+``TransformerLayer`` maps ``input_layernorm`` to ``self_attention.linear_qkv.layer_norm_weight`` and
+``pre_mlp_layernorm`` to ``mlp.linear_fc1.layer_norm_weight`` when it writes a sharded state dict
+(``sharded_state_dict_keys_map``, megatron/core/transformer/transformer_layer.py), exactly the names TE's fused
+``TELayerNormColumnParallelLinear`` has. A unit lists the alternatives (a TE MoE layer keeps a separate
+``pre_mlp_layernorm``) and the first one present is used.
+
+Layouts (the global tensor of a torch_dist checkpoint is the TP=1 layout, whatever TP it was written at):
+
+- fused QKV with GQA (``SelfAttention.get_query_key_value_tensors``, megatron/core/transformer/attention.py):
+  rows ``[ng, heads/ng + 2, head_dim]``: per query group its query heads, then its key head, then its value
+  head. HF keeps ``q_proj``/``k_proj``/``v_proj`` apart, query head ``i`` reading key/value head
+  ``i // (heads/ng)`` (``repeat_kv``, transformers/models/llama/modeling_llama.py), i.e. the same grouping.
+- gated MLP fc1 (``MLP.forward`` with ``gated_linear_unit``: ``chunk(2)``, the first half through the
+  activation; ``apply_swiglu_sharded_factory`` in megatron/core/transformer/mlp.py stores every TP rank's first
+  halves, then every rank's second halves): ``[gate; up]``.
+- embedding and output layer: ``padded_vocab`` rows (``make_vocab_size_divisible_by`` x TP); HF has
+  ``vocab_size`` rows: the padding is dropped on export and added (zeros) on import.
+- RoPE: Megatron-Core's default (``rotary_interleaved=False``) rotates halves like HF's ``rotate_half``: no
+  permutation of the query/key rows.
+- routed experts (``SequentialMLP.sharded_state_dict``): ``mlp.experts.experts.linear_fc{1,2}.weight`` with a
+  leading expert axis; HF stores one module per expert on disk (transformers 5 fuses them in memory and
+  reverses that on save, transformers/conversion_mapping.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence, Tuple
+
+import torch
+
+from launcher.schema import ModelConfig
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One Megatron-Core checkpoint tensor and the Hugging Face tensors it holds."""
+
+    mcore: Tuple[str, ...]
+    """Checkpoint key(s), per layer (``decoder.layers.{i}.``); the first that the checkpoint/model has is used."""
+    index: Tuple[int, ...]
+    """Index into the key's leading (expert) axes; () for the whole tensor."""
+    hf: Tuple[str, ...]
+    """Hugging Face tensor names, in the order ``split`` returns them."""
+    split: Callable[[torch.Tensor], Sequence[torch.Tensor]]
+    """Megatron tensor -> the HF tensors."""
+    join: Callable[[Sequence[torch.Tensor], torch.Size], torch.Tensor]
+    """HF tensors (and the Megatron tensor's shape) -> the Megatron tensor."""
+
+
+def _same(t):
+    return (t,)
+
+
+def _one(ts, shape):
+    return ts[0]
+
+
+def _vocab(rows: int):
+    """Embedding / output layer: drop the padded rows on export, add zero rows on import."""
+    def split(t):
+        return (t[:rows],)
+
+    def join(ts, shape):
+        out = torch.zeros(shape, dtype=ts[0].dtype)
+        out[:rows] = ts[0]
+        return out
+    return split, join
+
+
+def _qkv(heads: int, groups: int, head_dim: int):
+    """Fused QKV (weight or bias) <-> q, k, v: Megatron groups rows per query group (see the module doc)."""
+    per = heads // groups
+
+    def split(t):
+        g = t.reshape(groups, per + 2, head_dim, *t.shape[1:])
+        rest = t.shape[1:]
+        return (g[:, :per].reshape(heads * head_dim, *rest).contiguous(),
+                g[:, per].reshape(groups * head_dim, *rest).contiguous(),
+                g[:, per + 1].reshape(groups * head_dim, *rest).contiguous())
+
+    def join(ts, shape):
+        q, k, v = ts
+        rest = q.shape[1:]
+        return torch.cat([q.reshape(groups, per, head_dim, *rest), k.reshape(groups, 1, head_dim, *rest),
+                          v.reshape(groups, 1, head_dim, *rest)], dim=1).reshape(shape)
+    return split, join
+
+
+def _gated(t):
+    """fc1 of a gated MLP: [gate; up] (see the module doc)."""
+    gate, up = torch.chunk(t, 2, dim=0)
+    return gate.contiguous(), up.contiguous()
+
+
+def _cat(ts, shape):
+    return torch.cat(list(ts), dim=0)
+
+
+def head_dim(model: ModelConfig) -> int:
+    return model.kv_channels or model.hidden_size // model.num_attention_heads
+
+
+def moe_layers(model: ModelConfig) -> list:
+    """Which decoder layers are MoE: the core's pattern (first k dense, then every moe_layer_freq-th)."""
+    from launcher.core.layout import moe_layer_pattern
+
+    return list(moe_layer_pattern(model))
+
+
+def units(model: ModelConfig) -> list:
+    """The mapping of a model entry (arch.family has accepted it): Mixtral's MoE names without qk-layernorm,
+    Qwen3-MoE's with it."""
+    return llama_units(model, moe_names="mixtral" if model.num_experts and not model.qk_layernorm else "qwen")
+
+
+def llama_units(model: ModelConfig, *, moe_names: str = "qwen") -> list:
+    """Llama 3 / 3.1, Qwen3 (qk-norm), Mixtral and Qwen3-MoE: HF's LlamaForCausalLM naming
+    (transformers/models/llama/modeling_llama.py), the MoE block as Mixtral (``block_sparse_moe``, ``w1/w3/w2``)
+    or Qwen3-MoE (``mlp.gate``, ``mlp.experts.{e}.gate_proj/up_proj/down_proj``) write it to disk."""
+    qkv_split, qkv_join = _qkv(model.num_attention_heads, model.num_query_groups or model.num_attention_heads,
+                               head_dim(model))
+    vsplit, vjoin = _vocab(model.vocab_size)
+    units = [Unit(("embedding.word_embeddings.weight",), (), ("model.embed_tokens.weight",), vsplit, vjoin)]
+    moe = moe_layers(model) if model.num_experts else [False] * model.num_layers
+    for i in range(model.num_layers):
+        p, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        units += [
+            Unit((p + "self_attention.linear_qkv.layer_norm_weight", p + "input_layernorm.weight"), (),
+                 (h + "input_layernorm.weight",), _same, _one),
+            Unit((p + "self_attention.linear_qkv.weight",), (),
+                 tuple(h + f"self_attn.{x}_proj.weight" for x in "qkv"), qkv_split, qkv_join),
+            Unit((p + "self_attention.linear_proj.weight",), (), (h + "self_attn.o_proj.weight",), _same, _one),
+        ]
+        if model.add_qkv_bias or model.add_bias_linear:
+            units.append(Unit((p + "self_attention.linear_qkv.bias",), (),
+                              tuple(h + f"self_attn.{x}_proj.bias" for x in "qkv"), qkv_split, qkv_join))
+        if model.add_bias_linear:
+            units.append(Unit((p + "self_attention.linear_proj.bias",), (), (h + "self_attn.o_proj.bias",),
+                              _same, _one))
+        if model.qk_layernorm:
+            units += [Unit((p + f"self_attention.{x}_layernorm.weight",), (), (h + f"self_attn.{x}_norm.weight",),
+                           _same, _one) for x in "qk"]
+        units.append(Unit((p + "mlp.linear_fc1.layer_norm_weight", p + "pre_mlp_layernorm.weight"), (),
+                          (h + "post_attention_layernorm.weight",), _same, _one))
+        units += _moe_units(model, p, h, moe_names) if moe[i] else _mlp_units(p + "mlp.", h + "mlp.", model)
+    units.append(Unit(("decoder.final_layernorm.weight",), (), ("model.norm.weight",), _same, _one))
+    if not model.tie_embeddings:
+        units.append(Unit(("output_layer.weight",), (), ("lm_head.weight",), vsplit, vjoin))
+    return units
+
+
+def _mlp_units(p: str, h: str, model: ModelConfig, index=(), names=("gate_proj", "up_proj", "down_proj"),
+               mcore_fc=("linear_fc1", "linear_fc2")) -> list:
+    out = [Unit((p + mcore_fc[0] + ".weight",), index, (h + names[0] + ".weight", h + names[1] + ".weight"),
+                _gated, _cat),
+           Unit((p + mcore_fc[1] + ".weight",), index, (h + names[2] + ".weight",), _same, _one)]
+    if model.add_bias_linear:
+        out += [Unit((p + mcore_fc[0] + ".bias",), index, (h + names[0] + ".bias", h + names[1] + ".bias"),
+                     _gated, _cat),
+                Unit((p + mcore_fc[1] + ".bias",), index, (h + names[2] + ".bias",), _same, _one)]
+    return out
+
+
+def _moe_units(model: ModelConfig, p: str, h: str, names: str) -> list:
+    mixtral = names == "mixtral"
+    block = h + ("block_sparse_moe." if mixtral else "mlp.")
+    units = [Unit((p + "mlp.router.weight",), (), (block + "gate.weight",), _same, _one)]
+    if model.moe_router_enable_expert_bias:
+        units.append(Unit((p + "mlp.router.expert_bias",), (), (block + "gate.e_score_correction_bias",),
+                          _same, _one))
+    experts = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    for e in range(model.num_experts):
+        units += _mlp_units(p + "mlp.experts.experts.", f"{block}experts.{e}.", model, index=(e,), names=experts)
+    if model.moe_shared_expert_intermediate_size:
+        units += _mlp_units(p + "mlp.shared_experts.", block + "shared_experts.", model)
+    return units

@@ -1,0 +1,169 @@
+"""Hugging Face in and out (launcher/hf): tiny random HF models (built from transformers' config classes, nothing
+downloaded) -> import-hf -> a torch_dist checkpoint -> export-hf -> byte-identical tensors; the launcher's logits
+(Megatron-Core, fp32, CPU) equal the HF model's; a model entry that differs from the HF config.json is refused with
+one line per field; the streaming safetensors writer writes what safetensors writes."""
+from __future__ import annotations
+
+import gc
+import json
+
+import pytest
+
+from _hf_tiny import ARCHS, batch, hf_config, overrides, save_random
+
+REL = 1e-5
+"""Logits agreement, relative to the largest logit (fp32 on CPU)."""
+
+
+def _tensors(root):
+    import torch  # noqa: F401 - safetensors' torch framework
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(root.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            out.update({k: h.get_tensor(k) for k in h.keys()})
+    return out
+
+
+@pytest.fixture
+def megatron_in_process():
+    """Megatron-Core in this process (world of one); its MoE metrics tracker is sized by the first model built, so
+    it is dropped before and after (as tests/test_catalogue.py does)."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    from _rank_harness import single_process_group
+
+    single_process_group()
+    destroy_moe_metrics_tracker()
+    yield
+    destroy_moe_metrics_tracker()
+    gc.collect()
+
+
+def megatron_logits(job, checkpoint, tokens):
+    """The launcher's model at TP=PP=1, loaded from ``checkpoint`` as a job's ranks load it, on ``tokens``."""
+    import torch
+    from megatron.core import dist_checkpointing
+
+    from launcher.hf.importer import build_single
+
+    chunk = build_single(job)
+    state = dist_checkpointing.load({"model": chunk.sharded_state_dict()}, str(checkpoint))
+    chunk.load_state_dict(state["model"])
+    chunk.eval()
+    pos = torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1)
+    with torch.no_grad():
+        return chunk(tokens, pos, None)
+
+
+def assert_logits_close(ours, theirs):
+    import torch
+
+    ours = ours[..., : theirs.shape[-1]]  # the padded vocabulary rows are not HF's
+    err = float((ours - theirs).abs().max() / theirs.abs().max())
+    assert err <= REL, f"launcher logits differ from HF's by {err:.2e} (relative to the largest logit)"
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+@pytest.mark.parametrize("name", sorted(ARCHS))
+def test_hf_import_export_round_trip_and_logits(name, tmp_path, megatron_in_process):
+    """HF random model -> import-hf -> export-hf: the same tensor names, dtypes and bytes; the imported checkpoint's
+    logits (Megatron-Core) equal the HF model's; the exported directory loads with AutoModelForCausalLM and gives
+    the HF model's logits exactly (its config.json is right)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from launcher.config import compose_job
+    from launcher.hf.export import export
+    from launcher.hf.importer import import_hf
+
+    hf = save_random(name, tmp_path / "hf")
+    job = compose_job(overrides(name))
+    ckpt = import_hf(tmp_path / "hf", tmp_path / "ckpt", job, log=lambda _: None)
+    tokens = batch()
+    with torch.no_grad():
+        theirs = hf(tokens).logits
+    assert_logits_close(megatron_logits(job, ckpt, tokens), theirs)
+
+    export(ckpt, tmp_path / "out", log=lambda _: None)
+    before, after = _tensors(tmp_path / "hf"), _tensors(tmp_path / "out")
+    assert sorted(after) == sorted(before)
+    for key, tensor in before.items():
+        assert after[key].dtype == tensor.dtype and after[key].shape == tensor.shape, key
+        assert after[key].contiguous().view(torch.uint8).equal(tensor.contiguous().view(torch.uint8)), key
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(before)
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
+    assert type(back).__name__ == type(hf).__name__
+    with torch.no_grad():
+        assert torch.equal(back(tokens).logits, theirs)
+
+
+def test_import_refuses_a_different_model_one_line_per_field(tmp_path, capsys):
+    """Before anything is built or written: each differing field on its own line, naming our field, the HF value
+    and the setting that matches it."""
+    from launcher.hf import main
+
+    hf_config("llama", hidden_size=96, num_key_value_heads=4, rms_norm_eps=1e-6, tie_word_embeddings=True,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0}).save_pretrained(str(tmp_path / "hf"))
+    rc = main(["import-hf", "--hf", str(tmp_path / "hf"), "--output", str(tmp_path / "ckpt"), *overrides("llama")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and not (tmp_path / "ckpt").exists()
+    expected = ["model.hidden_size=64: the HF config.json has hidden_size=96; try model.hidden_size=96",
+                "model.num_query_groups=2: the HF config.json has num_key_value_heads=4; try model.num_query_groups=4",
+                "model.norm_epsilon=1e-05: the HF config.json has rms_norm_eps=1e-06; try model.norm_epsilon=1e-06",
+                "model.tie_embeddings=False: the HF config.json has tie_word_embeddings=True; "
+                "try model.tie_embeddings=True",
+                "model.rotary_base=500000.0: the HF config.json has rope_theta=10000.0; try model.rotary_base=10000.0",
+                "model.rope_scaling=True: the HF config.json has rope_type='default'; try model.rope_scaling=False"]
+    assert lines == [f"error: {e}" for e in expected]
+
+
+def test_import_accepts_the_matching_config_of_every_architecture():
+    """The hand-written overrides of each tiny architecture compare clean (so the refusals above are about the
+    changed fields alone), and a Qwen3 config against the Llama entry names the architecture."""
+    from launcher.config import compose_job
+    from launcher.hf import arch
+
+    for name in ARCHS:
+        assert arch.compare(hf_config(name), compose_job(overrides(name)).model) == [], name
+    lines = arch.compare(hf_config("qwen3"), compose_job(overrides("llama")).model)
+    assert lines[0].startswith("model: the HF config.json is a 'qwen3' model, the model entry makes a 'llama' one")
+
+
+def test_export_refuses_what_is_not_a_checkpoint(tmp_path, capsys):
+    from launcher.hf import main
+
+    rc = main(["export-hf", "--checkpoint", str(tmp_path), "--output", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "not a torch_dist checkpoint" in err[0] and "DIR/iter_N" in err[0]
+    rc = main(["export-hf", "--checkpoint", str(tmp_path)])
+    assert rc == 2 and "--output is required" in capsys.readouterr().err
+
+
+def test_streamed_shards_read_back_as_safetensors_writes_them(tmp_path):
+    """The streaming writer (header from the plan, bytes one tensor at a time) against safetensors' own writer:
+    the same tensors read back, in every dtype the export writes; shards split at the size limit."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from launcher.hf.safetensors_out import ShardWriter, plan_shards
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(3, 5, generator=gen), "b.weight": torch.randn(7, generator=gen).to(torch.bfloat16),
+               "c": torch.randn(2, 2, 2, generator=gen).to(torch.float16), "d": torch.randn((), generator=gen)}
+    entries = [(k, v.shape, v.dtype) for k, v in tensors.items()]
+    shards = plan_shards(entries, max_shard_bytes=64)
+    assert [len(s) for s in shards] == [1, 3]  # 60 bytes fill the first; 14 + 16 + 4 the second
+    for k, shard in enumerate(shards):
+        writer = ShardWriter(tmp_path / f"{k}.safetensors", [entries[i] for i in shard])
+        for i in shard:
+            writer.write(entries[i][0], tensors[entries[i][0]])
+        writer.close()
+    save_file(tensors, str(tmp_path / "ref.safetensors"))
+    ours = {**load_file(str(tmp_path / "0.safetensors")), **load_file(str(tmp_path / "1.safetensors"))}
+    ref = load_file(str(tmp_path / "ref.safetensors"))
+    assert ours.keys() == ref.keys() == tensors.keys()
+    for k in tensors:
+        assert ours[k].dtype == ref[k].dtype and torch.equal(ours[k], ref[k]), k
