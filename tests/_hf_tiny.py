@@ -7,10 +7,11 @@ from pathlib import Path
 
 COMMON = dict(vocab_size=200, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, max_position_embeddings=16384, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0)
-OURS = ["model.vocab_size=200", "model.make_vocab_size_divisible_by=64", "model.hidden_size=64",
-        "model.num_layers=2", "model.num_attention_heads=4", "model.num_query_groups=2", "model.seq_length=16",
-        "model.max_position_embeddings=16384", "model.norm_epsilon=1e-5", "precision.dtype=fp32",
-        "model.normalization=RMSNorm", "model.activation=swiglu", "model.position_embedding=rope"]
+BASE = ["model.vocab_size=200", "model.make_vocab_size_divisible_by=64", "model.hidden_size=64",
+        "model.num_layers=2", "model.num_attention_heads=4", "model.seq_length=16", "model.norm_epsilon=1e-5",
+        "precision.dtype=fp32", "model.attention_dropout=0.0", "model.hidden_dropout=0.0"]
+OURS = [*BASE, "model.num_query_groups=2", "model.max_position_embeddings=16384", "model.normalization=RMSNorm",
+        "model.activation=swiglu", "model.position_embedding=rope"]
 
 ARCHS = {
     # Llama 3.1: GQA, untied, RoPE with its llama3 frequency scaling
@@ -40,10 +41,19 @@ ARCHS = {
                    "model.moe_router_topk=2", "model.tie_embeddings=false", "model.rotary_base=1000000",
                    "model.qk_layernorm=true"]),
 }
+GPT2 = dict(vocab_size=200, n_positions=64, n_embd=64, n_layer=2, n_head=4, n_inner=96, activation_function="gelu",
+            layer_norm_epsilon=1e-5, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
+            bos_token_id=0, eos_token_id=0)
+GPT2_OURS = [*BASE, "model.ffn_hidden_size=96", "model.max_position_embeddings=64", "model.normalization=LayerNorm",
+             "model.activation=gelu", "model.position_embedding=learned_absolute", "model.add_bias_linear=true",
+             "model.tie_embeddings=true", "model.num_query_groups=null"]
+NAMES = ["gpt2", "llama", "mixtral", "qwen3", "qwen3_moe"]
 MOE_OURS = ["model.moe_aux_loss_coeff=0.0", "model.moe_router_load_balancing_type=none"]
 
 
 def overrides(name: str) -> list:
+    if name == "gpt2":  # GPT-3 as GPT-2: LayerNorm, exact GeLU, biases, learned positions, tied
+        return [*GPT2_OURS, "data=mock"]
     extra = MOE_OURS if "num_experts" in " ".join(ARCHS[name][2]) else []
     return [*OURS, *ARCHS[name][2], *extra, "data=mock"]
 
@@ -51,6 +61,8 @@ def overrides(name: str) -> list:
 def hf_config(name: str, **changes):
     import transformers
 
+    if name == "gpt2":
+        return transformers.GPT2Config(**{**GPT2, **changes})
     cls, fields, _ = ARCHS[name]
     return getattr(transformers, cls)(**{**COMMON, **fields, **changes})
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from _hf_tiny import ARCHS, batch, hf_config, overrides, save_random
+from _hf_tiny import ARCHS, NAMES, batch, hf_config, overrides, save_random
 
 REL = 1e-5
 """Logits agreement, relative to the largest logit (fp32 on CPU)."""
@@ -66,7 +66,7 @@ def assert_logits_close(ours, theirs):
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
 
-@pytest.mark.parametrize("name", sorted(ARCHS))
+@pytest.mark.parametrize("name", NAMES)
 def test_hf_import_export_round_trip_and_logits(name, tmp_path, megatron_in_process):
     """HF random model -> import-hf -> export-hf: the same tensor names, dtypes and bytes; the imported checkpoint's
     logits (Megatron-Core) equal the HF model's; the exported directory loads with AutoModelForCausalLM and gives
@@ -126,7 +126,7 @@ def test_import_accepts_the_matching_config_of_every_architecture():
     from launcher.config import compose_job
     from launcher.hf import arch
 
-    for name in ARCHS:
+    for name in NAMES:
         assert arch.compare(hf_config(name), compose_job(overrides(name)).model) == [], name
     lines = arch.compare(hf_config("qwen3"), compose_job(overrides("llama")).model)
     assert lines[0].startswith("model: the HF config.json is a 'qwen3' model, the model entry makes a 'llama' one")

@@ -8,6 +8,7 @@ a field means. Families (transformers/models/<name>/configuration_<name>.py):
 - ``qwen3``: the same with per-head q/k RMSNorm (``qk_layernorm``), no biases.
 - ``qwen3_moe``: Qwen3 with routed experts (softmax top-k, no shared expert).
 - ``mixtral``: Llama with routed experts (softmax top-k).
+- ``gpt2``: GPT-3 (LayerNorm with biases, exact GeLU, biases on every linear, learned positions, tied output).
 """
 from __future__ import annotations
 
@@ -29,10 +30,12 @@ def family(model: ModelConfig) -> str:
     if model.multi_latent_attention:
         raise Unsupported("model.multi_latent_attention=true (DeepSeek-V3): HF conversion of MLA and MTP is not "
                           "implemented yet; supported: Llama 3/3.1, Qwen3, Qwen3-MoE, Mixtral")
+    if model.position_embedding == "learned_absolute":
+        return _gpt2_family(model)
     if model.normalization != "RMSNorm" or model.activation != "swiglu" or model.position_embedding != "rope":
         raise Unsupported(f"model.normalization={model.normalization}, model.activation={model.activation}, "
-                          f"model.position_embedding={model.position_embedding} (GPT-3 style): HF conversion needs "
-                          "RMSNorm, swiglu and rope (Llama/Qwen3/Mixtral); GPT-2 export is not implemented yet")
+                          f"model.position_embedding={model.position_embedding}: HF conversion covers RMSNorm + "
+                          "swiglu + rope (Llama/Qwen3/Mixtral) and LayerNorm + gelu + learned_absolute (GPT-2)")
     if model.mtp_num_layers:
         raise Unsupported(f"model.mtp_num_layers={model.mtp_num_layers}: MTP layers have no HF Llama/Qwen3/Mixtral "
                           "equivalent; use model.mtp_num_layers=0")
@@ -65,6 +68,23 @@ def family(model: ModelConfig) -> str:
     return "llama"
 
 
+def _gpt2_family(model: ModelConfig) -> str:
+    """GPT-3 as HF's GPT-2: what GPT2LMHeadModel can hold (transformers/models/gpt2/modeling_gpt2.py)."""
+    want = {"normalization": "LayerNorm", "activation": "gelu", "add_bias_linear": True, "tie_embeddings": True,
+            "num_experts": None, "qk_layernorm": False, "mtp_num_layers": 0}
+    for field, value in want.items():
+        if getattr(model, field) != value:
+            raise Unsupported(f"model.{field}={getattr(model, field)}: the GPT-2 architecture (learned positions) "
+                              f"needs model.{field}={value}")
+    if (model.num_query_groups or model.num_attention_heads) != model.num_attention_heads:
+        raise Unsupported(f"model.num_query_groups={model.num_query_groups}: GPT-2 has multi-head attention; use "
+                          "model.num_query_groups=null")
+    if model.kv_channels not in (None, model.hidden_size // model.num_attention_heads):
+        raise Unsupported(f"model.kv_channels={model.kv_channels}: GPT-2's heads are hidden_size / heads = "
+                          f"{model.hidden_size // model.num_attention_heads}")
+    return "gpt2"
+
+
 def _rope(model: ModelConfig) -> dict:
     if model.rope_scaling:
         return {"rope_type": "llama3", "rope_theta": float(model.rotary_base),
@@ -78,6 +98,14 @@ def hf_config(model: ModelConfig, *, dtype: str = "float32", bos_token_id: Optio
     import transformers
 
     fam = family(model)
+    if fam == "gpt2":  # activation "gelu" is the exact erf GELU, Megatron-Core's F.gelu (GPT-2's own is gelu_new)
+        return transformers.GPT2Config(
+            vocab_size=model.vocab_size, n_positions=model.max_position_embeddings or model.seq_length,
+            n_embd=model.hidden_size, n_layer=model.num_layers, n_head=model.num_attention_heads,
+            n_inner=model.ffn_hidden_size, activation_function="gelu", layer_norm_epsilon=model.norm_epsilon,
+            resid_pdrop=model.hidden_dropout, embd_pdrop=model.hidden_dropout, attn_pdrop=model.attention_dropout,
+            initializer_range=model.init_method_std, tie_word_embeddings=True, bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id, dtype=dtype)
     common = dict(
         vocab_size=model.vocab_size, hidden_size=model.hidden_size, num_hidden_layers=model.num_layers,
         num_attention_heads=model.num_attention_heads,
@@ -114,6 +142,9 @@ COMPARED = {
     "rope_theta": "rotary_base", "rope_type": "rope_scaling", "factor": "rope_scaling_factor",
     "low_freq_factor": None, "high_freq_factor": None, "original_max_position_embeddings": None,
     "attention_bias": "add_qkv_bias", "mlp_bias": "add_bias_linear", "norm_topk_prob": None, "hidden_act": "activation",
+    # GPT-2's own names (its attribute_map covers hidden_size, layers, heads)
+    "n_inner": "ffn_hidden_size", "layer_norm_epsilon": "norm_epsilon", "n_positions": "max_position_embeddings",
+    "activation_function": "activation",
 }
 _MOE_ONLY = {"num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"}
 _ROPE = ("rope_theta", "rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -150,7 +181,7 @@ def _line(key: str, theirs, ours, model: ModelConfig) -> str:
         if theirs not in (None, "default", "llama3"):
             return (f"model.rope_scaling={model.rope_scaling}: the HF config.json has rope_type={theirs!r}, which "
                     "Megatron-Core's RoPE does not implement (default and llama3 only)")
-    elif key in ("hidden_act", "attention_bias", "mlp_bias"):
+    elif key in ("hidden_act", "attention_bias", "mlp_bias", "activation_function"):
         return (f"model.{field}={getattr(model, field)!r}: the HF config.json has {key}={theirs!r}, the model "
                 f"entry exports {key}={ours!r}; choose a model entry that matches")
     else:

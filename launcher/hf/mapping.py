@@ -113,8 +113,10 @@ def moe_layers(model: ModelConfig) -> list:
 
 
 def units(model: ModelConfig) -> list:
-    """The mapping of a model entry (arch.family has accepted it): Mixtral's MoE names without qk-layernorm,
-    Qwen3-MoE's with it."""
+    """The mapping of a model entry (arch.family has accepted it): GPT-2's for a GPT-3 entry; Mixtral's MoE names
+    without qk-layernorm, Qwen3-MoE's with it."""
+    if model.position_embedding == "learned_absolute":
+        return gpt2_units(model)
     return llama_units(model, moe_names="mixtral" if model.num_experts and not model.qk_layernorm else "qwen")
 
 
@@ -178,4 +180,46 @@ def _moe_units(model: ModelConfig, p: str, h: str, names: str) -> list:
         units += _mlp_units(p + "mlp.experts.experts.", f"{block}experts.{e}.", model, index=(e,), names=experts)
     if model.moe_shared_expert_intermediate_size:
         units += _mlp_units(p + "mlp.shared_experts.", block + "shared_experts.", model)
+    return units
+
+
+def _conv1d(split_fn, join_fn):
+    """HF GPT-2's ``Conv1D`` stores ``[in, out]`` (transformers/pytorch_utils.py), Megatron's linear ``[out, in]``;
+    a fused QKV is then ``[q; k; v]`` along ``out`` (``c_attn(x).split(hidden, dim=2)``, modeling_gpt2.py)."""
+    def split(t):
+        parts = split_fn(t)
+        return (torch.cat(list(parts), dim=0).transpose(0, -1).contiguous(),) if t.dim() == 2 \
+            else (torch.cat(list(parts), dim=0),)
+
+    def join(ts, shape):
+        whole = ts[0].transpose(0, -1) if ts[0].dim() == 2 else ts[0]
+        n = len(split_fn(torch.empty(shape, device="meta")))
+        return join_fn(torch.chunk(whole, n, dim=0) if n > 1 else (whole,), shape).contiguous()
+    return split, join
+
+
+def gpt2_units(model: ModelConfig) -> list:
+    """GPT-3 as HF's GPT2LMHeadModel (transformers/models/gpt2/modeling_gpt2.py): LayerNorm with biases, learned
+    positions, biases on every linear, tied output layer, multi-head attention."""
+    heads = model.num_attention_heads
+    qkv_split, qkv_join = _qkv(heads, heads, head_dim(model))
+    vsplit, vjoin = _vocab(model.vocab_size)
+    qkv, same = _conv1d(qkv_split, qkv_join), _conv1d(_same, _one)
+    units = [Unit(("embedding.word_embeddings.weight",), (), ("transformer.wte.weight",), vsplit, vjoin),
+             Unit(("embedding.position_embeddings.weight",), (), ("transformer.wpe.weight",), _same, _one)]
+    for i in range(model.num_layers):
+        p, h = f"decoder.layers.{i}.", f"transformer.h.{i}."
+        for x in ("weight", "bias"):
+            units += [
+                Unit((p + f"self_attention.linear_qkv.layer_norm_{x}", p + f"input_layernorm.{x}"), (),
+                     (h + f"ln_1.{x}",), _same, _one),
+                Unit((p + f"self_attention.linear_qkv.{x}",), (), (h + f"attn.c_attn.{x}",), *qkv),
+                Unit((p + f"self_attention.linear_proj.{x}",), (), (h + f"attn.c_proj.{x}",), *same),
+                Unit((p + f"mlp.linear_fc1.layer_norm_{x}", p + f"pre_mlp_layernorm.{x}"), (), (h + f"ln_2.{x}",),
+                     _same, _one),
+                Unit((p + f"mlp.linear_fc1.{x}",), (), (h + f"mlp.c_fc.{x}",), *same),
+                Unit((p + f"mlp.linear_fc2.{x}",), (), (h + f"mlp.c_proj.{x}",), *same),
+            ]
+    units += [Unit((f"decoder.final_layernorm.{x}",), (), (f"transformer.ln_f.{x}",), _same, _one)
+              for x in ("weight", "bias")]
     return units

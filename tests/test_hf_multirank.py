@@ -1,0 +1,59 @@
+"""Hugging Face in and out at TP2 x PP2, once, for the Llama family (one 4-rank run shared by both directions):
+
+- ``python -m launcher import-hf`` of a tiny random Llama 3.1 (GQA, llama3 RoPE scaling) -> its checkpoint loaded by
+  4 ranks at TP2 x PP2 as a job's ``checkpoint.load`` loads it -> the launcher's logits equal the HF model's;
+- the ranks change every weight and save at TP2 x PP2 -> ``python -m launcher export-hf`` -> the exported tensors
+  are exactly the changed HF tensors, and AutoModelForCausalLM on the export gives the ranks' logits.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from _hf_tiny import batch, overrides, save_random
+from _rank_harness import ROOT, communicate_on_progress, layout, write_bundle
+from test_hf import _tensors, assert_logits_close
+
+
+def _run(cmd, what: str, timeout: int = 300) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    out, err = communicate_on_progress(proc, timeout, what)
+    assert proc.returncode == 0, f"{what} failed ({proc.returncode}):\n{out[-2000:]}\n{err[-4000:]}"
+    return out
+
+
+def test_hf_logits_at_tp2_pp2_import_and_export(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from _hf_tp2pp2_worker import TRANSFORM
+
+    hf = save_random("llama", tmp_path / "hf")
+    job = [*overrides("llama"), *layout(tp=2, pp=2)]
+    bundle = write_bundle(tmp_path / "bundle", job, nproc=4)
+    tokens = batch()
+    torch.save(tokens, bundle / "tokens.pt")
+    out = _run([sys.executable, "-m", "launcher", "import-hf", "--hf", str(tmp_path / "hf"), "--output",
+                str(tmp_path / "ckpt"), *job, "cluster.gpus_per_node=4"], "import-hf")
+    assert "imported" in out and "checkpoint.load=" in out
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--standalone",
+          str(ROOT / "tests" / "_hf_tp2pp2_worker.py"), str(bundle), str(tmp_path / "ckpt" / "iter_0000000"),
+          str(tmp_path / "trained")], "TP2 x PP2 ranks")
+    got = torch.load(tmp_path / "trained" / "logits.pt")
+    with torch.no_grad():
+        theirs = hf(tokens).logits
+    assert_logits_close(got["import"], theirs)
+
+    out = _run([sys.executable, "-m", "launcher", "export-hf", "--checkpoint", str(tmp_path / "trained" / "iter_0000001"),
+                "--output", str(tmp_path / "out")], "export-hf")
+    assert "exported" in out
+    original, exported = _tensors(tmp_path / "hf"), _tensors(tmp_path / "out")
+    assert sorted(exported) == sorted(original)
+    for key, tensor in original.items():
+        assert torch.equal(exported[key], tensor * TRANSFORM[0] + TRANSFORM[1]), key
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert_logits_close(got["changed"], back(tokens).logits)
