@@ -1,7 +1,7 @@
 """One rank of the HF TP2 x PP2 check (tests/test_hf_multirank.py), started by torchrun on 4 CPU processes.
 
-1. Loads an ``import-hf`` checkpoint (written at TP=1) the way a job's ranks do (``checkpoint.load`` of a weights-only
-   checkpoint: ``launcher.rank.checkpoint.load``), resharded to TP2 x PP2, and computes the logits of a batch with
+1. Loads an ``import-hf`` checkpoint (written at TP=1) the way a job's ranks do (``checkpoint.load=`` of a weights-only
+   checkpoint: ``launcher.rank.checkpoint.resume``), resharded to TP2 x PP2, and computes the logits of a batch with
    Megatron-Core's forward-only pipeline schedule (the last stage's vocab-parallel logits gathered over TP).
 2. Changes every weight in place by an elementwise map (layout-independent: the same numbers on any sharding), saves
    the model with ``dist_checkpointing`` at TP2 x PP2 (a checkpoint written at that layout, for export-hf) and
@@ -54,7 +54,10 @@ def main() -> None:
     setup.init_distributed(cluster=job.cluster, layout=layout, seed=job.train.seed)
     chunks = build_model(model=job.model, parallel=job.parallel, precision=job.precision, layout=layout,
                          seed=job.train.seed)
-    ckpt.load(imported, model=chunks, optimizer=None, scheduler=None, with_rng=False, weights_only=True)
+    # a job's path: checkpoint.load=<the import> with an empty checkpoint.dir (plan, verify, model check, load)
+    step, consumed, loaded = ckpt.resume(out / "own", identity=ckpt.run_identity(job), load_from=str(imported),
+                                         checksum=False, model=chunks, optimizer=None, scheduler=None, warn=print)
+    assert (step, consumed, loaded) == (0, 0, imported), (step, consumed, loaded)
     tokens = torch.load(bundle / "tokens.pt")
     last = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
     first = logits(chunks, tokens, tokens.shape[1])

@@ -98,6 +98,31 @@ def test_hf_import_export_round_trip_and_logits(name, tmp_path, megatron_in_proc
     assert type(back).__name__ == type(hf).__name__
     with torch.no_grad():
         assert torch.equal(back(tokens).logits, theirs)
+    if "num_experts" in " ".join(overrides(name)):  # a checkpoint of the TE spec's MoE layers exports the same
+        export(_as_te_moe(ckpt, tmp_path / "te" / "iter_0000000"), tmp_path / "out-te", log=lambda _: None)
+        te = _tensors(tmp_path / "out-te")
+        assert sorted(te) == sorted(before) and all(te[k].equal(before[k]) for k in before)
+
+
+def _as_te_moe(src, dst):
+    """The same weights under the Transformer Engine spec's MoE names: its MoE layers keep the pre-MLP norm apart
+    (``pre_mlp_layernorm``: get_gpt_layer_with_transformer_engine_spec, megatron/core/models/gpt/gpt_layer_specs.py),
+    where the local spec stores it under the fused-norm name ``mlp.linear_fc1.layer_norm_weight``; written as a
+    plain PyTorch distributed checkpoint (one tensor per key)."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    from launcher.hf.torch_dist import Reader
+
+    reader = Reader(src)
+    state = {k.replace("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"): reader.read(k)
+             for k in reader.model_keys()}
+    assert any("pre_mlp_layernorm" in k for k in state)
+    dcp.save(state, checkpoint_id=str(dst), no_dist=True)
+    shutil.copy(src / "launcher.json", dst / "launcher.json")
+    (dst / "metadata.json").write_text("{}")  # the marker export-hf (and Megatron) look for
+    return dst
 
 
 def test_import_refuses_a_different_model_one_line_per_field(tmp_path, capsys):
@@ -167,3 +192,16 @@ def test_streamed_shards_read_back_as_safetensors_writes_them(tmp_path):
     assert ours.keys() == ref.keys() == tensors.keys()
     for k in tensors:
         assert ours[k].dtype == ref[k].dtype and torch.equal(ours[k], ref[k]), k
+
+
+def test_a_weights_only_checkpoint_of_another_model_is_named_field_by_field():
+    """checkpoint.load= of an import whose weight-shaping fields differ from the job's: each differing field named
+    (a longer context or other dropout is no difference: those fields are not recorded)."""
+    from launcher.rank.checkpoint import weights_mismatch
+
+    manifest = {"weights_of": {"model.hidden_size": 64, "model.num_layers": 2, "model.tie_embeddings": False}}
+    same = {"model.hidden_size": 64, "model.num_layers": 2, "model.tie_embeddings": False, "model.seq_length": 8192}
+    assert weights_mismatch(manifest, same) is None
+    other = {**same, "model.hidden_size": 128, "model.tie_embeddings": True}
+    assert weights_mismatch(manifest, other) == ("its weights are of another model (model.hidden_size=64 there, 128 "
+                                                 "here; model.tie_embeddings=False there, True here)")

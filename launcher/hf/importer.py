@@ -139,10 +139,14 @@ def fill(chunk, hf: HFTensors, model) -> None:
                             f"{unit.mcore[0]}: the built model has no such tensor")
             continue
         target = targets[where]
-        value = unit.join([hf.get(n) for n in unit.hf], target.shape)
-        if tuple(value.shape) != tuple(target.shape):
-            problems.append(f"{', '.join(unit.hf)}: shape {tuple(value.shape)} after conversion, the model has "
-                            f"{tuple(target.shape)} at {where[0]}")
+        tensors = [hf.get(n) for n in unit.hf]
+        try:
+            value = unit.join(tensors, target.shape)
+        except (RuntimeError, ValueError):  # e.g. an embedding with more rows than config.json's vocab_size
+            value = None
+        if value is None or tuple(value.shape) != tuple(target.shape):
+            shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(unit.hf, tensors))
+            problems.append(f"{shapes}: do not make the model's {where[0]} {tuple(target.shape)}")
             continue
         with torch.no_grad():
             target.copy_(value.to(target.dtype))
