@@ -3,7 +3,9 @@
 - ``python -m launcher import-hf`` of a tiny random Llama 3.1 (GQA, llama3 RoPE scaling) -> its checkpoint loaded by
   4 ranks at TP2 x PP2 as a job's ``checkpoint.load`` loads it -> the launcher's logits equal the HF model's;
 - the ranks change every weight and save at TP2 x PP2 -> ``python -m launcher export-hf`` -> the exported tensors
-  are exactly the changed HF tensors, and AutoModelForCausalLM on the export gives the ranks' logits.
+  are exactly the changed HF tensors, and AutoModelForCausalLM on the export gives the ranks' logits;
+- the checkpoint of a real TP2 x PP2 training run (the session's shared reference run, which
+  tests/test_checkpoint_reshard.py trains) exports to an HF model whose logits are the launcher's on that checkpoint.
 """
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ import subprocess
 import sys
 
 from _hf_tiny import batch, overrides, save_random
-from _rank_harness import ROOT, communicate_on_progress, layout, write_bundle
-from test_hf import _tensors, assert_logits_close
+from _rank_harness import ROOT, TINY, communicate_on_progress, layout, write_bundle
+from test_hf import _tensors, assert_logits_close, megatron_in_process, megatron_logits  # noqa: F401 - a fixture
 
 
 def _run(cmd, what: str, timeout: int = 300) -> str:
@@ -57,3 +59,27 @@ def test_hf_logits_at_tp2_pp2_import_and_export(tmp_path):
     back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
     with torch.no_grad():
         assert_logits_close(got["changed"], back(tokens).logits)
+
+
+def test_export_of_a_checkpoint_trained_at_tp2_pp2_gives_the_launchers_logits(tmp_path, reference_run,
+                                                                            megatron_in_process):
+    """6 real training steps at TP2 x PP2 (fp32; the run test_checkpoint_reshard trains, shared in the session) ->
+    export-hf -> AutoModelForCausalLM: its logits equal the launcher's model loaded from that checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from launcher.core import load_job
+    from launcher.hf.export import export
+
+    run = reference_run(4, TINY + ["train.train_steps=6", "checkpoint.save_interval=3"] + layout(tp=2, pp=2)
+                        + ["checkpoint.save_at_end=true"])
+    saved = run.bundle / "checkpoints" / "iter_0000006"
+    report = export(run.bundle / "checkpoints", tmp_path / "out", log=lambda _: None)  # the newest checkpoint
+    assert report["checkpoint"] == str(saved)
+    job = load_job(run.bundle / "config.yaml")
+    assert job.precision.dtype == "fp32" and (job.parallel.tensor, job.parallel.pipeline) == (2, 2)
+    tokens = batch(vocab=job.model.vocab_size, seq=job.model.seq_length)
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = back(tokens).logits
+    assert_logits_close(megatron_logits(job, saved, tokens), theirs)
