@@ -54,7 +54,8 @@ def main() -> None:
     line = [x for x in res.stdout.splitlines() if x.startswith("exported")][-1]
     print(line)
     ckpt_bytes = sum(p.stat().st_size for p in (ckpt / "iter_0000000").iterdir() if p.is_file())
-    print(f"checkpoint {ckpt_bytes / 1e9:.2f} GB; HF output {sum(p.stat().st_size for p in out.iterdir()) / 1e9:.2f} GB "
+    out_bytes = sum(p.stat().st_size for p in out.iterdir())
+    print(f"checkpoint {ckpt_bytes / 1e9:.2f} GB; HF output {out_bytes / 1e9:.2f} GB "
           f"in {len(list(out.glob('*.safetensors')))} shards; work dir {work}")
 
 

@@ -49,8 +49,9 @@ def test_hf_logits_at_tp2_pp2_import_and_export(tmp_path):
         theirs = hf(tokens).logits
     assert_logits_close(got["import"], theirs)
 
-    out = _run([sys.executable, "-m", "launcher", "export-hf", "--checkpoint", str(tmp_path / "trained" / "iter_0000001"),
-                "--output", str(tmp_path / "out")], "export-hf")
+    trained = tmp_path / "trained" / "iter_0000001"
+    out = _run([sys.executable, "-m", "launcher", "export-hf", "--checkpoint", str(trained), "--output",
+                str(tmp_path / "out")], "export-hf")
     assert "exported" in out
     original, exported = _tensors(tmp_path / "hf"), _tensors(tmp_path / "out")
     assert sorted(exported) == sorted(original)

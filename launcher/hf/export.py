@@ -23,6 +23,8 @@ from launcher.hf import arch, mapping
 from launcher.hf.safetensors_out import ShardWriter, nbytes, plan_shards, shard_name, write_index
 from launcher.schema import ModelConfig
 
+HF_MODEL_CLASS = {"GPT2Config": "GPT2LMHeadModel"}
+"""config class -> its causal-LM class where the name is not <Name>ForCausalLM (config.json's ``architectures``)."""
 TORCH_TO_HF = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -108,7 +110,7 @@ def export(checkpoint: Path, output: Path, *, config: Optional[Path] = None, tok
     from launcher.hf.torch_dist import Reader
 
     reader = Reader(ckpt)
-    baseline_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # torch + megatron imported
+    baseline_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # torch, transformers, the metadata
     plan, missing = [], []
     for unit in mapping.units(model):
         where = reader.locate(unit.mcore, unit.index)
@@ -150,7 +152,8 @@ def export(checkpoint: Path, output: Path, *, config: Optional[Path] = None, tok
         write_index(tmp / "model.safetensors.index.json", weight_map, total)
         bos, eos = write_tokenizer(_tokenizer_file(tokenizer or tok_path), tmp)
         cfg = arch.hf_config(model, dtype=TORCH_TO_HF.get(dtype, "float32"), bos_token_id=bos, eos_token_id=eos)
-        cfg.architectures = [type(cfg).__name__.replace("Config", "ForCausalLM")]
+        name = type(cfg).__name__
+        cfg.architectures = [HF_MODEL_CLASS.get(name, name.replace("Config", "ForCausalLM"))]
         cfg.save_pretrained(str(tmp))
         from transformers import GenerationConfig
 
