@@ -31,6 +31,27 @@ from typing import Any, List, Optional, Tuple
 from data.blend import parse_blend, resolve_path
 
 
+class DataFilesChanged(Exception):
+    """A dataset file no longer matches what the login node's pre-flight checked (truncated, rewritten, gone):
+    every rank that reads data stops with this one line naming the file (not retried: it would fail the same)."""
+
+
+def check_files(data: Any) -> None:
+    """Each blend prefix's .bin still has the size its .idx describes (seconds before Megatron mmaps them; a
+    .bin truncated after render otherwise fails mid-step with a numpy offset error naming no file)."""
+    from data.index import bin_mismatch
+
+    if data.kind == "mock":
+        return
+    prefixes, _ = parse_blend(data.blend)
+    for i, shown in enumerate(prefixes):
+        why = bin_mismatch(resolve_path(shown))
+        if why:
+            raise DataFilesChanged(f"data.blend={shown!r}: {why} (changed since the data pre-flight: truncated, "
+                                   "rewritten or removed); restore the files or rebuild them with python -m "
+                                   "data.preprocess, then run again")
+
+
 def default_cache_dir() -> str:
     """Node-local default: $TMPDIR/megatron-data-cache-<uid>."""
     return os.path.join(tempfile.gettempdir(), f"megatron-data-cache-{os.getuid()}")
@@ -106,6 +127,8 @@ def build_gpt_datasets(*, data: Any, seq_length: int, seed: int, train_samples: 
     from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 
     from data.tokenizer import load_tokenizer
+
+    check_files(data)
 
     if data.tokenizer:
         tokenizer = load_tokenizer(resolve_path(data.tokenizer))

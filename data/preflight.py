@@ -10,57 +10,19 @@ int32 lengths[N], int64 pointers[N], int64 document indices[D]. Writing stays wi
 from __future__ import annotations
 
 import os
-import struct
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
 import numpy as np
 
 from data.blend import parse_blend, resolve_path
+from data.index import DTYPES, MAGIC, IndexHeader, read_index_header  # noqa: F401  (re-exported)
 from launcher.problems import Problem
 
-MAGIC = b"MMIDIDX\x00\x00"
-DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
-"""Megatron's DType codes (megatron.core.datasets.indexed_dataset.DType)."""
 SCAN_LIMIT_BYTES = 2 << 30
 """Token files up to this size are scanned completely for the largest id; larger ones are sampled."""
 SAMPLE_BLOCKS = 256
 SAMPLE_BLOCK_BYTES = 4 << 20
-
-
-@dataclass
-class IndexHeader:
-    version: int
-    dtype_code: int
-    sequence_count: int
-    document_count: int
-    tokens: int  # sum of sequence lengths
-
-    @property
-    def dtype(self):
-        return np.dtype(DTYPES[self.dtype_code])
-
-
-def read_index_header(idx_path: str) -> IndexHeader:
-    """Header and total token count of a Megatron .idx; raises ValueError with the reason when unreadable."""
-    size = os.path.getsize(idx_path)
-    with open(idx_path, "rb") as f:
-        head = f.read(34)
-        if len(head) < 34 or head[:9] != MAGIC:
-            raise ValueError("not a Megatron index (bad magic or shorter than the 34-byte header)")
-        (version,) = struct.unpack("<Q", head[9:17])
-        code = head[17]
-        n, d = struct.unpack("<QQ", head[18:34])
-    if version != 1:
-        raise ValueError(f"index version {version}, expected 1")
-    if code not in DTYPES:
-        raise ValueError(f"unknown dtype code {code}")
-    expected = 34 + 4 * n + 8 * n + 8 * d
-    if size != expected:
-        raise ValueError(f"index is {size} bytes, its header says {expected} (truncated or corrupt)")
-    lengths = np.memmap(idx_path, dtype="<i4", mode="r", offset=34, shape=(n,)) if n else np.zeros(0, "<i4")
-    tokens = int(lengths.sum(dtype=np.int64))
-    return IndexHeader(version, code, n, d, tokens)
 
 
 def max_token_id(bin_path: str, dtype: np.dtype, *, scan_limit: Optional[int] = None) -> tuple[int, bool]:
@@ -102,6 +64,11 @@ def _check_prefix(field: str, prefix: str, shown: str, vocab_size: int, problems
         problems.append(Problem(field, shown, f".bin is {bin_size:,} bytes but the index describes {header.tokens:,} "
                                 f"{header.dtype.name} tokens = {want:,} bytes (truncated or from another run)",
                                 "rebuild the dataset with python -m data.preprocess"))
+        return None
+    if header.tokens == 0:
+        problems.append(Problem(field, shown, f"the dataset is empty ({header.sequence_count} documents, 0 tokens: "
+                                "its input had no text)", "remove it from data.blend, or re-run python -m "
+                                "data.preprocess on an input with documents"))
         return None
     if header.dtype.kind not in "iu" or np.iinfo(header.dtype).max < vocab_size - 1:
         problems.append(Problem(field, shown, f"token dtype {header.dtype.name} cannot hold ids up to vocab_size-1="

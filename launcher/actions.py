@@ -166,6 +166,9 @@ def do_run(job: JobConfig, args) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return EXIT_USAGE
-    code = LocalExecutor().run(bundle)
+    try:
+        code = LocalExecutor().run(bundle)
+    except KeyboardInterrupt:  # a third Ctrl-C while the executor ended what was left
+        code = 130
     print(f"run finished with exit code {code}; bundle: {bundle.path}")
     return code

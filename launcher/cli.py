@@ -54,6 +54,14 @@ def resolve_action(job: JobConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before or after a run: no traceback, the shell's code for SIGINT
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["import"]:  # python -m launcher import SCRIPT: a Megatron-LM job -> a recipe
         from launcher.megatron_lm import import_main

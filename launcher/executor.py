@@ -73,9 +73,14 @@ class LocalExecutor:
             pump.start()
             try:
                 code = proc.wait()
-            except KeyboardInterrupt:
+            except KeyboardInterrupt:  # Ctrl-C: the ranks checkpoint at the next step boundary, then exit 130
+                print("launcher: Ctrl-C: training checkpoints at the next step boundary and stops (Ctrl-C again to "
+                      "end it now)", flush=True)
                 _signal_group(proc.pid, signal.SIGINT)
-                code = _wait(proc, self.grace_s * 6)
+                try:
+                    code = _wait(proc, self.grace_s * 12)  # torchrun gives its ranks 30 s
+                except KeyboardInterrupt:
+                    code = None
                 code = 130 if code is None else code
             finally:
                 end_group(proc.pid, grace_s=self.grace_s)

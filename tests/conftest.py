@@ -191,7 +191,8 @@ def _lane_needed(argv) -> str | None:
     if isinstance(argv, (str, bytes)):
         argv = [argv]
     words = [str(a) for a in argv]
-    if "torch.distributed.run" in words or "launcher.rank" in words or Path(words[0]).name == "torchrun" \
+    if "torch.distributed.run" in words or "launcher.rank" in words or "launcher.rank.agent" in words \
+            or Path(words[0]).name == "torchrun" \
             or ("launcher" in words and "action=run" in words):
         return "multirank"
     tool = Path(words[0]).name

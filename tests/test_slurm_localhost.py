@@ -90,7 +90,7 @@ def render(tmp_path: Path, *overrides: str) -> Bundle:
     assert cross_check(job, render_texts(job, tmp_path / "bundle")) == []
     bundle = write_bundle(job, argv=["test_slurm_localhost", *overrides])
     assert "#SBATCH --gpus-per-node" not in bundle.sbatch.read_text()  # cpu profile: no GPU request
-    assert f"\n{shlex.quote(sys.executable)} -m torch.distributed.run" in bundle.launch.read_text()
+    assert f"\n{shlex.quote(sys.executable)} -m launcher.rank.agent" in bundle.launch.read_text()
     return bundle
 
 
@@ -185,7 +185,7 @@ def test_smoke_training_through_slurm(slurm, tmp_path):
     (bundle_dir,) = [p.parent for p in tmp_path.glob("*/submission.json")]
     bundle, job_id = Bundle(bundle_dir), submitted.group(1)
     assert json.loads((bundle.path / "submission.json").read_text()) == {"job_id": job_id}
-    assert f"\n{shlex.quote(sys.executable)} -m torch.distributed.run" in bundle.launch.read_text()
+    assert f"\n{shlex.quote(sys.executable)} -m launcher.rank.agent" in bundle.launch.read_text()
     with Job(bundle, job_id) as job:
         info = job.wait(240)
     log = log_of(bundle, job.id)

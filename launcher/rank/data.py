@@ -42,6 +42,19 @@ def _collate(samples: list) -> dict:
             for key in ("tokens", "labels", "loss_mask", "position_ids")}
 
 
+def _worker_ignores_stop_signals(worker_id: int) -> None:
+    """scancel and preemption signal every process of the step, loader workers too: a worker that died of it
+    would fail the step its rank is finishing before the stop checkpoint. The rank answers the signal
+    (launcher/rank/signals.py); its workers end with it (torch's workers watch their parent)."""
+    import signal
+
+    from launcher.rank.signals import STOP_SIGNALS
+
+    signal.set_wakeup_fd(-1)  # the rank's wake-up socket, inherited through fork
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def _batches(dataset, *, start: int, train: TrainConfig, dp_rank: int, dp_size: int, num_workers: int) -> Iterator[dict]:
     """Micro-batches through a torch DataLoader: with workers, sample assembly overlaps the training step."""
     sampler = MicroBatchSampler(len(dataset), start=start, micro_batch_size=train.micro_batch_size,
@@ -54,7 +67,8 @@ def _batches(dataset, *, start: int, train: TrainConfig, dp_rank: int, dp_size: 
     generator.manual_seed(train.seed)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=_collate,
                                          num_workers=num_workers, pin_memory=torch.cuda.is_available(),
-                                         persistent_workers=False, generator=generator)
+                                         persistent_workers=False, generator=generator,
+                                         worker_init_fn=_worker_ignores_stop_signals if num_workers else None)
     return iter(loader)
 
 

@@ -19,37 +19,65 @@ from pathlib import Path
 def main(argv=None) -> int:
     args = _parse(argv)
     bundle = Path(args.bundle)
+    from launcher.rank import progress
     from launcher.rank.console import open_rank_log, quiet_known_warnings
 
     rank = int(os.environ.get("RANK", "0"))
     console, log_path = open_rank_log(bundle, rank)
     quiet_known_warnings()
+    from launcher.rank import signals
+
+    signals.STATE.install()  # SIGTERM/SIGINT from here on: checkpoint at the next step boundary, then exit
     try:
         failed = (bundle / "FAILED").read_text().strip() if (bundle / "FAILED").is_file() else None
         if failed:  # a torchrun restart after a refusal every rank agreed on: it would only fail the same way
             console.line(f"error: {failed} (not retried)")
             return 1
+        stuck = progress.check(bundle)  # the last two attempts crashed at the same step: a third would too
+        if stuck:
+            raise RunRefused(stuck)
         return train(bundle, console)
-    except RunRefused as exc:  # every rank agrees (checkpoint dir, lock, other run, NaN): one line, exit 1
+    except RunRefused as exc:  # every rank agrees (checkpoint dir, lock, other run, NaN, no progress): one line
         console.line(f"error: {exc}")
-        if rank == 0:
-            (bundle / "FAILED").write_text(f"{exc}\n")
+        if rank == 0 or exc.any_rank:
+            _write_failed(bundle, f"{exc}\n")
         return 1
+    except KeyboardInterrupt:  # only before the handlers above were in place
+        return 130
     except Exception as exc:  # a clean non-zero exit: the traceback in the rank log, one line on the console
         import traceback
 
         traceback.print_exc()
+        progress.record_error(bundle, rank, progress.STEP[0], exc)
         console.failure(exc, log_path)
         return 1
 
 
+def _write_failed(bundle: Path, text: str) -> None:
+    """FAILED, atomically (any rank may write it: a data error is found by every rank that reads data)."""
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(prefix=".FAILED.", dir=bundle)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, bundle / "FAILED")
+
+
 class RunRefused(Exception):
-    """A reason to stop that every rank agrees on; printed as one line by rank 0, not retried by torchrun."""
+    """A reason to stop that every rank agrees on; printed as one line by rank 0, not retried by torchrun.
+    ``any_rank``: found by some ranks alone (a data file), so whichever finds it writes FAILED."""
+
+    def __init__(self, message: str, any_rank: bool = False):
+        super().__init__(message)
+        self.any_rank = any_rank
 
 
 def train(bundle: Path, console) -> int:
     from launcher.core import derive, load_job
-    from launcher.rank import checkpoint as ckpt, elastic, setup
+    from data.datasets import DataFilesChanged
+    from launcher.rank import checkpoint as ckpt, elastic, progress, setup
+
+    import torch
 
     job = load_job(bundle / "config.yaml")
     layout, tr = derive(job), job.train
@@ -68,14 +96,18 @@ def train(bundle: Path, console) -> int:
     lock = ckpt.DirLock(ckpt_dir, bundle=bundle, run=ckpt.run_hash(identity))
     try:
         lock.acquire()
-        return _build_and_train(bundle, console, job, layout, ckpt_dir, identity, lock)
+        attempt = progress.Attempt(bundle, torch.distributed.get_rank())
+        attempt.start()
+        return _build_and_train(bundle, console, job, layout, ckpt_dir, identity, lock, attempt)
     except ckpt.CheckpointError as exc:
         raise RunRefused(str(exc)) from None
+    except DataFilesChanged as exc:
+        raise RunRefused(str(exc), any_rank=True) from None
     finally:
         lock.release()
 
 
-def _build_and_train(bundle, console, job, layout, ckpt_dir, identity, lock) -> int:
+def _build_and_train(bundle, console, job, layout, ckpt_dir, identity, lock, attempt) -> int:
     from launcher.rank import loop, optim
     from models import backend, build_model
 
@@ -94,13 +126,15 @@ def _build_and_train(bundle, console, job, layout, ckpt_dir, identity, lock) -> 
     lp = loop.Loop(model=model, optimizer=optimizer, scheduler=scheduler, train=tr, seq_length=job.model.seq_length,
                    num_microbatches=layout.microbatches, kind=job.schedule.kind, dp_size=layout.dp,
                    record_timeline=job.schedule.record_timeline)
-    return _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp, ckpt_dir, identity, lock)
+    return _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp, ckpt_dir, identity, lock,
+                         attempt)
 
 
-def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp, ckpt_dir, identity, lock) -> int:
+def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp, ckpt_dir, identity, lock,
+                  attempt) -> int:
     from launcher.core import signal_lead
     from launcher.core.flops import flops_per_token
-    from launcher.rank import checkpoint as ckpt, data, loop, metrics, setup
+    from launcher.rank import checkpoint as ckpt, data, loop, metrics, progress, setup
     from megatron.core import parallel_state as ps
 
     import torch
@@ -121,6 +155,8 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
         if latest is not None:
             console.line(f"resumed from {latest} at step {lp.step} ({lp.consumed} samples consumed)")
     saved_at = lp.step
+    attempt.update(resumed=lp.step, reached=lp.step)
+    progress.STEP[0] = lp.step
     need = ckpt.checkpoint_bytes(model, distributed_optimizer=job.parallel.distributed_optimizer)
     ckpt.preflight_dir(ckpt_dir, need["total"])
     guard = _stop_guard(job, latest, need["busiest_node"], console)
@@ -142,6 +178,7 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
                          consumed=lp.consumed, keep_last=job.checkpoint.keep_last, identity=identity,
                          checksum=checksum, optimizer_format=job.checkpoint.optimizer_format)
         console.line(f"saved checkpoint {path}")
+        attempt.update(saved=lp.step)
         took = time.perf_counter() - started
         guard.saved(took)
         lead = int(os.environ.get(signal_lead.LEAD_ENV) or job.slurm.signal_lead_s or 0)
@@ -159,6 +196,8 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
         log.step(record)
         guard.step_took(record["ms_per_step"] / 1e3)
         lock.refresh()
+        progress.STEP[0] = lp.step
+        attempt.update(reached=lp.step)
 
     ckpt.restore_loaded_rng()  # exactly the saved RNG state at the first step (dropout resumes exactly)
     why = lp.run(iterators=train_iters, valid_iters=valid_iters, steps=layout.steps, on_step=on_step,
@@ -182,6 +221,7 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
         save()
     log.close(metrics.summary(log.history, log.evals, status=why, steps=lp.step, world=layout.world,
                               flops_per_token=fpt, peak_tflops=peak, util_label=label))
+    attempt.update(outcome="done" if why == "done" else "stopped")
     if why == "done" and rank == 0:
         (bundle / "DONE").write_text(f"{lp.step}\n")  # the job script requeues only runs without DONE
     elif rank == 0:  # launch.sh's final line says why

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import signal
 import statistics
 import time
 from functools import partial
@@ -12,13 +11,13 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from launcher.rank import signals
 from launcher.rank.batch import masked_token_loss, slice_batch_for_context_parallel
 from models.backend import compute_device
 
 # Stop requests: the Slurm job script turns --signal=B:USR1 into a STOP file in the bundle (torchrun would
-# die on USR1); SIGUSR1 sent straight to a rank works too. SIGTERM keeps its default: torchrun uses it to
-# tear down ranks when one fails.
-STOP_SIGNALS = (signal.SIGUSR1,)
+# die on USR1); SIGUSR1, SIGTERM, SIGINT and SIGHUP sent to a rank work too (launcher/rank/signals.py: a rank
+# that cannot reach a step boundary still exits soon after SIGTERM, as torchrun's teardown expects).
 
 
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
@@ -171,14 +170,10 @@ class Loop:
 
             self.recorder = Recorder()
         self.step, self.consumed = 0, 0
-        self.stop_requested = False
+        self.signals = signals.STATE
+        self.signals.install()
         self.stop_reason: Optional[str] = None
         """Why run() returned 'stopped' or 'nonfinite' (for the final line)."""
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, self._request_stop)
-
-    def _request_stop(self, signum, frame) -> None:
-        self.stop_requested = True
 
     def _iter_arg(self, iterators):
         return iterators if len(self.model) > 1 else iterators[0]
@@ -257,10 +252,10 @@ class Loop:
         from launcher.rank.metrics import memory_gib
 
         def local_reason() -> Optional[str]:
-            return ("SIGUSR1" if self.stop_requested
-                    else "train.exit_after_minutes reached" if deadline is not None and time.time() > deadline
-                    else "STOP file" if stop_file is not None and stop_file.exists()
-                    else stop_check() if stop_check is not None else None)  # e.g. too close to the time limit
+            return (self.signals.requested
+                    or ("train.exit_after_minutes reached" if deadline is not None and time.time() > deadline
+                        else "STOP file" if stop_file is not None and stop_file.exists()
+                        else stop_check() if stop_check is not None else None))  # e.g. close to the time limit
 
         while self.step < steps:
             start = time.perf_counter()
@@ -268,6 +263,7 @@ class Loop:
             why = local_reason()
             loss, stop = reduce_report(out["local_loss"], why is not None)
             elapsed = time.perf_counter() - start
+            self.signals.step_s = elapsed
             tflops = flops_per_token * tokens_per_step / elapsed / world / 1e12
             on_step({"step": self.step, "loss": loss, "lr": out["lr"], "grad_norm": out["grad_norm"],
                      "ms_per_step": elapsed * 1e3, "tokens_per_s": tokens_per_step / elapsed,
@@ -294,6 +290,7 @@ class Loop:
             if stop:
                 # a rank that looked before another saw the STOP file (or the signal) looks again: the reason
                 # printed is the cause, not which rank noticed it first
+                self.signals.at_boundary()
                 self.stop_reason = why or local_reason() or "another rank asked to stop"
                 return "stopped"
             if save_interval and self.step % save_interval == 0:

@@ -12,7 +12,7 @@ rm -f "$BUNDLE/STOPPED" "$BUNDLE/FAILED" "$BUNDLE/DONE"
 # each restart resumes from the newest complete checkpoint.
 status=0
 # Multi-node: every node's torchrun meets at the c10d store on the first node (MASTER_ADDR from job.sbatch).
-python -m torch.distributed.run \
+python -m launcher.rank.agent \
   --nnodes=64 \
   --nproc-per-node=8 \
   --rdzv-backend=c10d \
@@ -21,11 +21,14 @@ python -m torch.distributed.run \
   --max-restarts=3 \
   -m launcher.rank --bundle "$BUNDLE" || status=$?
 
-# The final line: done, stopped (and why), or failed.
+# The final line: done, stopped (and why), or failed. A signal (Ctrl-C 130, SIGTERM 143, SIGHUP 129) that the
+# ranks answered with a checkpoint keeps its exit code: the run stopped, it did not fail.
 if [[ $status -eq 0 && -f "$BUNDLE/DONE" ]]; then
   echo "launcher: done: trained to step $(head -c 20 "$BUNDLE/DONE" | tr -d '\n') (DONE)"
-elif [[ $status -eq 0 && -f "$BUNDLE/STOPPED" ]]; then
+elif [[ ( $status -eq 0 || $status -eq 129 || $status -eq 130 || $status -eq 143 ) && -f "$BUNDLE/STOPPED" ]]; then
   echo "launcher: stopped $(head -c 300 "$BUNDLE/STOPPED"); checkpointed, run again (or requeue) to resume"
+elif [[ $status -eq 129 || $status -eq 130 || $status -eq 143 ]]; then
+  echo "launcher: interrupted (exit $status) before a step boundary; nothing was checkpointed since the last save"
 elif [[ -f "$BUNDLE/FAILED" ]]; then
   echo "launcher: failed: $(head -c 500 "$BUNDLE/FAILED")"
   [[ $status -ne 0 ]] || status=1

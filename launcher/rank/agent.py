@@ -1,0 +1,53 @@
+"""``python -m launcher.rank.agent [torchrun arguments]``: torchrun, with an operator's exit instead of a traceback.
+
+The same agent as ``python -m torch.distributed.run`` (its argument parser and ``run``), except how it ends:
+
+- a rank failed (after ``--max-restarts``): one line naming the first failed rank and its exit, exit 1 (torchrun
+  prints a ``ChildFailedError`` traceback and its failure table; each rank has already printed its own one-line
+  error and written its traceback to ``logs/rank-N.log``);
+- a death signal (Ctrl-C's SIGINT, SIGTERM from ``scancel`` or preemption, SIGHUP): torchrun forwards it to the
+  ranks, which finish the step in flight, checkpoint and exit (``launcher.rank.signals``), and waits for them
+  (its shutdown timeout, 30 s); then exit 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM), as a shell
+  does, with no traceback.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+
+
+def main(argv=None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        run(args)
+    except ChildFailedError as exc:
+        print(f"torchrun: {first_failure(exc)}", file=sys.stderr, flush=True)
+        return 1
+    except SignalException as exc:
+        print(f"torchrun: {signal.Signals(exc.sigval).name} received; the ranks were asked to checkpoint and stop",
+              file=sys.stderr, flush=True)
+        return 128 + int(exc.sigval)
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+    return 0
+
+
+def first_failure(exc) -> str:
+    """'rank 1 (local rank 1, pid 123) exited with 1 first; ...' from torchrun's ChildFailedError."""
+    try:
+        rank, failure = exc.get_first_failure()
+    except Exception:  # noqa: BLE001 - the summary is a courtesy; never fail on it
+        return f"{exc.name} failed"
+    code = failure.exitcode
+    how = (f"was killed by {signal.Signals(-code).name}" if isinstance(code, int) and code < 0
+           and -code in signal.Signals._value2member_map_ else f"exited with {code}")
+    return (f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how} first; every rank's traceback "
+            "is in its logs/rank-N.log")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Signals that ask a rank to checkpoint and stop: SIGUSR1 (Slurm's early warning), SIGTERM (``scancel``,
+preemption, torchrun passing on its own SIGTERM), SIGINT (Ctrl-C, passed on by torchrun) and SIGHUP.
+
+Each one makes the step loop stop at the next step boundary, every rank at the same step (the loop's per-step
+reduction), and save a checkpoint; a saved run loses nothing. SIGTERM is what Slurm sends first, ``KillWait``
+seconds (30 by default) before SIGKILL; torchrun likewise waits 30 s for its ranks after passing a signal on.
+
+Seen even while the main thread is blocked in a collective: Python's C-level handler writes the signal's number
+to a wake-up socket (``signal.set_wakeup_fd``) at once, and a watcher thread reads it there; a Python handler
+alone would run only once the blocking call returned. So a rank that cannot reach a step boundary (a peer died
+in the middle of a collective: torchrun tears the others down with SIGTERM) does not wait for the boundary:
+SIGTERM/SIGINT/SIGHUP start a grace timer (three of its recent steps, at least ``MIN_GRACE_S``); if no step
+boundary is reached in time the rank exits with 128 + the signal, without a checkpoint, as the default action
+would have. SIGUSR1 starts none: it comes ``slurm.signal_lead_s`` before the end.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+from typing import Optional
+
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+MIN_GRACE_S = 15.0
+_NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)"}
+
+
+class StopSignals:
+    """The process's stop request (one per rank process; ``install`` from the main thread)."""
+
+    def __init__(self):
+        self.requested: Optional[str] = None
+        self.step_s = 0.0
+        self._boundary = False
+        self._timer: Optional[threading.Timer] = None
+        self._installed = False
+        self._lock = threading.Lock()
+
+    def install(self) -> None:
+        if self._installed or threading.current_thread() is not threading.main_thread():
+            return
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        self._sockets = (reader, writer)  # kept alive for the process's life
+        signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, _noted)
+        threading.Thread(target=self._watch, args=(reader,), name="stop-signals", daemon=True).start()
+        self._installed = True
+
+    def _watch(self, reader) -> None:
+        while True:
+            try:
+                data = reader.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            for number in data:
+                if number in {int(s) for s in STOP_SIGNALS}:
+                    self.deliver(signal.Signals(number))
+
+    def deliver(self, sig: signal.Signals) -> None:
+        """A stop signal arrived (called by the watcher thread; tests call it directly)."""
+        with self._lock:
+            if self.requested is None:
+                self.requested = _NAMES.get(sig, sig.name)
+            if sig != signal.SIGUSR1 and self._timer is None and not self._boundary:
+                self._timer = threading.Timer(self.grace_s(), self._give_up, args=(sig,))
+                self._timer.daemon = True
+                self._timer.start()
+
+    def grace_s(self) -> float:
+        return max(MIN_GRACE_S, 3 * self.step_s)
+
+    def at_boundary(self) -> None:
+        """The loop stopped at a step boundary: the checkpoint follows, however long it takes."""
+        with self._lock:
+            self._boundary = True
+            if self._timer is not None:
+                self._timer.cancel()
+
+    def _give_up(self, sig: signal.Signals) -> None:
+        if self._boundary:
+            return
+        sys.stderr.write(f"rank {os.environ.get('RANK', '?')}: {_NAMES.get(sig, sig.name)} and no step boundary "
+                         f"within {self.grace_s():.0f} s (blocked in a collective, or still starting): exiting "
+                         "without a checkpoint\n")
+        sys.stderr.flush()
+        os._exit(128 + int(sig))
+
+
+def _noted(signum, frame) -> None:
+    """The Python-level handler: nothing (the watcher thread has the signal from the wake-up socket)."""
+
+
+STATE = StopSignals()
