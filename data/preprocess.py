@@ -370,10 +370,34 @@ def _publish(prefix: str, tmp_bin: str, tmp_idx: str) -> None:
     os.replace(tmp_idx, prefix + ".idx")
 
 
+class EmptyInput(Exception):
+    """The inputs hold no tokens: no dataset is written (a 0-document dataset only fails later, in training)."""
+
+
+def _writable_prefix(output_prefix: str) -> Optional[str]:
+    """Why ``output_prefix``'s directory cannot take the dataset (created if missing), or None."""
+    import errno
+    import tempfile
+
+    parent = Path(output_prefix).parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".preprocess-probe-"):
+            pass
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            return f"--output-prefix {output_prefix}: no space left on device in {parent}"
+        return (f"--output-prefix {output_prefix}: {parent} is not writable ({exc.strerror or exc}); choose a "
+                "directory you can write to")
+    return None
+
+
 def preprocess(inputs: List[str], tokenizer: str, output_prefix: str, *, workers: int = 2, append_eod: bool = False,
                json_key: str = "text", chunk_mb: float = 4, backend: str = "auto", eod_token: Optional[str] = None,
-               cache_budget_mb: int = 256, quiet: bool = False, light_import: bool = False) -> dict:
-    """Tokenise the JSONL inputs into output_prefix.{bin,idx}; returns counts and timings."""
+               cache_budget_mb: int = 256, quiet: bool = False, light_import: bool = False,
+               allow_empty: bool = False) -> dict:
+    """Tokenise the JSONL inputs into output_prefix.{bin,idx}; returns counts and timings. Inputs without a
+    token raise EmptyInput (nothing written) unless ``allow_empty`` (a Slurm array shard: its manifest counts it)."""
     os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, workers)))  # before any Rust thread pool exists
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     from data.tokenizer import batch_encoder, load_tokenizer
@@ -432,6 +456,10 @@ def preprocess(inputs: List[str], tokenizer: str, output_prefix: str, *, workers
         writer.join()
         for err in reader_error + ([writer.error] if writer.error else []):
             raise err
+        if progress.tokens == 0 and not allow_empty:  # a dataset of no tokens: training would refuse it; nothing is published
+            raise EmptyInput(f"--input {' '.join(inputs)}: no text in {len(paths)} file(s) ({progress.docs} "
+                             f"document(s) under key {json_key!r}, 0 tokens); nothing was written to "
+                             f"{output_prefix}.bin/.idx; check --input and --json-key")
         writer.builder.finalize(tmp_idx)
         _publish(output_prefix, tmp_bin, tmp_idx)
         ok = True
@@ -539,10 +567,23 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.error("the following arguments are required: " + ", ".join("--" + m.replace("_", "-") for m in missing))
     if args.slurm:
         return _submit(args, argv)
-    s = preprocess(args.input, args.tokenizer, args.output_prefix, workers=args.workers,
-                   append_eod=args.append_eod, json_key=args.json_key, chunk_mb=args.chunk_mb,
-                   backend=args.backend, eod_token=args.eod_token, cache_budget_mb=args.cache_budget_mb,
-                   quiet=args.quiet, light_import=True)
+    unwritable = _writable_prefix(args.output_prefix)
+    if unwritable:
+        print(f"error: {unwritable}", file=sys.stderr)
+        return 2
+    try:
+        s = preprocess(args.input, args.tokenizer, args.output_prefix, workers=args.workers,
+                       append_eod=args.append_eod, json_key=args.json_key, chunk_mb=args.chunk_mb,
+                       backend=args.backend, eod_token=args.eod_token, cache_budget_mb=args.cache_budget_mb,
+                       quiet=args.quiet, light_import=True)
+    except EmptyInput as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # the disk filled up or went away mid-run: one line naming the file
+        where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+        print(f"error: --output-prefix {args.output_prefix}: {exc.strerror or exc}{where}; no dataset was written",
+              file=sys.stderr)
+        return 1
     print(f"wrote {s['bin']} and {s['idx']}: {s['documents']:,} documents, {s['tokens']:,} tokens in "
           f"{s['seconds']:.1f} s ({s['tokens'] / max(s['seconds'], 1e-9) / 1e6:.2f} M tokens/s, {s['backend']}"
           + (f", encode cache rebuilt {s['cache_rebuilds']}x" if s["cache_rebuilds"] else "") + ")")

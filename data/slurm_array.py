@@ -178,7 +178,7 @@ def run_task(manifest_path: str, index: Optional[int], *, light_import: bool = F
     stats = preprocess([i["path"] for i in shard["inputs"]], st["tokenizer"], shard["prefix"], workers=st["workers"],
                        append_eod=st["append_eod"], json_key=st["json_key"], chunk_mb=st["chunk_mb"],
                        backend=st["backend"], eod_token=st["eod_token"], cache_budget_mb=st["cache_budget_mb"],
-                       quiet=True, light_import=light_import)
+                       quiet=True, light_import=light_import, allow_empty=True)
     rec = {"index": index, "prefix": shard["prefix"], "documents": stats["documents"], "tokens": stats["tokens"],
            "vocab_size": stats["vocab_size"], "seconds": round(stats["seconds"], 3),
            "bin_bytes": os.path.getsize(shard["prefix"] + ".bin"),

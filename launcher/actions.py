@@ -128,6 +128,11 @@ def prepare_bundle(job: JobConfig, args):
     except RenderError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return None
+    except OSError as exc:  # output_dir unwritable, full, or a path component too long
+        print(f"error: output_dir={job.output_dir!r}: the bundle cannot be written there ({exc.strerror or exc}"
+              f"{': ' + str(exc.filename) if getattr(exc, 'filename', None) else ''}); try output_dir=runs",
+              file=sys.stderr)
+        return None
     print(f"bundle: {bundle.path}")
     return bundle
 

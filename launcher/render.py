@@ -16,6 +16,7 @@ shell script goes through shlex.quote (the ``q`` filter). Login-node code: no to
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import json
 import os
 import re
@@ -177,17 +178,29 @@ def new_bundle_dir(job: JobConfig, now: _dt.datetime | None = None) -> Path:
 
 def write_bundle(job: JobConfig, *, argv: list[str], plan: dict | None = None,
                  bundle_dir: Path | None = None) -> Bundle:
-    """Render, cross-check and write the bundle atomically (temp dir + rename); never overwrites one."""
-    final = (bundle_dir or new_bundle_dir(job)).resolve()
+    """Render, cross-check and write the bundle atomically (temp dir + rename); never overwrites one. Two
+    launches in the same second pick the same name: the one whose rename comes second takes the next free name
+    (``-2``, ...) and renders again, since the scripts hold their own path."""
     lead = signal_lead_of(job, plan)
-    texts = render_texts(job, final, lead)
-    issues = cross_check(job, texts)
-    if issues:
-        raise RenderError("rendered bundle failed its cross-check: " + "; ".join(issues))
+    for _ in range(100):
+        final = (bundle_dir or new_bundle_dir(job)).resolve()
+        texts = render_texts(job, final, lead)
+        issues = cross_check(job, texts)
+        if issues:
+            raise RenderError("rendered bundle failed its cross-check: " + "; ".join(issues))
+        if _place(job, final, texts, argv, plan, lead):
+            return Bundle(final)
+        if bundle_dir is not None:
+            raise RenderError(f"bundle directory {final} exists already; bundles are never overwritten")
+    raise RenderError(f"no free bundle name under {final.parent} after 100 tries")
+
+
+def _place(job: JobConfig, final: Path, texts: dict, argv: list[str], plan: dict | None, lead: dict) -> bool:
+    """Write the bundle into a temporary sibling and rename it to ``final``; False if ``final`` was taken."""
     final.parent.mkdir(parents=True, exist_ok=True)
     meta = {"created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "argv": argv, "name": job.name, **git_revision(), "signal_lead": lead}
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=".bundle.", dir=final.parent))
     try:
         for name, text in texts.items():
             (tmp / name).write_text(text)
@@ -198,11 +211,18 @@ def write_bundle(job: JobConfig, *, argv: list[str], plan: dict | None = None,
             (tmp / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")
         (tmp / "logs").mkdir()
         os.chmod(tmp, 0o755)
-        os.rename(tmp, final)  # atomic; fails rather than overwrite if final appeared meanwhile
+        if final.exists():
+            raise FileExistsError(final)
+        os.rename(tmp, final)  # atomic; fails rather than overwrite a non-empty directory that appeared meanwhile
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, FileExistsError) or exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            return False
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return Bundle(final)
+    return True
 
 
 def atomic_write(path: Path, text: str) -> None:

@@ -1052,10 +1052,17 @@ def validate_slurm(job: JobConfig) -> list[Problem]:
     return c.problems
 
 
+MAX_NAME = 128
+"""Longest run name (the bundle directory adds a 16-character stamp and a counter; file names stop at 255 bytes)."""
+
+
 def validate_job(job: JobConfig) -> list[Problem]:
     c = _Checks()
     c.need(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", job.name or "") is not None, "name", job.name,
            "run names are letters, digits, '.', '_' and '-'", "name=my_run")
+    c.need(len(job.name or "") <= MAX_NAME, "name", job.name, f"run names are at most {MAX_NAME} characters (the "
+           "bundle directory <name>-<UTC stamp> must fit a file name's 255 bytes, the Slurm job name stays readable)",
+           f"name={(job.name or 'run')[:40]}")
     return c.problems
 
 

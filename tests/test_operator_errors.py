@@ -1,0 +1,137 @@
+"""What a hostile but realistic operator hits, each ending in one line and no traceback (issue 27 items 4 and 5):
+an empty dataset in the blend, the preprocessor on an empty input or an unwritable prefix, two launches in the
+same second, a 300-character run name, a .bin truncated after render, a non-finite learning rate, checks that
+render made and validate did not, and out-of-memory hints that only suggest what the job does not have yet."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from launcher.config import compose_job
+
+SHIPPED = ROOT / "data" / "assets" / "smoke_text_document"
+
+
+def _empty_dataset(prefix: Path) -> Path:
+    """What the preprocessor wrote for an empty input before the fix: an index of 0 documents, an empty .bin."""
+    header = b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + bytes([8]) + struct.pack("<QQ", 0, 1)
+    Path(str(prefix) + ".idx").write_bytes(header + struct.pack("<q", 0))
+    Path(str(prefix) + ".bin").write_bytes(b"")
+    return prefix
+
+
+def _no_traceback(out: str, err: str) -> None:
+    assert "Traceback" not in out + err, (out + err)[-3000:]
+
+
+@pytest.mark.parametrize("action", ["validate", "render"])
+def test_an_empty_dataset_in_the_blend_is_one_line(cli, tmp_path, action):
+    empty = _empty_dataset(tmp_path / "empty_text_document")
+    code, out, err = cli(f"data.blend=[0.5,{SHIPPED},0.5,{empty}]", f"output_dir={tmp_path / 'runs'}",
+                         f"action={action}")
+    _no_traceback(out, err)
+    assert code == 2, (out, err)
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert lines == [f"error: data.blend[3]='{empty}': the dataset is empty (0 documents, 0 tokens: its input had no "
+                     "text); try remove it from data.blend, or re-run python -m data.preprocess on an input with "
+                     "documents"], err
+
+
+def test_the_preprocessor_refuses_an_empty_input_and_writes_nothing(tmp_path, capsys):
+    from data.preprocess import main
+
+    (tmp_path / "empty.jsonl").write_text("")
+    code = main(["--input", str(tmp_path / "empty.jsonl"), "--tokenizer", str(ROOT / "data/assets/tokenizer.json"),
+                 "--output-prefix", str(tmp_path / "out"), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.strip() == (f"error: --input {tmp_path / 'empty.jsonl'}: no text in 1 file(s) (0 document(s) under "
+                           f"key 'text', 0 tokens); nothing was written to {tmp_path / 'out'}.bin/.idx; check --input "
+                           "and --json-key")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl"]
+
+
+def test_the_preprocessor_names_an_unwritable_output_prefix(tmp_path, capsys):
+    from data.preprocess import main
+
+    (tmp_path / "one.jsonl").write_text('{"text": "hello"}\n')
+    code = main(["--input", str(tmp_path / "one.jsonl"), "--tokenizer", str(ROOT / "data/assets/tokenizer.json"),
+                 "--output-prefix", "/proc/x/out", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.strip() == ("error: --output-prefix /proc/x/out: /proc/x is not writable (No such file or directory); "
+                           "choose a directory you can write to")
+
+
+def test_two_launches_in_the_same_second_get_two_bundles(tmp_path, monkeypatch):
+    """Both launches pick the same <name>-<stamp>; the second one's rename finds it taken (ENOTEMPTY: the first
+    launch's bundle is there) and renders again under the next free name, instead of a traceback."""
+    import errno
+
+    from launcher import render
+
+    job = compose_job(["recipe=smoke", f"output_dir={tmp_path}"])
+    first = render.write_bundle(job, argv=[])
+    original_dir, original_rename, calls = render.new_bundle_dir, render.os.rename, []
+
+    def same_second(job, now=None):  # the name the other launch took, as it was still free when computed
+        return first.path if not calls else original_dir(job, now)
+
+    def rename(src, dst):
+        calls.append(dst)
+        if len(calls) == 1:
+            raise OSError(errno.ENOTEMPTY, "Directory not empty", str(dst))
+        return original_rename(src, dst)
+
+    monkeypatch.setattr(render, "new_bundle_dir", same_second)
+    monkeypatch.setattr(render.os, "rename", rename)
+    monkeypatch.setattr(render.Path, "exists", lambda self: False if self == first.path else os.path.exists(self))
+    second = render.write_bundle(job, argv=[])
+    assert len(calls) >= 2 and second.path != first.path, calls
+    assert f"BUNDLE={second.path}" in second.launch.read_text() and f"BUNDLE={first.path}" in first.launch.read_text()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary directories left behind"
+
+
+@pytest.mark.parametrize("action", ["validate", "render"])
+def test_a_300_character_run_name_is_refused_in_one_line(cli, tmp_path, action):
+    code, out, err = cli("name=" + "a" * 300, f"output_dir={tmp_path}", f"action={action}")
+    _no_traceback(out, err)
+    assert code == 2
+    assert [x for x in err.splitlines() if x.startswith("error:")] == [
+        f"error: name='{'a' * 300}': run names are at most 128 characters (the bundle directory <name>-<UTC stamp> "
+        "must fit a file name's 255 bytes, the Slurm job name stays readable); try name=" + "a" * 40]
+    assert not list(tmp_path.glob("*"))
+
+
+def test_a_bin_truncated_after_render_is_named_on_the_ranks(tmp_path):
+    from data.datasets import DataFilesChanged, check_files
+
+    for ext in (".bin", ".idx"):
+        shutil.copy(str(SHIPPED) + ext, tmp_path / f"d{ext}")
+    job = compose_job(["recipe=smoke", f"data.blend=[{tmp_path / 'd'}]"])
+    check_files(job.data)  # intact: nothing to say
+    size = os.path.getsize(tmp_path / "d.bin")
+    os.truncate(tmp_path / "d.bin", size // 2)
+    with pytest.raises(DataFilesChanged) as caught:
+        check_files(job.data)
+    assert str(caught.value) == (
+        f"data.blend='{tmp_path / 'd'}': {tmp_path / 'd.bin'} is {size // 2:,} bytes but d.idx describes "
+        f"{size // 2:,} uint16 tokens = {size:,} bytes (changed since the data pre-flight: truncated, rewritten or "
+        "removed); restore the files or rebuild them with python -m data.preprocess, then run again")
+    os.remove(tmp_path / "d.idx")
+    with pytest.raises(DataFilesChanged, match=rf"{tmp_path / 'd.idx'} is missing"):
+        check_files(job.data)
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e999"])
+def test_a_non_finite_learning_rate_is_refused_by_validate(cli, value):
+    code, out, err = cli(f"train.lr={value}", "action=validate")
+    assert code == 2
+    assert [x for x in err.splitlines() if x.startswith("error:")][0].startswith("error: train.lr=")
+    assert "must be a finite number" in err and "non-finite loss" not in err
