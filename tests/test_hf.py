@@ -27,14 +27,19 @@ def _tensors(root):
 
 
 @pytest.fixture
-def megatron_in_process():
+def megatron_in_process(monkeypatch):
     """Megatron-Core in this process (world of one); its MoE metrics tracker is sized by the first model built, so
     it is dropped before and after (as tests/test_catalogue.py does)."""
+    from megatron.core.transformer import multi_token_prediction
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
     from _rank_harness import single_process_group
+    from models import cpu_compat, mtp
 
     single_process_group()
+    if mtp.MTP_MODULE not in cpu_compat.PATCHED_MODULES:  # MTP's CPU bridge, as tests/test_catalogue.py's
+        monkeypatch.setattr(multi_token_prediction, "torch", cpu_compat.TORCH_ON_CPU)
+    monkeypatch.setattr(multi_token_prediction.MTPLossLoggingHelper, "tracker", {})
     destroy_moe_metrics_tracker()
     yield
     destroy_moe_metrics_tracker()
@@ -48,7 +53,9 @@ def megatron_logits(job, checkpoint, tokens):
 
     from launcher.hf.importer import build_single
 
-    chunk = build_single(job)
+    from _hf_tiny import sdpa_core_attention
+
+    chunk = build_single(job, mla_core_attention=sdpa_core_attention())
     state = dist_checkpointing.load({"model": chunk.sharded_state_dict()}, str(checkpoint))
     chunk.load_state_dict(state["model"])
     chunk.eval()
@@ -98,31 +105,11 @@ def test_hf_import_export_round_trip_and_logits(name, tmp_path, megatron_in_proc
     assert type(back).__name__ == type(hf).__name__
     with torch.no_grad():
         assert torch.equal(back(tokens).logits, theirs)
-    if "num_experts" in " ".join(overrides(name)):  # a checkpoint of the TE spec's MoE layers exports the same
-        export(_as_te_moe(ckpt, tmp_path / "te" / "iter_0000000"), tmp_path / "out-te", log=lambda _: None)
-        te = _tensors(tmp_path / "out-te")
-        assert sorted(te) == sorted(before) and all(te[k].equal(before[k]) for k in before)
-
-
-def _as_te_moe(src, dst):
-    """The same weights under the Transformer Engine spec's MoE names: its MoE layers keep the pre-MLP norm apart
-    (``pre_mlp_layernorm``: get_gpt_layer_with_transformer_engine_spec, megatron/core/models/gpt/gpt_layer_specs.py),
-    where the local spec stores it under the fused-norm name ``mlp.linear_fc1.layer_norm_weight``; written as a
-    plain PyTorch distributed checkpoint (one tensor per key)."""
-    import shutil
-
-    import torch.distributed.checkpoint as dcp
-
-    from launcher.hf.torch_dist import Reader
-
-    reader = Reader(src)
-    state = {k.replace("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"): reader.read(k)
-             for k in reader.model_keys()}
-    assert any("pre_mlp_layernorm" in k for k in state)
-    dcp.save(state, checkpoint_id=str(dst), no_dist=True)
-    shutil.copy(src / "launcher.json", dst / "launcher.json")
-    (dst / "metadata.json").write_text("{}")  # the marker export-hf (and Megatron) look for
-    return dst
+    # the same HF weights imported for a Transformer Engine job (its names for a few norms differ) export the same
+    te = import_hf(tmp_path / "hf", tmp_path / "ckpt-te", job, log=lambda _: None, spec="te")
+    export(te, tmp_path / "out-te", log=lambda _: None)
+    again = _tensors(tmp_path / "out-te")
+    assert sorted(again) == sorted(before) and all(again[k].equal(before[k]) for k in before)
 
 
 def test_import_refuses_a_different_model_one_line_per_field(tmp_path, capsys):

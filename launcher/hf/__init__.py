@@ -2,7 +2,7 @@
 
     python -m launcher export-hf --checkpoint DIR/iter_N --output OUT [--config BUNDLE/config.yaml]
                                  [--tokenizer tokenizer.json] [--max-shard-size 5GB]
-    python -m launcher import-hf --hf HF_DIR --output CKPT_DIR [key=value ...]   (the job's recipe overrides)
+    python -m launcher import-hf --hf HF_DIR --output CKPT_DIR [--spec te|local] [key=value ...]  (the job's overrides)
 
 A wing of its own (tests/test_layering.py, TOOLS): both commands read or write torch_dist checkpoints, which only
 torch and Megatron-Core's ``dist_checkpointing`` can do, so this package imports torch (CPU is enough: one
@@ -26,10 +26,10 @@ from typing import List, Optional
 USAGE = {
     "export-hf": "python -m launcher export-hf --checkpoint DIR/iter_N --output OUT [--config BUNDLE/config.yaml] "
                  "[--tokenizer PATH] [--max-shard-size 5GB]",
-    "import-hf": "python -m launcher import-hf --hf HF_DIR --output CKPT_DIR [key=value ...]",
+    "import-hf": "python -m launcher import-hf --hf HF_DIR --output CKPT_DIR [--spec te|local] [key=value ...]",
 }
 FLAGS = {"export-hf": {"--checkpoint", "--output", "--config", "--tokenizer", "--max-shard-size"},
-         "import-hf": {"--hf", "--output"}}
+         "import-hf": {"--hf", "--output", "--spec"}}
 REQUIRED = {"export-hf": ("--checkpoint", "--output"), "import-hf": ("--hf", "--output")}
 
 
@@ -112,7 +112,10 @@ def _import(flags: dict, overrides: List[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        import_hf(Path(flags["--hf"]), Path(flags["--output"]), job)
+        spec = flags.get("--spec")
+        if spec not in (None, "te", "local"):
+            raise UsageError(f"--spec {spec}: the layer spec is te (Transformer Engine) or local; try --spec te")
+        import_hf(Path(flags["--hf"]), Path(flags["--output"]), job, spec=spec)
     except ImportRefused as exc:
         for line in exc.lines:
             print(f"error: {line}", file=sys.stderr)

@@ -8,6 +8,7 @@ a field means. Families (transformers/models/<name>/configuration_<name>.py):
 - ``qwen3``: the same with per-head q/k RMSNorm (``qk_layernorm``), no biases.
 - ``qwen3_moe``: Qwen3 with routed experts (softmax top-k, no shared expert).
 - ``mixtral``: Llama with routed experts (softmax top-k).
+- ``deepseek_v3``: MLA, first k layers dense, sigmoid routing with expert bias and groups, a shared expert, MTP.
 - ``gpt2``: GPT-3 (LayerNorm with biases, exact GeLU, biases on every linear, learned positions, tied output).
 """
 from __future__ import annotations
@@ -28,8 +29,7 @@ class Unsupported(ValueError):
 def family(model: ModelConfig) -> str:
     """The HF architecture family of a model entry, or Unsupported naming what has none."""
     if model.multi_latent_attention:
-        raise Unsupported("model.multi_latent_attention=true (DeepSeek-V3): HF conversion of MLA and MTP is not "
-                          "implemented yet; supported: Llama 3/3.1, Qwen3, Qwen3-MoE, Mixtral")
+        return _deepseek_family(model)
     if model.position_embedding == "learned_absolute":
         return _gpt2_family(model)
     if model.normalization != "RMSNorm" or model.activation != "swiglu" or model.position_embedding != "rope":
@@ -66,6 +66,31 @@ def family(model: ModelConfig) -> str:
         raise Unsupported("model.add_qkv_bias=true: HF Llama biases the output projection too (attention_bias); "
                           "use model.add_qkv_bias=false")
     return "llama"
+
+
+def _deepseek_family(model: ModelConfig) -> str:
+    """DeepSeek-V3: what DeepseekV3ForCausalLM can hold (transformers/models/deepseek_v3/modeling_deepseek_v3.py)."""
+    want = {"normalization": "RMSNorm", "activation": "swiglu", "position_embedding": "rope",
+            "add_bias_linear": False, "add_qkv_bias": False, "moe_router_score_function": "sigmoid",
+            "moe_router_enable_expert_bias": True, "moe_layer_freq": 1, "rope_scaling": False}
+    for field, value in want.items():
+        if getattr(model, field) != value:
+            raise Unsupported(f"model.{field}={getattr(model, field)}: HF's DeepSeek-V3 needs model.{field}={value}")
+    if not model.num_experts:
+        raise Unsupported("model.num_experts=null: HF's DeepSeek-V3 has routed experts; set model.num_experts")
+    groups, group_topk = model.moe_router_num_groups, model.moe_router_group_topk
+    if groups and model.moe_router_topk // group_topk != 2:
+        # HF ranks groups by the sum of their top-2 scores; Megatron-Core by the top (topk // group_topk)
+        # (group_limited_topk, megatron/core/transformer/moe/moe_utils.py)
+        raise Unsupported(f"model.moe_router_topk={model.moe_router_topk} with model.moe_router_group_topk="
+                          f"{group_topk}: HF's DeepSeek-V3 ranks groups by their top-2 scores, Megatron-Core by the "
+                          "top topk // group_topk; use model.moe_router_group_topk="
+                          f"{max(1, model.moe_router_topk // 2)}")
+    shared, expert = model.moe_shared_expert_intermediate_size or 0, model.moe_ffn_hidden_size or model.ffn_hidden_size
+    if shared % expert:
+        raise Unsupported(f"model.moe_shared_expert_intermediate_size={shared}: HF counts shared experts of "
+                          f"moe_ffn_hidden_size={expert} each; use a multiple of it")
+    return "deepseek_v3"
 
 
 def _gpt2_family(model: ModelConfig) -> str:
@@ -106,6 +131,25 @@ def hf_config(model: ModelConfig, *, dtype: str = "float32", bos_token_id: Optio
             resid_pdrop=model.hidden_dropout, embd_pdrop=model.hidden_dropout, attn_pdrop=model.attention_dropout,
             initializer_range=model.init_method_std, tie_word_embeddings=True, bos_token_id=bos_token_id,
             eos_token_id=eos_token_id, dtype=dtype)
+    if fam == "deepseek_v3":
+        return transformers.DeepseekV3Config(
+            vocab_size=model.vocab_size, hidden_size=model.hidden_size, intermediate_size=model.ffn_hidden_size,
+            moe_intermediate_size=model.moe_ffn_hidden_size or model.ffn_hidden_size,
+            num_hidden_layers=model.num_layers,
+            num_attention_heads=model.num_attention_heads, num_key_value_heads=model.num_attention_heads,
+            n_shared_experts=(model.moe_shared_expert_intermediate_size or 0)
+            // (model.moe_ffn_hidden_size or model.ffn_hidden_size), n_routed_experts=model.num_experts,
+            routed_scaling_factor=float(model.moe_router_topk_scaling_factor or 1.0),
+            kv_lora_rank=model.kv_lora_rank, q_lora_rank=model.q_lora_rank,
+            qk_rope_head_dim=model.qk_pos_emb_head_dim, v_head_dim=model.v_head_dim,
+            qk_nope_head_dim=model.qk_head_dim, n_group=model.moe_router_num_groups or 1,
+            topk_group=model.moe_router_group_topk or 1, num_experts_per_tok=model.moe_router_topk,
+            first_k_dense_replace=model.moe_first_k_dense, norm_topk_prob=True,
+            max_position_embeddings=model.max_position_embeddings or model.seq_length, rms_norm_eps=model.norm_epsilon,
+            tie_word_embeddings=model.tie_embeddings, rope_parameters=_rope(model), rope_interleave=True,
+            attention_bias=False, num_mtp_layers=model.mtp_num_layers, attention_dropout=model.attention_dropout,
+            initializer_range=model.init_method_std, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+            dtype=dtype)
     common = dict(
         vocab_size=model.vocab_size, hidden_size=model.hidden_size, num_hidden_layers=model.num_layers,
         num_attention_heads=model.num_attention_heads,
@@ -145,6 +189,13 @@ COMPARED = {
     # GPT-2's own names (its attribute_map covers hidden_size, layers, heads)
     "n_inner": "ffn_hidden_size", "layer_norm_epsilon": "norm_epsilon", "n_positions": "max_position_embeddings",
     "activation_function": "activation",
+    # DeepSeek-V3's
+    "kv_lora_rank": "kv_lora_rank", "q_lora_rank": "q_lora_rank", "qk_rope_head_dim": "qk_pos_emb_head_dim",
+    "qk_nope_head_dim": "qk_head_dim", "v_head_dim": "v_head_dim", "n_routed_experts": "num_experts",
+    "n_shared_experts": "moe_shared_expert_intermediate_size", "first_k_dense_replace": "moe_first_k_dense",
+    "n_group": "moe_router_num_groups", "topk_group": "moe_router_group_topk",
+    "routed_scaling_factor": "moe_router_topk_scaling_factor", "num_mtp_layers": "mtp_num_layers",
+    "rope_interleave": None,
 }
 _MOE_ONLY = {"num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"}
 _ROPE = ("rope_theta", "rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -184,6 +235,8 @@ def _line(key: str, theirs, ours, model: ModelConfig) -> str:
     elif key in ("hidden_act", "attention_bias", "mlp_bias", "activation_function"):
         return (f"model.{field}={getattr(model, field)!r}: the HF config.json has {key}={theirs!r}, the model "
                 f"entry exports {key}={ours!r}; choose a model entry that matches")
+    elif key == "n_shared_experts":  # HF counts shared experts, Megatron-Core sums their width
+        suggest = (theirs or 0) * (model.moe_ffn_hidden_size or model.ffn_hidden_size) or None
     else:
         suggest = theirs
     return (f"model.{field}={getattr(model, field)!r}: the HF config.json has {key}={theirs!r}; "

@@ -23,10 +23,11 @@ import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from launcher.core.layout import uses_transformer_engine
 from launcher.hf import arch, mapping
 from launcher.schema import JobConfig, ParallelConfig, PrecisionConfig
 
@@ -107,13 +108,27 @@ def single_process_group() -> None:
         dist.init_process_group("gloo", store=dist.FileStore(store, 1), rank=0, world_size=1)
 
 
-def build_single(job: JobConfig):
-    """The job's model at TP=PP=EP=1 in this process (world of one, gloo), its vocabulary padded for the job's TP."""
+class WeightsOnlyCoreAttention(torch.nn.Module):
+    """MLA's core attention where Transformer Engine is absent. Megatron-Core's local ``DotProductAttention`` cannot
+    take MLA's separate key/value head sizes (``k_channels``/``v_channels``), and core attention holds no weights:
+    an import needs only the weights, so this stands in for it (tests/test_catalogue.py builds DeepSeek-V3 the same
+    way). Running it is an error."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this model was built to carry weights only (MLA without Transformer Engine)")
+
+
+def build_single(job: JobConfig, mla_core_attention: type = WeightsOnlyCoreAttention):
+    """The job's model at TP=PP=EP=1 in this process (world of one, gloo), its vocabulary padded for the job's TP.
+    Standard attention: the local spec. MLA (which the local spec cannot build): the TE-path config with the local
+    spec and ``mla_core_attention`` in place of the core attention."""
     from megatron.core import parallel_state, tensor_parallel
 
     from launcher.core import derive
-    from models import build_model, cpu_compat
-    from models.builder import layout_of
+    from models import backend, build_model, builder, cpu_compat
 
     single_process_group()
     cpu_compat.apply()
@@ -121,10 +136,23 @@ def build_single(job: JobConfig):
         parallel_state.initialize_model_parallel()
         tensor_parallel.model_parallel_cuda_manual_seed(job.train.seed)
     parallel, precision = ParallelConfig(), PrecisionConfig(dtype=job.precision.dtype, transformer_engine="false")
-    layout = replace(layout_of(model=job.model, parallel=parallel, precision=precision),
+    layout = replace(builder.layout_of(model=job.model, parallel=parallel, precision=precision),
                      padded_vocab=derive(job).padded_vocab)
-    [chunk] = build_model(model=job.model, parallel=parallel, precision=precision, layout=layout, seed=job.train.seed)
-    return chunk
+    if not job.model.multi_latent_attention:
+        [chunk] = build_model(model=job.model, parallel=parallel, precision=precision, layout=layout,
+                              seed=job.train.seed)
+        return chunk
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from models.mtp import mtp_block_spec
+
+    cfg = builder.transformer_config(model=job.model, parallel=parallel, precision=precision, layout=layout, te=True)
+    cfg.gradient_accumulation_fusion = False  # a TE kernel; nothing here trains
+    spec = backend.replace_in_spec(backend.decoder_block_spec(cfg, False), {DotProductAttention: mla_core_attention})
+    return GPTModel(**builder.gpt_model_kwargs(
+        model=job.model, layout=layout, config=cfg, spec=spec, vp_stage=None, pre_process=True, post_process=True,
+        mtp_block_spec=mtp_block_spec(cfg, spec, te=False, vp_stage=None)))
 
 
 def fill(chunk, hf: HFTensors, model) -> None:
@@ -148,6 +176,12 @@ def fill(chunk, hf: HFTensors, model) -> None:
             shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(unit.hf, tensors))
             problems.append(f"{shapes}: do not make the model's {where[0]} {tuple(target.shape)}")
             continue
+        if isinstance(unit, mapping.Copy):  # a second HF copy of a shared tensor: it must be the same
+            if not torch.equal(value.to(target.dtype), target):
+                problems.append(f"{unit.hf[0]} differs from the main model's copy, which Megatron-Core's MTP "
+                                "shares; it cannot be imported as it is")
+            used.update(unit.hf)
+            continue
         with torch.no_grad():
             target.copy_(value.to(target.dtype))
         used.update(unit.hf)
@@ -163,8 +197,22 @@ def fill(chunk, hf: HFTensors, model) -> None:
         raise ImportRefused(problems)
 
 
-def import_hf(hf_dir: Path, output: Path, job: JobConfig, log=print) -> Path:
-    """Validate, build, fill, save; returns OUT/iter_0000000."""
+def sharded_for(chunk, model, te: bool) -> dict:
+    """The model's sharded state dict under the names the job's layer spec loads (see mapping.te_checkpoint_key)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    state = chunk.sharded_state_dict()
+    if te:
+        for v in nested_values(state):
+            if isinstance(v, (ShardedTensor, ShardedTensorFactory)):
+                v.key = mapping.te_checkpoint_key(v.key, model)
+    return state
+
+
+def import_hf(hf_dir: Path, output: Path, job: JobConfig, log=print, spec: Optional[str] = None) -> Path:
+    """Validate, build, fill, save; returns OUT/iter_0000000. ``spec`` (te | local) names the layer spec the job's
+    ranks will build, which decides a few norms' names; by default the job's own (Transformer Engine on GPUs)."""
     from transformers import AutoConfig
 
     start = time.perf_counter()
@@ -191,7 +239,8 @@ def import_hf(hf_dir: Path, output: Path, job: JobConfig, log=print) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        dist_checkpointing.save({"model": chunk.sharded_state_dict()}, str(tmp))
+        te = uses_transformer_engine(job.precision, job.cluster) if spec is None else spec == "te"
+        dist_checkpointing.save({"model": sharded_for(chunk, job.model, te)}, str(tmp))
         files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "crc32": None}
                  for p in sorted(tmp.rglob("*")) if p.is_file()}
         manifest = {"step": 0, "run": "hf-import", "weights_only": True, "source": str(hf_dir.resolve()),
@@ -199,7 +248,7 @@ def import_hf(hf_dir: Path, output: Path, job: JobConfig, log=print) -> Path:
                     "identity": {"data.tokenizer": job.data.tokenizer,
                                  **{f"model.{f}": v for f, v in vars(job.model).items()}},
                     "padded_vocab": int(chunk.embedding.word_embeddings.weight.shape[0]),
-                    "dtype": job.precision.dtype, "files": files,
+                    "dtype": job.precision.dtype, "spec": "te" if te else "local", "files": files,
                     "saved_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         (tmp / "launcher.json").write_text(json.dumps(manifest, indent=1, default=str) + "\n")
         os.replace(tmp, final)
@@ -207,6 +256,6 @@ def import_hf(hf_dir: Path, output: Path, job: JobConfig, log=print) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log(f"imported {hf_dir} ({type(cfg).__name__}) -> {final}: {len(hf.where)} HF tensors, "
-        f"{sum(r['size'] for r in files.values()) / 1e6:.1f} MB, {time.perf_counter() - start:.1f} s; start a job "
-        f"from it with checkpoint.load={final}")
+        f"{sum(r['size'] for r in files.values()) / 1e6:.1f} MB, {'Transformer Engine' if te else 'local'} spec "
+        f"names, {time.perf_counter() - start:.1f} s; start a job from it with checkpoint.load={final}")
     return final

@@ -28,6 +28,7 @@ Layouts (the global tensor of a torch_dist checkpoint is the TP=1 layout, whatev
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable, Sequence, Tuple
 
@@ -117,6 +118,8 @@ def units(model: ModelConfig) -> list:
     without qk-layernorm, Qwen3-MoE's with it."""
     if model.position_embedding == "learned_absolute":
         return gpt2_units(model)
+    if model.multi_latent_attention:
+        return deepseek_units(model)
     return llama_units(model, moe_names="mixtral" if model.num_experts and not model.qk_layernorm else "qwen")
 
 
@@ -223,3 +226,89 @@ def gpt2_units(model: ModelConfig) -> list:
     units += [Unit((f"decoder.final_layernorm.{x}",), (), (f"transformer.ln_f.{x}",), _same, _one)
               for x in ("weight", "bias")]
     return units
+
+
+@dataclass(frozen=True)
+class Copy(Unit):
+    """An HF tensor that repeats another Megatron-Core tensor (DeepSeek-V3's MTP layer carries its own copies of the
+    embedding and output layer, which Megatron-Core's MTP shares with the main model): written on export, checked
+    equal to the main copy on import."""
+
+
+def _mla_units(model: ModelConfig, p: str, h: str) -> list:
+    """Multi-latent attention (MLASelfAttention, megatron/core/transformer/multi_latent_attention.py) as HF's
+    DeepseekV3Attention (transformers/models/deepseek_v3/modeling_deepseek_v3.py): the same projections, in the
+    same row orders (q: per head [nope; rope]; kv_a: [kv_lora; rope]; kv_b: per head [k_nope; v]). Both read the
+    rope part interleaved (HF ``rope_interleave``, Megatron-Core ``mla_rotary_interleaved`` in rope_utils.py), so no
+    rows are permuted. TE fuses the q/kv latent norms into the up projections (``layer_norm_weight``); the local
+    spec keeps ``q_layernorm``/``kv_layernorm``."""
+    a, ha = p + "self_attention.", h + "self_attn."
+    units = [Unit((p + "input_layernorm.weight",), (), (h + "input_layernorm.weight",), _same, _one)]
+    if model.q_lora_rank:
+        units += [Unit((a + "linear_q_down_proj.weight",), (), (ha + "q_a_proj.weight",), _same, _one),
+                  Unit((a + "linear_q_up_proj.layer_norm_weight", a + "q_layernorm.weight"), (),
+                       (ha + "q_a_layernorm.weight",), _same, _one),
+                  Unit((a + "linear_q_up_proj.weight",), (), (ha + "q_b_proj.weight",), _same, _one)]
+    else:
+        units.append(Unit((a + "linear_q_proj.weight",), (), (ha + "q_proj.weight",), _same, _one))
+    units += [Unit((a + "linear_kv_down_proj.weight",), (), (ha + "kv_a_proj_with_mqa.weight",), _same, _one),
+              Unit((a + "linear_kv_up_proj.layer_norm_weight", a + "kv_layernorm.weight"), (),
+                   (ha + "kv_a_layernorm.weight",), _same, _one),
+              Unit((a + "linear_kv_up_proj.weight",), (), (ha + "kv_b_proj.weight",), _same, _one),
+              Unit((a + "linear_proj.weight",), (), (ha + "o_proj.weight",), _same, _one),
+              Unit((p + "mlp.linear_fc1.layer_norm_weight", p + "pre_mlp_layernorm.weight"), (),
+                   (h + "post_attention_layernorm.weight",), _same, _one)]
+    return units
+
+
+def deepseek_units(model: ModelConfig) -> list:
+    """DeepSeek-V3 as HF's DeepseekV3ForCausalLM: MLA, the first k layers dense, then routed experts (router weight
+    ``mlp.gate``, expert bias ``mlp.gate.e_score_correction_bias``) and a shared expert; each MTP layer j as HF
+    stores DeepSeek-V3's (``model.layers.{num_layers + j}``: ``enorm``, ``hnorm``, ``eh_proj`` on [embedding;
+    hidden] like Megatron-Core's ``MultiTokenPredictionLayer``, a decoder layer, ``shared_head.norm`` and copies of
+    the embedding and output layer)."""
+    vsplit, vjoin = _vocab(model.vocab_size)
+    moe = moe_layers(model)
+    units = [Unit(("embedding.word_embeddings.weight",), (), ("model.embed_tokens.weight",), vsplit, vjoin)]
+    for i in range(model.num_layers):
+        p, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        units += _mla_units(model, p, h)
+        units += _moe_units(model, p, h, "qwen") if moe[i] else _mlp_units(p + "mlp.", h + "mlp.", model)
+    units.append(Unit(("decoder.final_layernorm.weight",), (), ("model.norm.weight",), _same, _one))
+    if not model.tie_embeddings:
+        units.append(Unit(("output_layer.weight",), (), ("lm_head.weight",), vsplit, vjoin))
+    for j in range(model.mtp_num_layers or 0):
+        p, h = f"mtp.layers.{j}.", f"model.layers.{model.num_layers + j}."
+        units += [Unit((p + f"{x}.weight",), (), (h + f"{x}.weight",), _same, _one)
+                  for x in ("enorm", "hnorm", "eh_proj")]
+        units += _mla_units(model, p + "transformer_layer.", h)
+        units += _moe_units(model, p + "transformer_layer.", h, "qwen")
+        units += [Unit((p + "final_layernorm.weight",), (), (h + "shared_head.norm.weight",), _same, _one),
+                  Copy(("embedding.word_embeddings.weight",), (), (h + "embed_tokens.weight",), vsplit, vjoin),
+                  Copy(("embedding.word_embeddings.weight",) if model.tie_embeddings else ("output_layer.weight",), (),
+                       (h + "shared_head.head.weight",), vsplit, vjoin)]
+    return units
+
+
+_LAYER_KEY = re.compile(r"^((?:decoder|mtp)\.layers\.\d+\.(?:transformer_layer\.)?)(.*)$")
+
+
+def te_checkpoint_key(key: str, model: ModelConfig) -> str:
+    """The name a Transformer Engine spec's model stores ``key`` (a local-spec checkpoint key) under. The two specs
+    name a few norms differently (megatron/core/models/gpt/gpt_layer_specs.py): TE fuses the MLA latent norms into
+    the up projections (``linear_q_up_proj``/``linear_kv_up_proj`` ``.layer_norm_weight``) and a dense MLP's norm
+    into fc1, and keeps a MoE layer's pre-MLP norm apart (``pre_mlp_layernorm``); the local spec keeps MLA's
+    ``q_layernorm``/``kv_layernorm``, stores a standard layer's pre-MLP norm under fc1's fused name even when the
+    layer is MoE, and an MLA layer's under ``pre_mlp_layernorm`` even when it is dense."""
+    m = _LAYER_KEY.match(key)
+    if not m:
+        return key
+    prefix, rest = m[1], m[2]
+    moe = bool(model.num_experts) and (prefix.startswith("mtp.") or moe_layers(model)[int(prefix.split(".")[2])])
+    rest = {"self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+            "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight"}.get(rest, rest)
+    if moe and rest.startswith("mlp.linear_fc1.layer_norm_"):
+        rest = "pre_mlp_layernorm." + rest[len("mlp.linear_fc1.layer_norm_"):]
+    if not moe and rest.startswith("pre_mlp_layernorm."):
+        rest = "mlp.linear_fc1.layer_norm_" + rest[len("pre_mlp_layernorm."):]
+    return prefix + rest
