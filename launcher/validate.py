@@ -952,6 +952,29 @@ def validate_checkpoint(ckpt: CheckpointConfig) -> list[Problem]:
     return c.problems
 
 
+def validate_loaded_weights(job: JobConfig) -> list[Problem]:
+    """checkpoint.load of an ``import-hf`` checkpoint (weights only): its launcher.json records the model fields that
+    shape its tensors (launcher/hf/importer.py WEIGHT_FIELDS); each one this job's model sets differently is one
+    problem here, before any rank starts (the ranks check the same, launcher/rank/checkpoint.py weights_mismatch).
+    A path this node cannot read is left to the ranks."""
+    import json
+
+    if not job.checkpoint.load:
+        return []
+    try:
+        with open(os.path.join(str(job.checkpoint.load), "launcher.json")) as fh:
+            recorded = json.load(fh).get("weights_of") or {}
+    except (OSError, ValueError, AttributeError):
+        return []
+    problems = []
+    for key, theirs in sorted(recorded.items()):
+        ours = getattr(job.model, key.partition(".")[2], None)
+        if key.startswith("model.") and ours != theirs:
+            problems.append(Problem(key, ours, f"the weights of checkpoint.load={job.checkpoint.load} have "
+                                    f"{key}={theirs!r}", f"{key}={'null' if theirs is None else theirs}"))
+    return problems
+
+
 def validate_logging(logging: LoggingConfig) -> list[Problem]:
     c = _Checks()
     # wandb refuses project and entity names with '/', '\\', '#', '?', '%', ':' (every rank would fail in
@@ -1107,6 +1130,7 @@ SECTION_CHECKS: tuple[Callable[[JobConfig, Layout], list[Problem]], ...] = (
     validate_train,
     lambda j, lay: validate_data(j.data),
     lambda j, lay: validate_checkpoint(j.checkpoint),
+    lambda j, lay: validate_loaded_weights(j),
     lambda j, lay: validate_logging(j.logging),
     lambda j, lay: validate_slurm(j),
 )

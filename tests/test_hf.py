@@ -192,3 +192,20 @@ def test_a_weights_only_checkpoint_of_another_model_is_named_field_by_field():
     other = {**same, "model.hidden_size": 128, "model.tie_embeddings": True}
     assert weights_mismatch(manifest, other) == ("its weights are of another model (model.hidden_size=64 there, 128 "
                                                  "here; model.tie_embeddings=False there, True here)")
+
+
+def test_a_job_loading_an_import_of_another_model_is_refused_before_it_runs(tmp_path):
+    """The login side reads the import's launcher.json: one problem per model field that shapes the weights and
+    differs (here the width and the tied embeddings), each with the value that matches; a longer sequence is fine."""
+    from launcher.config import compose_job
+    from launcher.validate import validate
+
+    (tmp_path / "launcher.json").write_text(json.dumps({"weights_only": True, "weights_of": {
+        "model.hidden_size": 64, "model.tie_embeddings": False, "model.num_layers": 2}}))
+    job = compose_job([*overrides("qwen3"), f"checkpoint.load={tmp_path}", "model.seq_length=64"])
+    lines = [p.line() for p in validate(job) if p.field.startswith("model.") and "checkpoint.load" in p.rule]
+    assert lines == [f"error: model.tie_embeddings=True: the weights of checkpoint.load={tmp_path} have "
+                     "model.tie_embeddings=False; try model.tie_embeddings=False"]
+    job = compose_job([*overrides("qwen3"), f"checkpoint.load={tmp_path}", "model.hidden_size=128"])
+    assert [p.field for p in validate(job) if "checkpoint.load" in p.rule] == ["model.hidden_size",
+                                                                              "model.tie_embeddings"]
