@@ -156,6 +156,30 @@ def test_resume_plan_refuses_other_runs_and_unmanifested_dirs(tmp_path):
         (str(legacy / "iter_0000009"), {"files": {}, "step": None})]
 
 
+def test_another_models_checkpoints_are_not_offered_to_checkpoint_load(tmp_path):
+    """After model.hidden_size changed, the refusal used to print checkpoint.load=<it>, which then failed with an
+    opaque CheckpointException and a 'fix or remove them' about a healthy directory (issue 27 item 3)."""
+    theirs = ckpt.run_identity(compose_job(["recipe=smoke", "model.hidden_size=64"]))
+    ours = ckpt.run_identity(compose_job(["recipe=smoke"]))
+    saved = _fake(tmp_path, 5, run=ckpt.run_hash(theirs), identity=theirs)
+    assert ckpt._plan_resume(tmp_path, ours, None)["error"] == (
+        f"checkpoint.dir={tmp_path} holds checkpoints of another model (iter_0000005: model.hidden_size=64 there, "
+        "128 here): their weights cannot be loaded into this one; use another checkpoint.dir, or set "
+        "model.hidden_size=64 to continue that run")
+    with pytest.raises(ckpt.CheckpointError) as refused:
+        ckpt.resume(tmp_path / "fresh", identity=ours, load_from=str(saved), checksum=False, model=None,
+                    optimizer=None, scheduler=None, warn=print)
+    assert str(refused.value) == (f"checkpoint.load={saved}: its weights are of another model (model.hidden_size=64 "
+                                  "there, 128 here); name a checkpoint of this model, or set model.hidden_size=64")
+    # a layout or training change is another run but the same weights: checkpoint.load= is still the way
+    relaid = ckpt.run_identity(compose_job(["recipe=smoke", "parallel.tensor=1", "train.lr=1e-3"]))
+    other_run = tmp_path / "other_run"
+    _fake(other_run, 2, run=ckpt.run_hash(ours), identity=ours)
+    assert "; use checkpoint.load=" in ckpt._plan_resume(other_run, relaid, None)["error"]
+    assert ckpt.weights_mismatch({"identity": theirs}, theirs) is None
+    assert ckpt.weights_mismatch({"identity": ours}, relaid) is None
+
+
 def test_set_aside_moves_only_this_runs_checkpoints(tmp_path):
     _fake(tmp_path, 4, run="r1")
     _fake(tmp_path, 8, run="r2")

@@ -36,6 +36,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from launcher.core import dirlock
+from launcher.core.weights import weights_of
 from models.backend import compute_device
 
 LATEST = "latest"
@@ -661,6 +662,11 @@ def _plan_resume(ckpt_dir: Path, identity: dict, load_from: Optional[str]) -> di
         return {"candidates": listed, "source": "load"}
     if found:
         path, manifest = found[0]
+        if weights_mismatch(manifest, identity):  # checkpoint.load= would only fail on the first tensor
+            return {"error": f"checkpoint.dir={ckpt_dir} holds checkpoints of another model ({path.name}: "
+                             f"{'; '.join(_weights_diff(manifest, identity))}): their weights cannot be loaded into "
+                             f"this one; use another checkpoint.dir, or set {_continue_hint(manifest, identity)} to "
+                             "continue that run"}
         return {"error": f"checkpoint.dir={ckpt_dir} holds checkpoints of another run ({path.name}: "
                          f"{identity_diff(manifest.get('identity', {}), identity)}); use checkpoint.load={path} to "
                          "start from it, or another checkpoint.dir"}
@@ -690,12 +696,14 @@ def resume(ckpt_dir: Path, *, identity: dict, load_from: Optional[str], checksum
         problems = [p for share in _gather(verify_files(path, manifest, checksum=checksum, rank=_rank(),
                                                         world=_world())) for p in share]
         error = f"{len(problems)} damaged file(s): {'; '.join(problems[:3])}" if problems else None
-        with_rng = manifest.get("rng_layout") == rng_layout()  # unknown (no manifest): not restored
         weights_only = bool(manifest.get("weights_only"))  # `import-hf`: model weights, no optimizer/step/RNG
-        if weights_only and error is None:
+        if error is None and plan["source"] == "load":
             error = weights_mismatch(manifest, identity)
             if error is not None:  # the same model entry on every rank: nothing to fall back to
-                raise CheckpointError(f"checkpoint.load={path}: {error}")
+                hint = _continue_hint(manifest, identity)
+                raise CheckpointError(f"checkpoint.load={path}: {error}; name a checkpoint of this model"
+                                      + (f", or set {hint}" if hint else ""))
+        with_rng = manifest.get("rng_layout") == rng_layout()  # unknown (no manifest): not restored
         fmt = manifest.get("optimizer_format", DEFAULT_OPTIMIZER_FORMAT)
         saved_dp = (manifest.get("rng_layout") or [None] * 3)[2]
         if error is None and distributed_optimizer and fmt == "dp_reshardable" and saved_dp not in (None, rng_layout()[2]):
@@ -723,6 +731,10 @@ def resume(ckpt_dir: Path, *, identity: dict, load_from: Optional[str], checksum
             return step, consumed, path
         tried.append(path.name)
         warn(f"warning: checkpoint {path} could not be loaded ({error}); falling back to the previous one")
+    if tried and plan["source"] == "load":  # not this run's own: nothing to fix or remove in checkpoint.dir
+        raise CheckpointError(f"checkpoint.load={load_from}: could not be loaded into this run (tried "
+                              f"{', '.join(tried)}; last error: {error}); it is damaged or holds tensors this model "
+                              "does not have: name a healthy checkpoint of this model, or unset checkpoint.load")
     if tried:
         raise CheckpointError(f"no checkpoint in {Path(plan['candidates'][0][0]).parent} could be loaded (tried "
                               f"{', '.join(tried)}); fix or remove them, or set checkpoint.resume=false to start fresh")
@@ -762,11 +774,25 @@ def rng_layout() -> list:
 
 
 def weights_mismatch(manifest: dict, identity: dict) -> Optional[str]:
-    """A weights-only checkpoint (``import-hf``) records the model fields that shape its tensors: the ones this job
-    sets differently, or None (a longer context, other dropout or routing settings are fine)."""
-    theirs = manifest.get("weights_of") or {}
-    diff = [f"{k}={v!r} there, {identity.get(k)!r} here" for k, v in sorted(theirs.items()) if identity.get(k) != v]
+    """The model fields that shape a checkpoint's tensors (``launcher.core.weights``: recorded by ``import-hf`` as
+    ``weights_of``, read from the run identity otherwise) that this job sets differently, or None (a longer
+    context, other dropout or routing settings, another layout are fine)."""
+    diff = _weights_diff(manifest, identity)
     return f"its weights are of another model ({'; '.join(diff)})" if diff else None
+
+
+def _weights_diff(manifest: dict, identity: dict) -> List[str]:
+    theirs = manifest.get("weights_of") or weights_of(manifest.get("identity") or {})
+    return [f"{k}={v!r} there, {identity.get(k)!r} here" for k, v in sorted(theirs.items()) if identity.get(k) != v]
+
+
+def _continue_hint(manifest: dict, identity: dict) -> str:
+    """The override that makes this job the checkpoint's model again (its first differing weight field)."""
+    theirs = manifest.get("weights_of") or weights_of(manifest.get("identity") or {})
+    for key, value in sorted(theirs.items()):
+        if identity.get(key) != value:
+            return f"{key}={'null' if value is None else str(value).lower() if isinstance(value, bool) else value}"
+    return ""
 
 
 def load(path: Path, *, model, optimizer, scheduler, with_rng: bool = True,
