@@ -111,6 +111,40 @@ def preflight_data(job: JobConfig) -> list[Problem]:
     return preflight(job.data, vocab_size=job.model.vocab_size, tokens_needed=tokens_needed(job))
 
 
+def launch_preflight(job: JobConfig) -> list[Problem]:
+    """What render or run would refuse, found by validate too: a checkpoint dir that takes no file, and a Slurm
+    time limit too short for the derived signal lead (the planner's save estimate, or a measured save)."""
+    from launcher.executor import checkpoint_dir_problem
+
+    problems = []
+    unwritable = checkpoint_dir_problem(job)
+    if unwritable:
+        problems.append(unwritable)
+    if job.cluster.launcher == "slurm" and job.slurm.signal_lead_s is None:
+        from launcher.core.signal_lead import lead_for_render
+        from launcher.plan import PlanError, plan_job
+        from launcher.render import _time_limit_s, lead_problem
+
+        try:
+            plan = plan_job(job).to_dict()
+        except PlanError:
+            return problems
+        limit = _time_limit_s(job)
+        late = lead_problem(job, lead_for_render(job, limit, plan, _ckpt_dir(job)), limit)
+        if late is not None:
+            problems.append(late)
+    return problems
+
+
+def _ckpt_dir(job: JobConfig):
+    from pathlib import Path
+
+    if not job.checkpoint.dir:
+        return None
+    path = Path(job.checkpoint.dir)
+    return path if path.is_absolute() else Path.cwd() / path
+
+
 def prepare_bundle(job: JobConfig, args):
     """Plan (refusing a predicted OOM unless force), render and write the bundle. The data pre-flight has run
     already, with validation (``launcher.cli.main``), for every action that renders."""
@@ -119,7 +153,7 @@ def prepare_bundle(job: JobConfig, args):
 
     plan = plan_job(job)
     if not plan.fits and not job.force:
-        print(oom_message(plan), file=sys.stderr)
+        print(oom_message(plan, job), file=sys.stderr)
         print("error: predicted out of memory; change the layout (try action=search) or set force=true",
               file=sys.stderr)
         return None

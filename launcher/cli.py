@@ -100,6 +100,9 @@ def _main(argv: list[str] | None = None) -> int:
         # One pipeline for every action that checks or starts a run: validate's data pre-flight is render's.
         from launcher.actions import preflight_data
         problems += [verified_hint(job, p, problems) for p in preflight_data(job)]
+    if not errors(problems) and action in RANK_ACTIONS:
+        from launcher.actions import launch_preflight  # what render or run would refuse: validate says it too
+        problems += launch_preflight(job)
     report(problems)
     if errors(problems):
         return EXIT_USAGE

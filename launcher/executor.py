@@ -167,6 +167,43 @@ def end_strays(bundle_path, grace_s: float = 5.0) -> None:
     _terminate(bundle_processes(bundle_path), os.kill, grace_s)
 
 
+def checkpoint_dir_problem(job):
+    """The checkpoint dir (checkpoint.dir, else the bundle's own under output_dir), or its nearest existing parent,
+    takes no file: a Problem, else None. Checked with validation for every action that prepares a run."""
+    from launcher.problems import Problem
+
+    target = Path(job.checkpoint.dir) if job.checkpoint.dir else Path(job.output_dir)
+    target = target if target.is_absolute() else Path.cwd() / target
+    why = _takes_no_file(target)
+    if why is None:
+        return None
+    if job.checkpoint.dir:
+        return Problem("checkpoint.dir", job.checkpoint.dir, why, "a directory you can write to, or "
+                       "checkpoint.dir=null (inside the run's bundle)")
+    return Problem("output_dir", job.output_dir, why + " (the bundle and its checkpoints go there)", "output_dir=runs")
+
+
+def _takes_no_file(target: Path):
+    import errno
+    import tempfile
+
+    probe_dir = target
+    while not probe_dir.exists() and probe_dir != probe_dir.parent:
+        probe_dir = probe_dir.parent
+    if not probe_dir.is_dir():
+        return f"{probe_dir} is not a directory"
+    try:
+        with tempfile.NamedTemporaryFile(dir=probe_dir, prefix=".launcher-probe-") as fh:
+            fh.write(b"\0" * 4096)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            return f"no space left on device ({probe_dir})"
+        return f"not writable (a test file in {probe_dir}: {exc.strerror or exc})"
+    return None
+
+
 def checkpoint_preflight(job, bundle: Bundle):
     """Login-node check before a local run: the checkpoint dir (or its nearest existing parent) takes a file
     and has room for one checkpoint (the planner's parameter count x bytes per parameter: weights in their

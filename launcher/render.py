@@ -136,14 +136,25 @@ def signal_lead_of(job: JobConfig, plan: dict | None) -> dict:
         ckpt_dir = Path.cwd() / ckpt_dir
     limit = _time_limit_s(job)
     lead = lead_for_render(job, limit, plan, ckpt_dir)
-    if lead["source"] == "derived" and lead["seconds"] + 60 > limit:
-        raise RenderError(
-            f"slurm.time={job.slurm.time}: too short to stop in time: a checkpoint save takes about "
-            f"{lead['save_s']:.0f} s ({'measured in ' + lead['measured_in'] if lead['measured_in'] else 'estimated'}), "
-            f"so the stop must start {lead['seconds']} s before the limit ({lead['factor']:g} x save + a step + "
-            f"{lead['margin_s']} s); use slurm.time={_hours(2 * (max(lead['seconds'], 300) + 60))}, or set "
-            "slurm.signal_lead_s explicitly")
+    problem = lead_problem(job, lead, limit)
+    if problem is not None:
+        raise RenderError(problem.line().removeprefix("error: "))
     return lead
+
+
+def lead_problem(job: JobConfig, lead: dict, limit: int):
+    """A derived --signal lead that leaves under 60 s of the time limit: the job could not stop in time (validate
+    reports it too, through ``launcher.actions.launch_preflight``)."""
+    from launcher.problems import Problem
+
+    if lead["source"] != "derived" or lead["seconds"] + 60 <= limit:
+        return None
+    where = "measured in " + lead["measured_in"] if lead["measured_in"] else "estimated"
+    return Problem("slurm.time", job.slurm.time,
+                   f"too short to stop in time: a checkpoint save takes about {lead['save_s']:.0f} s ({where}), so "
+                   f"the stop must start {lead['seconds']} s before the limit ({lead['factor']:g} x save + a step + "
+                   f"{lead['margin_s']} s)", f"slurm.time={_hours(2 * (max(lead['seconds'], 300) + 60))}, or set "
+                   "slurm.signal_lead_s explicitly")
 
 
 def _hours(seconds: float) -> str:

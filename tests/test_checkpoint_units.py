@@ -225,8 +225,10 @@ def test_local_run_refuses_an_unwritable_or_full_checkpoint_dir_on_the_login_nod
 
     proc = run("checkpoint.dir=/proc/x/ckpt")
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == ("error: checkpoint.dir=/proc/x/ckpt is not writable (a test "
-                                                    "file in /proc: No such file or directory)"), proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == ("error: checkpoint.dir='/proc/x/ckpt': not writable (a test file "
+                                                    "in /proc: No such file or directory); try a directory you can "
+                                                    "write to, or checkpoint.dir=null (inside the run's bundle)"), \
+        proc.stderr
     small = tmp_path / "small"
     small.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(small)]).returncode != 0:
@@ -237,4 +239,4 @@ def test_local_run_refuses_an_unwritable_or_full_checkpoint_dir_on_the_login_nod
         subprocess.run(["umount", str(small)])
     assert proc.returncode == 2
     assert "not enough space for a checkpoint" in proc.stderr.strip().splitlines()[-1], proc.stderr
-    assert "torch.distributed.run" not in proc.stdout  # refused before anything started
+    assert "launcher.rank.agent" not in proc.stdout  # refused before anything started

@@ -135,3 +135,42 @@ def test_a_non_finite_learning_rate_is_refused_by_validate(cli, value):
     assert code == 2
     assert [x for x in err.splitlines() if x.startswith("error:")][0].startswith("error: train.lr=")
     assert "must be a finite number" in err and "non-finite loss" not in err
+
+
+@pytest.mark.parametrize("case", ["slurm time", "checkpoint dir", "output dir"])
+def test_validate_refuses_what_render_would_refuse(cli, tmp_path, case):
+    """The same one line from validate as from render (item 5): a time limit too short for the derived signal lead
+    (the 405B's save takes ~90 s), a checkpoint dir or output dir that takes no file."""
+    overrides = {"slurm time": ["recipe=llama405b", "cluster=h100", "nodes=64", "slurm.time=00:05:00",
+                                f"output_dir={tmp_path}"],
+                 "checkpoint dir": ["checkpoint.dir=/proc/x/ckpt", f"output_dir={tmp_path}"],
+                 "output dir": ["output_dir=/proc/x/runs"]}[case]
+    said = {}
+    for action in ("validate", "render"):
+        code, out, err = cli(*overrides, f"action={action}")
+        _no_traceback(out, err)
+        assert code == 2, (action, out, err)
+        said[action] = [x for x in err.splitlines() if x.startswith("error:")]
+    assert said["validate"] == said["render"] and len(said["validate"]) == 1, said
+    field = {"slurm time": "slurm.time='00:05:00'", "checkpoint dir": "checkpoint.dir='/proc/x/ckpt'",
+             "output dir": "output_dir='/proc/x/runs'"}[case]
+    assert said["validate"][0].startswith(f"error: {field}: ") and "; try " in said["validate"][0]
+    assert not [p for p in tmp_path.iterdir()], "render wrote a bundle"
+
+
+def test_out_of_memory_hints_leave_out_what_the_job_has_already():
+    from launcher.plan import oom_message, plan_job
+
+    base = ["recipe=llama405b", "cluster=h100", "nodes=8", "parallel.context=1"]
+    plan = plan_job(compose_job(base))
+    assert not plan.fits
+    told = oom_message(plan, compose_job(base))
+    job = compose_job([*base, "precision.grad_reduce_in_fp32=false", "parallel.distributed_optimizer=true",
+                       "train.recompute=full"])
+    plan = plan_job(job)
+    assert not plan.fits
+    message = oom_message(plan, job)
+    for setting in ("precision.grad_reduce_in_fp32=false", "parallel.distributed_optimizer=true",
+                    "train.recompute=full"):
+        assert setting not in message, message
+    assert "largest contributors" in message and "  - " in message and told != message

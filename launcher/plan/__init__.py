@@ -29,24 +29,41 @@ def layout_errors(problems: list[Problem]) -> list[Problem]:
 
 
 HINTS = {
-    "activations": "train.recompute=full (or selective, with train.recompute_modules such as [core_attn,moe_act] "
-                   "or [mla_up_proj,mlp]), or more parallel.pipeline / parallel.context / parallel.tensor, or a "
-                   "smaller train.micro_batch_size",
-    "grads": "precision.grad_reduce_in_fp32=false (bf16 gradient buffers), parallel.megatron_fsdp=true, or more "
-             "parallel.tensor/pipeline",
-    "fp8_weights": "precision.fp8_param=true (FP8 primary weights: no separate FP8 copy)",
-    "optimizer": "parallel.distributed_optimizer=true, or more data-parallel ranks (nodes)",
-    "weights": "more parallel.tensor or parallel.pipeline (or parallel.expert for MoE)",
-    "output_logits": "model.cross_entropy_loss_fusion=true (bf16 softmax), more parallel.tensor (shards the "
-                     "vocabulary), or fewer layers on the last stage (parallel.account_for_loss_in_pipeline_split=true "
-                     "or parallel.last_stage_layers)",
-    "pending_wgrad": "schedule.kind=1f1b (no deferred weight gradients), more parallel.tensor (shards the deferred "
-                     "GEMM operands and the logits gradient), or a smaller train.micro_batch_size",
-    "workspace": "train.recompute=selective instead of full, or a smaller train.micro_batch_size",
-    "comm_buffers": "a smaller train.micro_batch_size",
-    "reserve": "cluster.memory_reserve_gb (only if you know the site's overhead is smaller)",
+    "activations": [("train.recompute=full", lambda j: j.train.recompute == "full"),
+                    ("train.recompute=selective with train.recompute_modules such as [core_attn,moe_act] or "
+                     "[mla_up_proj,mlp]", lambda j: j.train.recompute == "full" or bool(j.train.recompute_modules)),
+                    ("more parallel.pipeline / parallel.context / parallel.tensor, or a smaller "
+                     "train.micro_batch_size", None)],
+    "grads": [("precision.grad_reduce_in_fp32=false (bf16 gradient buffers)",
+               lambda j: not j.precision.grad_reduce_in_fp32),
+              ("parallel.megatron_fsdp=true", lambda j: j.parallel.megatron_fsdp),
+              ("more parallel.tensor/pipeline", None)],
+    "fp8_weights": [("precision.fp8_param=true (FP8 primary weights: no separate FP8 copy)",
+                     lambda j: j.precision.fp8_param)],
+    "optimizer": [("parallel.distributed_optimizer=true", lambda j: j.parallel.distributed_optimizer),
+                  ("parallel.megatron_fsdp=true", lambda j: j.parallel.megatron_fsdp),
+                  ("more data-parallel ranks (nodes)", None)],
+    "weights": [("more parallel.tensor or parallel.pipeline (or parallel.expert for MoE)", None)],
+    "output_logits": [("model.cross_entropy_loss_fusion=true (bf16 softmax)", lambda j: j.model.cross_entropy_loss_fusion),
+                      ("more parallel.tensor (shards the vocabulary)", None),
+                      ("fewer layers on the last stage (parallel.account_for_loss_in_pipeline_split=true or "
+                       "parallel.last_stage_layers)", lambda j: j.parallel.account_for_loss_in_pipeline_split)],
+    "pending_wgrad": [("schedule.kind=1f1b (no deferred weight gradients)", lambda j: j.schedule.kind != "zb_h1"),
+                      ("more parallel.tensor (shards the deferred GEMM operands and the logits gradient), or a "
+                       "smaller train.micro_batch_size", None)],
+    "workspace": [("train.recompute=selective instead of full", lambda j: j.train.recompute != "full"),
+                  ("a smaller train.micro_batch_size", None)],
+    "comm_buffers": [("a smaller train.micro_batch_size", None)],
+    "reserve": [("cluster.memory_reserve_gb (only if you know the site's overhead is smaller)", None)],
 }
-"""What to change when a contributor dominates a stage that does not fit."""
+"""What to change when a contributor dominates a stage that does not fit: each option with the test of a job that
+has it already (such a job is not told to set it)."""
+
+
+def hint_for(contributor: str, job=None) -> str:
+    """The options for one contributor, without those the job already has ('' when none is left)."""
+    options = [text for text, has in HINTS.get(contributor, []) if job is None or has is None or not has(job)]
+    return ", or ".join(options)
 
 
 class PlanError(ValueError):
@@ -210,9 +227,9 @@ def plan_job(job: JobConfig) -> Plan:
         params=counts, step=st, perf=throughput(job, st, lay), warnings=warnings)
 
 
-def oom_message(plan: Plan) -> str:
+def oom_message(plan: Plan, job=None) -> str:
     """Why the plan does not fit: every stage over the limit with its numbers, the largest contributors,
-    and what to change for each."""
+    and what to change for each (with ``job``: only what it does not have already)."""
     cap = plan.gpu_memory_gb
     over = [s for s in plan.stages if s.total > cap * GB]
     if not over:
@@ -229,7 +246,8 @@ def oom_message(plan: Plan) -> str:
     lines.append("  largest contributors (stage %d): %s" % (
         peak.stage, ", ".join(f"{k} {v / GB:.1f} GB" for k, v in top)))
     for k, _ in top:
-        if k in HINTS:
-            lines.append(f"  - {k}: try {HINTS[k]}")
+        hint = hint_for(k, job)
+        if hint:
+            lines.append(f"  - {k}: try {hint}")
     lines.append("  or run with action=search to list layouts that fit; force=true renders anyway.")
     return "\n".join(lines)
