@@ -44,13 +44,79 @@ def run_train(bundle: Path, nproc: int, timeout: int = 240, env: Optional[dict] 
     is killed (and this raises) once it has printed nothing for ``timeout`` s; a slow run that keeps printing
     steps runs to its end however loaded the machine is. ``env`` adds to (or overrides) the ranks' environment;
     ``what`` names the run in a hang message."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore", **(env or {}))
+    extra = env
+    env = dict(os.environ, **RANK_ENV, **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
            "-m", "launcher.rank", "--bundle", str(bundle)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    for hook in LAUNCH_HOOKS:
+        hook(cmd)
+    zygote = None if extra else _zygote_for(env)
+    if zygote is not None:
+        proc = zygote.start(bundle, nproc, env)
+    else:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
     out, err = communicate_on_progress(proc, timeout, what or f"torchrun of {bundle.name} ({nproc} ranks)")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+RANK_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
+"""What every test run's ranks get on top of the test's environment (torchrun would set OMP_NUM_THREADS=1 too)."""
+LAUNCH_HOOKS: list = []
+"""Called with the torchrun command of every run_train, also one the zygote serves (tests/conftest.py's lane
+guard records them: a zygote run starts no process it could see)."""
+_VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)
+
+
+class _Zygote:
+    """The session's warm rank server (tests/_rank_zygote.py), started on first use, stopped at exit."""
+
+    def __init__(self, env: dict):
+        import atexit
+        import tempfile
+
+        self.dir = tempfile.mkdtemp(prefix="rank-zygote-")
+        self.sock = os.path.join(self.dir, "sock")
+        self.env = {k: v for k, v in env.items() if k not in _VOLATILE_ENV}
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "_rank_zygote.py"), self.sock], cwd=ROOT,
+                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        ready = self.proc.stdout.readline().strip()
+        if ready != "ready":
+            raise RuntimeError(f"the rank zygote did not start (exit {self.proc.poll()}): {ready!r}")
+        atexit.register(self.stop)
+
+    def serves(self, env: dict) -> bool:
+        return self.proc.poll() is None and {k: v for k, v in env.items() if k not in _VOLATILE_ENV} == self.env
+
+    def start(self, bundle: Path, nproc: int, env: dict):
+        from _rank_zygote import ZygoteRun
+
+        return ZygoteRun(self.sock, str(bundle), nproc, str(ROOT), env)
+
+    def stop(self) -> None:
+        import shutil
+
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()  # the server returns once its stdin closes
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=30)
+        if self.proc.poll() is None:
+            self.proc.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_ZYGOTE: list = []
+
+
+def _zygote_for(env: dict) -> Optional[_Zygote]:
+    """The warm rank server for a run with this environment, or None: torchrun then (LAUNCHER_TEST_TORCHRUN=1,
+    or the environment differs from the one the server started with: a value read at import would be stale)."""
+    if env.get("LAUNCHER_TEST_TORCHRUN") == "1":
+        return None
+    if not _ZYGOTE or _ZYGOTE[0].proc.poll() is not None:
+        _ZYGOTE[:] = [_Zygote(env)]
+    return _ZYGOTE[0] if _ZYGOTE[0].serves(env) else None
 
 
 def communicate_on_progress(proc: subprocess.Popen, idle_s: float, what: str) -> tuple[str, str]:

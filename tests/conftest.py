@@ -165,12 +165,30 @@ def _lane_of(item, modules: dict) -> set:
     return lanes
 
 
+def _xdist_group(item, lanes: set) -> str | None:
+    """The pytest-xdist group of a rank or Slurm test (`make test` runs them two at a time, ``--dist loadgroup``):
+    every Slurm test in one worker (the session's one-node cluster is started and stopped by one process), every
+    user of the session's ``reference_run`` in one worker (each reference run trained once), and the rest by
+    module (a module-scoped trained fixture is trained once). In-process tests stay ungrouped."""
+    if "slurm" in lanes:
+        return "slurm"
+    if "multirank" not in lanes:
+        return None
+    if set(getattr(item, "fixturenames", ())) & _RANK_FIXTURES:
+        return "reference-runs"
+    return Path(str(item.fspath)).relative_to(ROOT).as_posix()
+
+
 def pytest_collection_modifyitems(config, items):
     modules: dict = {}
     cuda = None
     for item in items:
-        for lane in sorted(_lane_of(item, modules)):
+        lanes = _lane_of(item, modules)
+        for lane in sorted(lanes):
             item.add_marker(getattr(pytest.mark, lane))
+        group = _xdist_group(item, lanes)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
         if item.get_closest_marker("gpu"):
             if cuda is None:
                 cuda = _cuda_available()
@@ -213,13 +231,20 @@ def _lane_guard(request, monkeypatch):
     original = subprocess.Popen.__init__
     seen: list = []
 
-    def recording(self, args, *a, **kw):
+    def record(args):
         lane = _lane_needed(args)
         if lane:
             seen.append((lane, args))
+
+    def recording(self, args, *a, **kw):
+        record(args)
         return original(self, args, *a, **kw)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", recording)
+    import _rank_harness
+
+    # a run the warm rank server (tests/_rank_zygote.py) serves starts no process of its own: its torchrun command
+    monkeypatch.setattr(_rank_harness, "LAUNCH_HOOKS", [record])
     yield
     missing = [(lane, args) for lane, args in seen if not request.node.get_closest_marker(lane)]
     if missing:

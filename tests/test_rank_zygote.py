@@ -1,0 +1,46 @@
+"""tests/_rank_zygote.py, the test-only rank launcher that forks warm ranks instead of starting torchrun: the same
+run gives torchrun's losses to the bit, and torchrun's failure rule holds (one rank dies: the others are stopped,
+the run fails)."""
+from __future__ import annotations
+
+import re
+import signal
+import os
+
+from _rank_harness import TINY, communicate_on_progress, layout, run_train, steps, write_bundle
+
+
+def test_a_forked_run_equals_the_torchrun_run(tmp_path):
+    overrides = TINY + layout(tp=2) + ["train.train_steps=2"]
+    forked = run_train(write_bundle(tmp_path / "forked", overrides, 2), 2)
+    real = run_train(write_bundle(tmp_path / "torchrun", overrides, 2), 2, env={"LAUNCHER_TEST_TORCHRUN": "1"})
+    assert forked.returncode == 0 and real.returncode == 0, forked.stdout[-2000:] + forked.stderr[-2000:]
+    assert steps(forked.stdout) and [(s["loss"], s["grad_norm"]) for s in steps(forked.stdout).values()] == \
+        [(s["loss"], s["grad_norm"]) for s in steps(real.stdout).values()]
+    for name in ("forked", "torchrun"):
+        for rank in range(2):
+            assert (tmp_path / name / "logs" / f"rank-{rank}.log").read_text().startswith(f"=== rank {rank} started")
+    assert "torch.distributed.elastic" not in forked.stderr  # it was not torchrun after all
+
+
+def test_one_rank_dying_stops_the_others_and_fails_the_run(tmp_path):
+    import _rank_harness
+
+    bundle = write_bundle(tmp_path / "b", TINY + layout(tp=2) + ["train.train_steps=100000"], 2)
+    env = dict(os.environ, **_rank_harness.RANK_ENV)
+    zygote = _rank_harness._zygote_for(env)
+    assert zygote is not None, "the test environment should be the one the rank server serves"
+    proc = zygote.start(bundle, 2, env)
+    try:
+        for line in iter(proc.stdout.readline, ""):
+            if line.startswith("step     2 |"):
+                break
+        pid = int(re.search(r"pid (\d+)\)", (bundle / "logs" / "rank-1.log").read_text())[1])
+        os.kill(pid, signal.SIGKILL)
+        out, err = communicate_on_progress(proc, 240, "the forked run after a rank was killed")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1
+    assert f"zygote: rank 1 exited with code {-signal.SIGKILL}; stopping the other ranks" in err
+    assert not (bundle / "DONE").exists()
