@@ -5,6 +5,7 @@
         job.sbatch    Slurm batch script: srun starts launch.sh once per node
         launch.sh     the torchrun command for one node
         env.sh        environment from the cluster profile (never secrets)
+        rank.sh       profile.kind=nsys only: torchrun's per-rank command, the profiled ranks under nsys
         meta.json     launcher git SHA, time, command line
         plan.json     the planner's prediction (when available)
         logs/         Slurm / local logs
@@ -108,18 +109,25 @@ def template_context(job: JobConfig, bundle_dir: Path, signal_lead: dict | None 
         # cluster.env, plus CUDA_DEVICE_MAX_CONNECTIONS derived from this job where it sets none (core/cuda_env.py)
         "env": sorted(job_env(job).items()),
         "secret_names": list(cluster.secret_env),
+        # profile.kind=nsys: torchrun starts rank.sh, which runs the profiled ranks under Nsight Systems
+        "nsys": job.profile.kind == "nsys",
+        "profile_ranks": " ".join(str(r) for r in job.profile.ranks),
+        "step_start": job.profile.step_start, "step_end": job.profile.step_end,
     }
 
 
 def render_texts(job: JobConfig, bundle_dir: Path, signal_lead: dict | None = None) -> dict[str, str]:
     """The bundle's text files, keyed by file name (pure: used by the golden-file tests)."""
     env, ctx = _environment(), template_context(job, bundle_dir, signal_lead)
-    return {
+    texts = {
         "config.yaml": job_to_yaml(job),
         "job.sbatch": env.get_template("job.sbatch.j2").render(**ctx),
         "launch.sh": env.get_template("launch.sh.j2").render(**ctx),
         "env.sh": env.get_template("env.sh.j2").render(**ctx),
     }
+    if ctx["nsys"]:
+        texts["rank.sh"] = env.get_template("rank.sh.j2").render(**ctx)
+    return texts
 
 
 def _time_limit_s(job: JobConfig) -> int:
@@ -215,8 +223,9 @@ def _place(job: JobConfig, final: Path, texts: dict, argv: list[str], plan: dict
     try:
         for name, text in texts.items():
             (tmp / name).write_text(text)
-        for script in ("job.sbatch", "launch.sh"):
-            os.chmod(tmp / script, 0o755)
+        for script in ("job.sbatch", "launch.sh", "rank.sh"):
+            if script in texts:
+                os.chmod(tmp / script, 0o755)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         if plan is not None:
             (tmp / "plan.json").write_text(json.dumps(plan, indent=2) + "\n")

@@ -46,6 +46,7 @@ LAUNCHERS = ("slurm", "local")
 GPUS = ("H100", "H200", "GH200", "B200", "GB200", "A100", "cpu")
 BACKENDS = ("nccl", "gloo")
 ACTIONS = ("default", "render", "submit", "run", "plan", "search", "validate", "megatron-args", "list")
+PROFILERS = ("none", "nsys", "torch")
 
 
 def choice(default: Any, allowed: Tuple[Any, ...], *, nullable: bool = False):
@@ -336,6 +337,12 @@ class TrainConfig:
     straggler_margin slower than the median (0 disables)."""
     straggler_margin: float = 0.2
     """Relative margin over the median step time above which a rank is reported as a straggler."""
+    deterministic: bool = False
+    """Bitwise-reproducible steps (Megatron-LM's --deterministic-mode): torch.use_deterministic_algorithms, Megatron-
+    Core's deterministic code paths (TransformerConfig.deterministic_mode: MoE unpermute, embedding backward), and
+    in env.sh NCCL_ALGO=Ring, NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, CUBLAS_WORKSPACE_CONFIG=:4096:8 (unless
+    cluster.env sets an accepted value). Refuses the fusions that are not deterministic (cross-entropy loss fusion,
+    TP communication overlap). Costs roughly 5-15% of step time (Megatron-LM's measurements)."""
 
 
 @dataclass
@@ -468,6 +475,31 @@ class ClusterConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """What operators reach for when a run is slow or runs out of memory (Megatron-LM's --profile,
+    --use-pytorch-profiler, --profile-step-start/-end, --profile-ranks, --record-memory-history). Everything lands
+    in the run bundle's profile/ folder."""
+
+    kind: str = choice("none", PROFILERS)
+    """nsys: the ranks in profile.ranks run under Nsight Systems (the bundle's rank.sh wraps them) and capture only
+    steps step_start..step_end-1 (cudaProfilerStart/Stop, NVTX ranges); torch: torch.profiler writes a Chrome
+    trace per profiled rank (profile/torch/rank<N>.*.pt.trace.json, TensorBoard's profiler plugin and Perfetto
+    open it); none: no profiling."""
+    step_start: int = 10
+    """First profiled step (1-based, as the step lines count)."""
+    step_end: int = 12
+    """Profiling stops before this step (Megatron-LM's --profile-step-end)."""
+    ranks: List[int] = field(default_factory=lambda: [0])
+    """Global ranks that profile."""
+    memory_snapshot: bool = False
+    """Record the CUDA caching allocator's history on every rank (torch.cuda.memory._record_memory_history) and,
+    when a rank runs out of memory, dump it into profile/memory-rank<N>.pickle (open it at pytorch.org/memory_viz).
+    GPU only."""
+    memory_snapshot_entries: int = 100000
+    """Allocation events kept for the snapshot (the newest ones)."""
+
+
+@dataclass
 class SlurmConfig:
     """Slurm submission settings."""
 
@@ -521,13 +553,14 @@ class JobConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 SECTIONS = {
     "model": ModelConfig, "parallel": ParallelConfig, "schedule": ScheduleConfig,
     "precision": PrecisionConfig, "train": TrainConfig, "data": DataConfig,
     "checkpoint": CheckpointConfig, "logging": LoggingConfig, "cluster": ClusterConfig,
-    "slurm": SlurmConfig,
+    "slurm": SlurmConfig, "profile": ProfileConfig,
 }
 
 

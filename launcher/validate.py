@@ -132,6 +132,7 @@ BOUNDS: dict[str, Bound] = {
     "slurm.signal_margin_s": NON_NEGATIVE, "cluster.checkpoint_write_gbps": POSITIVE_NUMBER,
     "train.straggler_interval": Bound(0, why="0 disables"),
     "train.straggler_margin": Bound(0, lo_open=True, why="relative to the median step time"),
+    "profile.step_start": POSITIVE, "profile.step_end": POSITIVE, "profile.memory_snapshot_entries": POSITIVE,
 }
 """Every numeric field's range, declared once: checked by ``validate_bounds`` and quoted when Hydra cannot
 even convert a value (``field_rule``). Cross-field rules live in the sections below."""
@@ -1075,6 +1076,8 @@ def validate_slurm(job: JobConfig) -> list[Problem]:
     return c.problems
 
 
+from launcher.core.determinism import ACCEPTED as ACCEPTED_DETERMINISTIC  # noqa: E402
+
 MAX_NAME = 128
 """Longest run name (the bundle directory adds a 16-character stamp and a counter; file names stop at 255 bytes)."""
 
@@ -1119,6 +1122,45 @@ def validate_finite(job: JobConfig) -> list[Problem]:
     return c.problems
 
 
+def validate_profile(job: JobConfig, lay: Layout) -> list[Problem]:
+    """profile.*: a step range the run reaches, ranks that exist, nsys and memory snapshots only where CUDA is."""
+    c, p = _Checks(), job.profile
+    if p.kind != "none":
+        c.need(p.step_end > p.step_start, "profile.step_end", p.step_end,
+               f"must be after profile.step_start={p.step_start} (profiling stops before step_end)",
+               f"profile.step_end={p.step_start + 2}")
+        if lay.steps:
+            c.need(p.step_start <= lay.steps, "profile.step_start", p.step_start,
+                   f"the run has {lay.steps} steps: profiling would never start",
+                   f"profile.step_start={max(1, min(3, lay.steps))}")
+        bad = [r for r in p.ranks if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < lay.world]
+        c.need(bool(p.ranks) and not bad, "profile.ranks", list(p.ranks),
+               f"must name global ranks of this job (0..{lay.world - 1})", "profile.ranks=[0]")
+        c.need(p.kind != "nsys" or job.cluster.gpu != "cpu", "profile.kind", p.kind,
+               "Nsight Systems captures CUDA work; this job runs on CPU", "profile.kind=torch")
+    c.need(not p.memory_snapshot or job.cluster.gpu != "cpu", "profile.memory_snapshot", p.memory_snapshot,
+           "records the CUDA caching allocator; this job runs on CPU, so there is nothing to record",
+           "profile.memory_snapshot=false", severity="warning")
+    return c.problems
+
+
+def validate_deterministic(job: JobConfig) -> list[Problem]:
+    """train.deterministic: the settings and cluster.env values Megatron-LM's --deterministic-mode refuses."""
+    from launcher.core.determinism import ENV_DEFAULTS, REFUSED_SETTINGS, env_problems
+
+    c = _Checks()
+    if not job.train.deterministic:
+        return c.problems
+    for name, why, needed in REFUSED_SETTINGS:
+        value = _get(job, name)
+        c.need(value == needed, name, value, f"train.deterministic=true refuses it: {why}",
+               f"{name}={str(needed).lower()}, or train.deterministic=false")
+    for var, value, rule in env_problems(dict(job.cluster.env)):
+        fix = ENV_DEFAULTS.get(var) or (ACCEPTED_DETERMINISTIC.get(var) or ("1",))[0]
+        c.need(False, f"cluster.env.{var}", value, f"train.deterministic=true: {rule}", f"cluster.env.{var}={fix}")
+    return c.problems
+
+
 SECTION_CHECKS: tuple[Callable[[JobConfig, Layout], list[Problem]], ...] = (
     lambda j, lay: validate_job(j),
     lambda j, lay: validate_choices(j),
@@ -1133,8 +1175,11 @@ SECTION_CHECKS: tuple[Callable[[JobConfig, Layout], list[Problem]], ...] = (
     lambda j, lay: validate_loaded_weights(j),
     lambda j, lay: validate_logging(j.logging),
     lambda j, lay: validate_slurm(j),
+    validate_profile,
+    lambda j, lay: validate_deterministic(j),
 )
 """Each section's rules, in report order; the cross-section ones read the derived layout."""
+
 
 
 def validate(job: JobConfig) -> list[Problem]:

@@ -41,8 +41,9 @@ def transformer_config(*, model: ModelConfig, parallel: ParallelConfig, precisio
                        layout: Optional[Layout] = None, schedule: Optional[ScheduleConfig] = None,
                        recompute: str = "none", recompute_num_layers: Optional[int] = None,
                        recompute_modules: Optional[List[str]] = None,
-                       te: Optional[bool] = None):
-    """The megatron.core TransformerConfig (or MLATransformerConfig) for this job."""
+                       te: Optional[bool] = None, deterministic: bool = False):
+    """The megatron.core TransformerConfig (or MLATransformerConfig) for this job (``deterministic``:
+    train.deterministic, Megatron-Core's deterministic code paths)."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     layout = layout or layout_of(model=model, parallel=parallel, precision=precision, schedule=schedule)
@@ -88,7 +89,7 @@ def transformer_config(*, model: ModelConfig, parallel: ParallelConfig, precisio
         gradient_accumulation_fusion=_grad_accumulation_fusion(parallel, te), bias_dropout_fusion=on_gpu,
         masked_softmax_fusion=te,
         **_activation_rope_fusions(model, te), persist_layer_norm=False, deallocate_pipeline_outputs=on_gpu,
-        transformer_impl="transformer_engine" if te else "local",
+        transformer_impl="transformer_engine" if te else "local", deterministic_mode=deterministic,
         **_recompute_fields(recompute, recompute_num_layers, recompute_modules), **_moe_fields(model, layout, on_gpu),
         **_schedule_fields(layout, schedule), **backend.fp8_fields(precision, te),
     )
@@ -270,7 +271,7 @@ def gpt_model_kwargs(*, model: ModelConfig, layout: Layout, config, spec, vp_sta
 def build_model(*, model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig,
                 layout: Optional[Layout] = None, schedule: Optional[ScheduleConfig] = None, seed: int = 1234,
                 recompute: str = "none", recompute_num_layers: Optional[int] = None,
-                recompute_modules: Optional[List[str]] = None) -> List[torch.nn.Module]:
+                recompute_modules: Optional[List[str]] = None, deterministic: bool = False) -> List[torch.nn.Module]:
     """GPTModel chunk(s) for this rank: one per virtual pipeline stage, on the current device. ``layout`` is
     the job's derived layout (the rank entry passes it; without one it is derived from these sections)."""
     from megatron.core import parallel_state
@@ -284,7 +285,7 @@ def build_model(*, model: ModelConfig, parallel: ParallelConfig, precision: Prec
     config = transformer_config(model=model, parallel=parallel, precision=precision, layout=layout,
                                 schedule=schedule, recompute=recompute, recompute_num_layers=recompute_num_layers,
                                 recompute_modules=recompute_modules,
-                                te=te)
+                                te=te, deterministic=deterministic)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     chunks = []
     for vp_stage in range(layout.vpp):

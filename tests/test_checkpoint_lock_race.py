@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 
 from launcher.core import dirlock
 
@@ -26,7 +27,7 @@ STALE_S = 600.0
 
 def _owner(i: int) -> dict:
     return {"host": socket.gethostname(), "pid": os.getpid(), "job": "", "bundle": f"/runs/c{i}", "run": "r",
-            "token": f"{os.getpid()}-{time.monotonic_ns()}"}
+            "token": uuid.uuid4().hex}
 
 
 def _contender(i, path, start, checked, cleared, results, rounds):

@@ -27,6 +27,32 @@ def test_llama405b_matches_golden(name):
     assert texts[name] == golden.read_text()
 
 
+TOOLS = ["recipe=llama3_8b", "cluster=h100", "nodes=2", "cluster.workdir=/opt/launcher", "profile.kind=nsys",
+         "profile.ranks=[0,8]", "profile.step_start=5", "profile.step_end=7", "train.deterministic=true"]
+"""The operator tools (issue 27): nsys wrapping the profiled ranks, deterministic mode's environment."""
+
+
+@pytest.mark.parametrize("name", ["launch.sh", "rank.sh", "env.sh"])
+def test_operator_tools_match_golden(name):
+    texts = render_texts(compose_job(TOOLS), Path("/lustre/runs/llama3_8b-tools"))
+    golden = GOLDEN / f"llama3_8b_tools.{name}"
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(texts[name])
+    assert texts[name] == golden.read_text()
+
+
+def test_golden_tools_have_the_essentials():
+    rank = (GOLDEN / "llama3_8b_tools.rank.sh").read_text()
+    assert 'case " 0 8 " in' in rank and "exec nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop" \
+        in rank and '--output="$BUNDLE/profile/nsys-rank${RANK}"' in rank
+    assert '--no-python bash "$BUNDLE/rank.sh"' in (GOLDEN / "llama3_8b_tools.launch.sh").read_text()
+    env = (GOLDEN / "llama3_8b_tools.env.sh").read_text()
+    for line in ("export NCCL_ALGO=Ring", "export NVTE_ALLOW_NONDETERMINISTIC_ALGO=0",
+                 "export CUBLAS_WORKSPACE_CONFIG=:4096:8"):
+        assert line in env.splitlines(), line
+    assert "rank.sh" not in render_texts(compose_job(FIXED), Path("/x"))  # only with profile.kind=nsys
+
+
 def test_golden_sbatch_has_the_essentials():
     text = (GOLDEN / "llama405b.job.sbatch").read_text()
     for needle in ("#SBATCH --nodes=64", "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=1",

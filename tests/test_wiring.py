@@ -151,7 +151,7 @@ def _built(job, layout, calls, monkeypatch) -> dict:
     tc = builder.transformer_config(model=job.model, parallel=job.parallel, precision=job.precision, layout=layout,
                                     schedule=job.schedule, recompute=tr.recompute,
                                     recompute_num_layers=tr.recompute_num_layers,
-                                    recompute_modules=tr.recompute_modules)
+                                    recompute_modules=tr.recompute_modules, deterministic=tr.deterministic)
     called = backend.initialize_tp_comm_overlap(model=job.model, parallel=job.parallel, precision=job.precision,
                                                 train=tr, layout=layout)
     first = _gpt_kwargs(monkeypatch, job, layout, 0)

@@ -66,9 +66,14 @@ def max_connections(job: JobConfig) -> Optional[str]:
 
 def job_env(job: JobConfig) -> Dict[str, str]:
     """cluster.env with CUDA_DEVICE_MAX_CONNECTIONS resolved (``auto`` -> derived, or dropped when the job needs
-    none): what env.sh exports and what a Megatron-LM launch of the job sets."""
+    none), and train.deterministic's NCCL/cuBLAS/TE settings (launcher/core/determinism.py): what env.sh exports
+    and what a Megatron-LM launch of the job sets."""
     env = {str(k): str(v) for k, v in job.cluster.env.items() if str(k) != VAR}
     value = max_connections(job)
     if value is not None:
         env[VAR] = value
+    if job.train.deterministic:  # NCCL, cuBLAS and TE read these at first use: before any rank starts
+        from launcher.core.determinism import env_for
+
+        env = env_for(env)
     return env

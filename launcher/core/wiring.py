@@ -158,6 +158,7 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
     "train.exit_after_minutes": _w(LOOP, "deadline"),
     "train.nonfinite": _w(LOOP, "nonfinite"), "train.straggler_interval": _w(LOOP, "straggler_interval"),
     "train.straggler_margin": _w(LOOP, "straggler_margin"),
+    "train.deterministic": _tc("deterministic_mode") + _w(LOOP, "torch.use_deterministic_algorithms"),
     # ---- data
     "data.kind": _w(DATA, "dataset class"), "data.blend": _w(DATA, "blend"), "data.split": _w(DATA, "split"),
     "data.tokenizer": _w(DATA, "tokenizer"), "data.cache_dir": _w(DATA, "path_to_cache"),
@@ -181,6 +182,9 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
         "comm_efficiency", "network_efficiency", "memory_reserve_gb", "partition", "account", "container_image", "container_mounts",
         "workdir", "python", "env", "secret_env", "max_restarts", "checkpoint_write_gbps")},
     "cluster.health_check": _w(DIST, "pre-flight bandwidth probe"),
+    # ---- profile (launcher/rank/profiling.py; nsys also wraps the rank command in the bundle's rank.sh)
+    **{f"profile.{name}": _w(LOOP, "profiler") for name in (
+        "kind", "step_start", "step_end", "ranks", "memory_snapshot", "memory_snapshot_entries")},
     # ---- slurm
     **{f"slurm.{name}": _w(LOGIN) for name in (
         "time", "job_name", "signal_lead_s", "requeue", "exclusive", "extra_args", "max_requeues",

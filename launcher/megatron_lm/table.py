@@ -161,6 +161,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--eval-interval", "train.eval_interval", 0),
     Flag("--eval-iters", "train.eval_iters", 100),
     Flag("--exit-duration-in-mins", "train.exit_after_minutes", None),
+    Flag("--deterministic-mode", "train.deterministic", False, switch=True),
     # ---- data, checkpoints, logging, cluster
     Flag("--split", "data.split", "969,30,1", when=INDEXED, parse=lambda t: t.replace(" ", "")),
     Flag("--data-cache-path", "data.cache_dir", None),
@@ -271,11 +272,13 @@ IGNORED: Dict[str, str] = {
     "--tensorboard-log-interval": "profiling/logging: TensorBoard follows logging.log_interval",
     "--timing-log-level": "profiling/logging",
     "--timing-log-option": "profiling/logging",
-    "--profile": "profiling",
-    "--use-pytorch-profiler": "profiling",
-    "--profile-step-start": "profiling",
-    "--profile-step-end": "profiling",
-    "--profile-ranks": "profiling",
+    "--profile": "profiling (profile.kind=nsys here; not part of the job)",
+    "--use-pytorch-profiler": "profiling (profile.kind=torch here; not part of the job)",
+    "--profile-step-start": "profiling (profile.step_start here; not part of the job)",
+    "--profile-step-end": "profiling (profile.step_end here; not part of the job)",
+    "--profile-ranks": "profiling (profile.ranks here; not part of the job)",
+    "--record-memory-history": "profiling (profile.memory_snapshot here; not part of the job)",
+    "--memory-snapshot-path": "profiling: the snapshot goes into the run bundle's profile/ folder",
     "--wandb-save-dir": "logging path: wandb files go into the run bundle",
     "--distributed-timeout-minutes": "only how long a hung collective waits before failing",
     "--no-create-attention-mask-in-dataloader": "no mask is built: attention is causal in the kernel",
@@ -349,6 +352,9 @@ LAUNCHER_ONLY: Dict[str, str] = {
     "checkpoint.keep_last": "Megatron-LM keeps every checkpoint",
     "checkpoint.verify": "launcher checkpoint hygiene (manifest sizes / checksums)",
     "logging.wandb_mode": "the WANDB_MODE environment variable (exported with the arguments)",
+    **{f"profile.{name}": "profiling: how a run is observed, not what it trains (Megatron-LM's --profile* and "
+                          "--record-memory-history are read as ignored)"
+       for name in ("kind", "step_start", "step_end", "ranks", "memory_snapshot", "memory_snapshot_entries")},
 }
 """Fields no Megatron-LM argument sets (besides cluster.* and slurm.*, the site profile), with why. Export
 names those that differ from the schema's default as not expressible; import keeps the recipe's value."""

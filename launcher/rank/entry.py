@@ -50,7 +50,19 @@ def main(argv=None) -> int:
         traceback.print_exc()
         progress.record_error(bundle, rank, progress.STEP[0], exc)
         console.failure(exc, log_path)
+        _snapshot_on_oom(exc, console, rank)
         return 1
+
+
+def _snapshot_on_oom(exc: BaseException, console, rank: int) -> None:
+    """profile.memory_snapshot: the allocator's history at the out-of-memory, into the bundle."""
+    from launcher.rank import profiling
+
+    if profiling.SNAPSHOT is not None and profiling.is_out_of_memory(exc):
+        path = profiling.SNAPSHOT.dump()
+        if path is not None:
+            console.line(f"rank {rank}: CUDA memory snapshot at the out-of-memory: {path} (drag it into "
+                         "https://pytorch.org/memory_viz)", all_ranks=True)
 
 
 def _write_failed(bundle: Path, text: str) -> None:
@@ -75,7 +87,7 @@ class RunRefused(Exception):
 def train(bundle: Path, console) -> int:
     from launcher.core import derive, load_job
     from data.datasets import DataFilesChanged
-    from launcher.rank import checkpoint as ckpt, elastic, progress, setup
+    from launcher.rank import checkpoint as ckpt, elastic, profiling, progress, setup
 
     import torch
 
@@ -83,6 +95,11 @@ def train(bundle: Path, console) -> int:
     layout, tr = derive(job), job.train
     elastic.init_process_group_for_restart(job.cluster.backend)  # before setup: a torchrun restart's own keys
     setup.init_distributed(cluster=job.cluster, layout=layout, seed=tr.seed)
+    profiling.set_deterministic(tr.deterministic)  # train.deterministic: before any kernel is chosen
+    profiling.SNAPSHOT = profiling.MemorySnapshot(enabled=job.profile.memory_snapshot,
+                                                  entries=job.profile.memory_snapshot_entries, bundle=bundle,
+                                                  rank=torch.distributed.get_rank())
+    profiling.SNAPSHOT.start()  # profile.memory_snapshot: the allocator's history from the model build on
     if job.cluster.health_check or (job.cluster.health_check is None and job.nodes > 1):
         from launcher.rank import health
 
@@ -118,7 +135,8 @@ def _build_and_train(bundle, console, job, layout, ckpt_dir, identity, lock, att
                                        layout=layout)
     chunks = build_model(model=job.model, parallel=job.parallel, precision=job.precision, layout=layout,
                          schedule=job.schedule, seed=tr.seed, recompute=tr.recompute,
-                         recompute_num_layers=tr.recompute_num_layers, recompute_modules=tr.recompute_modules)
+                         recompute_num_layers=tr.recompute_num_layers, recompute_modules=tr.recompute_modules,
+                         deterministic=tr.deterministic)
     model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision)
     optimizer = optim.build_optimizer(model, train=tr, parallel=job.parallel, precision=job.precision)
     scheduler = optim.build_scheduler(optimizer, train=tr, steps=layout.steps)
@@ -134,7 +152,7 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
                   attempt) -> int:
     from launcher.core import signal_lead
     from launcher.core.flops import flops_per_token
-    from launcher.rank import checkpoint as ckpt, data, loop, metrics, progress, setup
+    from launcher.rank import checkpoint as ckpt, data, loop, metrics, profiling, progress, setup
     from megatron.core import parallel_state as ps
 
     import torch
@@ -200,11 +218,15 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
         attempt.update(reached=lp.step)
 
     ckpt.restore_loaded_rng()  # exactly the saved RNG state at the first step (dropout resumes exactly)
-    why = lp.run(iterators=train_iters, valid_iters=valid_iters, steps=layout.steps, on_step=on_step,
-                 on_eval=log.eval, on_checkpoint=save, save_interval=job.checkpoint.save_interval,
-                 flops_per_token=fpt, tokens_per_step=layout.tokens_per_step, world=layout.world,
-                 deadline=time.time() + minutes * 60 if minutes else None,
-                 stop_file=bundle / "STOP", on_note=console.line, stop_check=guard.reason)
+    profiler = profiling.StepProfiler.for_job(job, bundle, rank, note=lambda text: console.line(text, all_ranks=True))
+    try:
+        why = lp.run(iterators=train_iters, valid_iters=valid_iters, steps=layout.steps, on_step=on_step,
+                     on_eval=log.eval, on_checkpoint=save, save_interval=job.checkpoint.save_interval,
+                     flops_per_token=fpt, tokens_per_step=layout.tokens_per_step, world=layout.world,
+                     deadline=time.time() + minutes * 60 if minutes else None,
+                     stop_file=bundle / "STOP", on_note=console.line, stop_check=guard.reason, profiler=profiler)
+    finally:
+        profiler.close()
     if lp.recorder is not None and lp.recorder.spans:  # schedule.record_timeline: the last step, drawn
         from launcher.rank.zero_bubble import write_timeline
 

@@ -244,7 +244,7 @@ class Loop:
             on_eval: Callable, on_checkpoint: Callable, save_interval: int,
             flops_per_token: float, tokens_per_step: int, world: int, deadline: Optional[float],
             stop_file: Optional[Path] = None, on_note: Optional[Callable[[str], None]] = None,
-            stop_check: Optional[Callable[[], Optional[str]]] = None) -> str:
+            stop_check: Optional[Callable[[], Optional[str]]] = None, profiler=None) -> str:
         """Train to ``steps``; returns why it stopped: 'done', 'stopped' (STOP file, SIGUSR1 or time
         limit; the caller then checkpoints) or 'nonfinite' (NaN/Inf loss or grad norm with
         train.nonfinite=stop; the caller must not checkpoint). Any rank's reason stops all ranks at the same
@@ -258,6 +258,8 @@ class Loop:
                         else stop_check() if stop_check is not None else None))  # e.g. close to the time limit
 
         while self.step < steps:
+            if profiler is not None:  # profile.*: opens the trace / capture range at profile.step_start
+                profiler.before(self.step + 1)
             start = time.perf_counter()
             out = self.train_step(iterators)
             why = local_reason()
@@ -269,6 +271,8 @@ class Loop:
                      "ms_per_step": elapsed * 1e3, "tokens_per_s": tokens_per_step / elapsed,
                      "tflops": tflops,
                      "mem_gib": memory_gib(), **out.get("aux", {})})  # MoE/MTP losses: appended last
+            if profiler is not None:
+                profiler.after(self.step)
             if self.train.eval_interval and self.step % self.train.eval_interval == 0:
                 vi = valid_iters()
                 if vi is not None:

@@ -1,0 +1,16 @@
+# Environment of run llama3_8b, from its cluster profile (cluster.env). Sourced by launch.sh on every node.
+# CUDA_DEVICE_MAX_CONNECTIONS, unless cluster.env sets it, follows this job's settings as Megatron-LM requires
+# (1 with TP/CP > 1 before Blackwell, 32 with the MoE all-to-all overlap, unset with Megatron-FSDP).
+# Secrets are never written here: WANDB_API_KEY, HF_TOKEN pass through by
+# name from the environment that submits the job (sbatch exports it; pyxis forwards it into the container).
+export CUBLAS_WORKSPACE_CONFIG=:4096:8
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+export NCCL_ALGO=Ring
+export NCCL_IB_TIMEOUT=22
+export NCCL_NVLS_ENABLE=0
+export NVTE_ALLOW_NONDETERMINISTIC_ALGO=0
+export NVTE_BWD_LAYERNORM_SM_MARGIN=16
+export NVTE_FWD_LAYERNORM_SM_MARGIN=16
+export PYTHONUNBUFFERED=1
+export TORCH_NCCL_AVOID_RECORD_STREAMS=1
+export LAUNCHER_BUNDLE=/lustre/runs/llama3_8b-tools

@@ -1,0 +1,169 @@
+"""The tools operators reach for (issue 27): profile.kind=torch|nsys over a step range and ranks, a CUDA memory
+snapshot on out-of-memory, and deterministic mode. On CPU: the torch profiler for real, nsys and the memory
+snapshot as far as they run without CUDA (rendered scripts: tests/test_golden.py; the calls, stood in)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+from launcher.config import compose_job
+from launcher.rank import profiling
+
+
+def _spans(trace) -> list:
+    events = json.loads(trace.read_text())["traceEvents"]
+    return sorted({e["name"] for e in events if str(e.get("name", "")).startswith("ProfilerStep#")})
+
+
+def test_the_torch_profiler_covers_exactly_the_configured_steps(tmp_path):
+    notes = []
+    prof = profiling.StepProfiler(kind="torch", start=2, end=4, active=True, bundle=tmp_path, rank=3,
+                                  note=notes.append)
+    x = torch.randn(32, 32)
+    for step in range(1, 7):
+        prof.before(step)
+        (x @ x).sum()
+        prof.after(step)
+    prof.close()
+    traces = list((tmp_path / "profile" / "torch").glob("rank3.*.pt.trace.json"))
+    assert len(traces) == 1 and prof.written == traces[0]
+    assert _spans(traces[0]) == ["ProfilerStep#2", "ProfilerStep#3"]
+    assert notes == [f"profile: torch trace of steps 2..3 on rank 3: {traces[0]}"]
+
+
+@pytest.mark.parametrize("kind,active", [("none", True), ("torch", False), ("nsys", True)])
+def test_nothing_is_written_where_nothing_is_profiled(tmp_path, kind, active):
+    """kind=none, a rank outside profile.ranks, or nsys without CUDA (nsys itself records; the rank only marks
+    the capture range with CUDA calls) leave no file."""
+    prof = profiling.StepProfiler(kind=kind, start=1, end=3, active=active, bundle=tmp_path, rank=0)
+    for step in range(1, 4):
+        prof.before(step)
+        prof.after(step)
+    prof.close()
+    assert not (tmp_path / "profile").exists()
+
+
+def test_nsys_capture_range_opens_and_closes_with_cuda_profiler_calls(tmp_path, monkeypatch):
+    calls = []
+
+    class Cudart:
+        def cudaProfilerStart(self):
+            calls.append("start")
+
+        def cudaProfilerStop(self):
+            calls.append("stop")
+
+    class Nvtx:  # torch.autograd.profiler.emit_nvtx needs a CUDA build
+        def __init__(self, record_shapes=False):
+            pass
+
+        def __enter__(self):
+            calls.append("nvtx on")
+
+        def __exit__(self, *exc):
+            calls.append("nvtx off")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+    monkeypatch.setattr(torch.autograd.profiler, "emit_nvtx", Nvtx)
+    prof = profiling.StepProfiler(kind="nsys", start=2, end=4, active=True, bundle=tmp_path, rank=0)
+    for step in range(1, 6):
+        prof.before(step)
+        calls.append(step)
+        prof.after(step)
+    assert calls == [1, "start", "nvtx on", 2, 3, "nvtx off", "stop", 4, 5]
+
+
+def test_a_memory_snapshot_is_dumped_into_the_bundle_on_out_of_memory(tmp_path, monkeypatch):
+    from launcher.rank import entry
+
+    recorded, lines = [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: recorded.append(kw))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: open(path, "wb").write(b"snapshot"))
+    snap = profiling.MemorySnapshot(enabled=True, entries=1234, bundle=tmp_path, rank=5)
+    snap.start()
+    assert recorded == [{"max_entries": 1234}]
+    monkeypatch.setattr(profiling, "SNAPSHOT", snap)
+
+    class Console:
+        def line(self, text, all_ranks=False):
+            lines.append(text)
+
+    entry._snapshot_on_oom(RuntimeError("an unrelated failure"), Console(), 5)
+    assert lines == [] and not snap.path().exists()
+    entry._snapshot_on_oom(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), Console(), 5)
+    assert (tmp_path / "profile" / "memory-rank5.pickle").read_bytes() == b"snapshot"
+    assert lines == [f"rank 5: CUDA memory snapshot at the out-of-memory: {snap.path()} (drag it into "
+                     "https://pytorch.org/memory_viz)"]
+
+
+def test_deterministic_mode_environment_and_refusals(cli):
+    from launcher.core.cuda_env import job_env
+
+    env = job_env(compose_job(["recipe=llama3_8b", "cluster=h100", "train.deterministic=true"]))
+    assert (env["NCCL_ALGO"], env["NVTE_ALLOW_NONDETERMINISTIC_ALGO"], env["CUBLAS_WORKSPACE_CONFIG"]) == \
+        ("Ring", "0", ":4096:8")
+    kept = job_env(compose_job(["recipe=llama3_8b", "cluster=h100", "train.deterministic=true",
+                                "+cluster.env.NCCL_ALGO=CollnetDirect", "+cluster.env.CUBLAS_WORKSPACE_CONFIG=:16:8"]))
+    assert (kept["NCCL_ALGO"], kept["CUBLAS_WORKSPACE_CONFIG"]) == ("CollnetDirect", ":16:8")
+    assert "NCCL_ALGO" not in job_env(compose_job(["recipe=llama3_8b", "cluster=h100"]))
+    code, out, err = cli("recipe=llama3_8b", "cluster=h100", "train.deterministic=true", "+cluster.env.NCCL_ALGO=Tree",
+                         "model.cross_entropy_loss_fusion=true", "action=validate")
+    assert code == 2
+    refused = [x for x in err.splitlines() if x.startswith("error:")]
+    assert refused[0].startswith("error: model.cross_entropy_loss_fusion=True: train.deterministic=true refuses it: "
+                                 "the fused cross-entropy kernel is not deterministic; try ")
+    assert refused[1] == ("error: cluster.env.NCCL_ALGO='Tree': train.deterministic=true: each algorithm must be one of "
+                          "Ring, CollnetDirect, CollnetChain, ^NVLS (Tree's reduction order is not fixed); try "
+                          "cluster.env.NCCL_ALGO=Ring")
+
+
+def test_profile_settings_are_validated(cli):
+    code, out, err = cli("profile.kind=nsys", "action=validate")
+    assert code == 2 and "error: profile.kind='nsys': Nsight Systems captures CUDA work; this job runs on CPU; try " \
+                          "profile.kind=torch" in err
+    code, out, err = cli("profile.kind=torch", "profile.step_start=5", "profile.step_end=5", "action=validate")
+    assert code == 2 and "error: profile.step_end=5: must be after profile.step_start=5" in err
+    code, out, err = cli("profile.kind=torch", "profile.ranks=[9]", "action=validate")
+    assert code == 2 and "error: profile.ranks=[9]: must name global ranks of this job (0..3)" in err
+    code, out, err = cli("profile.memory_snapshot=true", "action=validate")
+    assert code == 0 and "warning: profile.memory_snapshot=True: records the CUDA caching allocator" in err
+
+
+def test_profile_and_determinism_do_not_change_the_run_identity():
+    from launcher.rank.checkpoint import run_hash, run_identity
+
+    base = run_hash(run_identity(compose_job(["recipe=smoke"])))
+    tools = run_hash(run_identity(compose_job(["recipe=smoke", "profile.kind=torch", "train.deterministic=true"])))
+    assert base == tools  # a resumed run may be profiled, or made deterministic, without becoming another run
+
+
+def test_profile_kind_torch_on_the_embedded_default_leaves_a_trace_in_the_bundle(tmp_path):
+    """`python -m launcher profile.kind=torch` (the embedded default: the smoke model, TP2 x PP2 on 4 CPU ranks),
+    with train.deterministic=true on the way: rank 0's Chrome trace of steps 2..3 lands in the bundle."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-m", "launcher", "profile.kind=torch", "profile.step_start=2",
+                           "profile.step_end=4", "train.train_steps=4", "train.eval_interval=0",
+                           "train.deterministic=true", f"output_dir={tmp_path}", "action=run"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    bundle = next(p for p in tmp_path.iterdir() if (p / "DONE").exists())
+    traces = list((bundle / "profile" / "torch").glob("rank0.*.pt.trace.json"))
+    assert len(traces) == 1, list((bundle / "profile").rglob("*"))
+    assert re.search(rf"^profile: torch trace of steps 2..3 on rank 0: {re.escape(str(traces[0]))}$", proc.stdout,
+                     re.MULTILINE), proc.stdout[-2000:]
+    trace = json.loads(traces[0].read_text())
+    assert {"traceEvents", "distributedInfo"} <= set(trace)
+    assert trace["distributedInfo"]["rank"] == 0 and trace["distributedInfo"]["world_size"] == 4
+    assert _spans(traces[0]) == ["ProfilerStep#2", "ProfilerStep#3"]
+    ops = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
+    assert "aten::mm" in ops or "aten::addmm" in ops, sorted(ops)[:20]
+    assert "export NCCL_ALGO=Ring" in (bundle / "env.sh").read_text()
