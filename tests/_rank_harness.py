@@ -119,6 +119,26 @@ def _zygote_for(env: dict) -> Optional[_Zygote]:
     return _ZYGOTE[0] if _ZYGOTE[0].serves(env) else None
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL process ``pid``, its process group and every descendant. A group is not enough: torchrun (torch
+    2.x ``SubprocessHandler``) starts each rank with ``start_new_session=True``, so ``killpg`` of torchrun's group
+    left the ranks running as orphans (seen: a 100,000-step run training on for 20 minutes beside the suite)."""
+    import signal
+
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid)]
+        procs += procs[0].children(recursive=True)  # before the kill: orphans are re-parented and lost
+    except psutil.NoSuchProcess:
+        procs = []
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+
+
 def communicate_on_progress(proc: subprocess.Popen, idle_s: float, what: str) -> tuple[str, str]:
     """``proc.communicate()``, except that a process (group) that writes nothing to stdout or stderr for
     ``idle_s`` seconds is SIGKILLed and reported as hung, naming ``what`` and its last line. Started with
@@ -143,8 +163,7 @@ def communicate_on_progress(proc: subprocess.Popen, idle_s: float, what: str) ->
     while proc.poll() is None:
         if time.monotonic() - last[0] > idle_s:
             hung = True
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
             break
         time.sleep(0.2)
     proc.wait()
@@ -210,8 +229,7 @@ def run_until(bundle: Path, nproc: int, marker: str, timeout: int = 240) -> str:
     def watchdog():
         while not done.wait(0.5):
             if time.monotonic() - last[0] > timeout:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+                kill_tree(proc.pid)
                 return
 
     threading.Thread(target=watchdog, daemon=True).start()
@@ -223,8 +241,7 @@ def run_until(bundle: Path, nproc: int, marker: str, timeout: int = 240) -> str:
                 break
     finally:
         done.set()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the group we created with start_new_session
+        kill_tree(proc.pid)  # torchrun, its ranks (each in a session of its own) and their helpers
         proc.wait()
     return "".join(seen)
 

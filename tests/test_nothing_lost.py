@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from _rank_harness import ROOT, TINY, Run, layout, run_train, train, write_bundle
+from _rank_harness import ROOT, TINY, Run, kill_tree, layout, run_train, train, write_bundle
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
 
@@ -85,7 +85,7 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple:
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         out, _ = proc.communicate()
         raise AssertionError(f"python -m launcher did not return within {timeout:.0f} s:\n{out[-4000:]}")
     return proc.returncode, out
@@ -106,7 +106,7 @@ def launcher_run_timed(tmp_path: Path, overrides, nproc: int, timeout: float = 2
         return code, out, bundle, time.monotonic() - gone
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
 
 
 def test_kill9_of_one_rank_is_restarted_by_torchrun_and_ends_with_the_uninterrupted_losses(tmp_path):
@@ -123,7 +123,7 @@ def test_kill9_of_one_rank_is_restarted_by_torchrun_and_ends_with_the_uninterrup
         code, out = finish(proc, 240)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
     assert code == 0, out[-4000:]
     assert "resumed from" in out and "launcher: done: trained to step 40 (DONE)" in out, out[-4000:]
     resumed = Run(bundle, subprocess.CompletedProcess([], 0, out, ""))
@@ -149,7 +149,7 @@ def test_launcher_returns_within_a_minute_when_a_rank_dies_without_restarts(tmp_
         code, out = finish(proc, 60)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
     assert time.monotonic() - killed_at < 60
     assert code != 0, out[-3000:]
     assert "launcher: failed (torchrun exit" in out, out[-3000:]
@@ -326,7 +326,7 @@ def test_a_second_run_is_refused_while_the_first_trains_on_the_dir(tmp_path):
                                                                       f"checkpoint.dir={shared}"], 1)
         out = run_train(second, 1)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         proc.wait()
     assert out.returncode != 0
     errors = [line for line in out.stdout.splitlines() if line.startswith("error:")]
