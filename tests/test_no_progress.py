@@ -66,6 +66,16 @@ def test_attempt_records_and_the_first_error_of_each_attempt(tmp_path, monkeypat
         and "last error: rank 1 at step 8: RuntimeError: boom" in line
 
 
+def test_running_the_bundle_again_starts_afresh(tmp_path, monkeypatch):
+    """After a fix, `bash launch.sh` again (or a new sbatch) is a new launch: the old attempts do not stop it."""
+    crashed = [_attempt("requeue 0, restart 0", 0, 7, saved=5), _attempt("requeue 0, restart 1", 5, 7)]
+    (tmp_path / progress.PROGRESS).write_text(json.dumps({"attempts": [{**a, "launch": "local-1-1"} for a in crashed]}))
+    monkeypatch.setenv(progress.LAUNCH_ENV, "local-1-1")
+    assert progress.check(tmp_path).startswith("no progress:")  # a torchrun restart of that launch
+    monkeypatch.setenv(progress.LAUNCH_ENV, "local-2-2")
+    assert progress.check(tmp_path) is None                        # the bundle run again
+
+
 def _crash_env(step: int, rank: int) -> dict:
     path = os.pathsep.join(p for p in (CRASH_SITE, os.environ.get("PYTHONPATH", "")) if p)
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore", PYTHONPATH=path,

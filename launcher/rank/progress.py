@@ -6,7 +6,9 @@ Each attempt at a bundle (a torchrun restart, a Slurm requeue, a second ``bash l
     {"attempts": [{"id": "requeue 0, restart 1", "resumed": 40, "reached": 49, "saved": null, "outcome": null,
                    "error": "rank 3 at step 50: OSError: ..."}, ...]}
 
-``resumed``: the step it resumed from (0: from the start; null: it died before resuming); ``reached``: the last
+``launch``: which launch it belongs to (``LAUNCHER_LAUNCH_ID`` from launch.sh: a Slurm job with all its requeues,
+or one local run with its torchrun restarts; only attempts of the current launch are compared, so running the
+bundle again after a fix starts afresh); ``resumed``: the step it resumed from (0: from the start; null: it died before resuming); ``reached``: the last
 step it completed (written after every step); ``saved``: the newest checkpoint it wrote; ``outcome``: ``done`` or
 ``stopped`` once it ended cleanly (null: it crashed or was killed). The first Python error any rank of an attempt
 raises is kept beside it (``BUNDLE/attempts/error-<id>``), since the failing rank is often not rank 0.
@@ -28,6 +30,14 @@ PROGRESS = "progress.json"
 ERRORS = "attempts"
 STEP: list = [None]
 """This rank's last completed step (None before training), for the error record."""
+
+
+LAUNCH_ENV = "LAUNCHER_LAUNCH_ID"
+"""Set by launch.sh: one Slurm job (all its requeues), or one local run of the bundle (all its torchrun restarts)."""
+
+
+def launch_id() -> str:
+    return os.environ.get(LAUNCH_ENV, "")
 
 
 def attempt_id() -> str:
@@ -64,9 +74,12 @@ def _where(step) -> str:
     return "the start" if not step else f"the checkpoint of step {step}"
 
 
-def verdict(attempts: list, last_error: Optional[str] = None) -> Optional[str]:
+def verdict(attempts: list, last_error: Optional[str] = None, launch: Optional[str] = None) -> Optional[str]:
     """The no-progress line when the last attempt crashed at the same step as the one before it and saved no
-    checkpoint on the way (a third attempt would resume from the same place and crash there too), else None."""
+    checkpoint on the way (a third attempt would resume from the same place and crash there too), else None.
+    With ``launch``, only that launch's attempts count (running the bundle again starts afresh)."""
+    if launch is not None:
+        attempts = [a for a in attempts if a.get("launch", "") == launch]
     if len(attempts) < 2:
         return None
     before, last = attempts[-2], attempts[-1]
@@ -100,7 +113,8 @@ class Attempt:
         if attempts and not attempts[-1].get("outcome") and not attempts[-1].get("error"):
             attempts[-1]["error"] = _read_error(self.bundle, attempts[-1].get("id", ""))
         _error_file(self.bundle, self.id).unlink(missing_ok=True)
-        self.record = {"id": self.id, "resumed": None, "reached": None, "saved": None, "outcome": None}
+        self.record = {"id": self.id, "launch": launch_id(), "resumed": None, "reached": None, "saved": None,
+                       "outcome": None}
         self._attempts = attempts + [self.record]
         _write(self.bundle, self._attempts)
 
@@ -134,6 +148,6 @@ def record_error(bundle: Path, rank: int, step: Optional[int], exc: BaseExceptio
 
 def check(bundle: Path) -> Optional[str]:
     """Every rank, before anything is built: the no-progress line, or None."""
-    attempts = read(bundle)
+    attempts = [a for a in read(bundle) if a.get("launch", "") == launch_id()]
     last = attempts[-1].get("id", "") if attempts else ""
     return verdict(attempts, _read_error(bundle, last) if last else None)

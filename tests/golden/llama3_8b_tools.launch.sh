@@ -8,6 +8,10 @@ source "$BUNDLE/env.sh"
 # (Under job.sbatch, the batch shell has cleared STOP itself and may set it again on USR1 from now on.)
 if [[ -z "${LAUNCHER_STOP_CLEARED:-}" ]]; then rm -f "$BUNDLE/STOP"; fi
 rm -f "$BUNDLE/STOPPED" "$BUNDLE/FAILED" "$BUNDLE/DONE"
+# The no-progress rule (launcher/rank/progress.py) compares the attempts of one launch: this one's torchrun
+# restarts, or every requeue of one Slurm job. Running the bundle again (a new job, a new local run) starts afresh.
+export LAUNCHER_LAUNCH_ID="${SLURM_JOB_ID:+slurm-$SLURM_JOB_ID}"
+if [[ -z "$LAUNCHER_LAUNCH_ID" ]]; then LAUNCHER_LAUNCH_ID="local-$$-$(date +%s)"; fi
 # torchrun restarts every rank of this node up to 3 time(s) after one dies (cluster.max_restarts);
 # each restart resumes from the newest complete checkpoint.
 status=0
