@@ -48,8 +48,6 @@ def run_train(bundle: Path, nproc: int, timeout: int = 240, env: Optional[dict] 
     env = dict(os.environ, **RANK_ENV, **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
            "-m", "launcher.rank", "--bundle", str(bundle)]
-    for hook in LAUNCH_HOOKS:
-        hook(cmd)
     zygote = None if extra else _zygote_for(env)
     if zygote is not None:
         proc = zygote.start(bundle, nproc, env)
@@ -63,8 +61,8 @@ def run_train(bundle: Path, nproc: int, timeout: int = 240, env: Optional[dict] 
 RANK_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
 """What every test run's ranks get on top of the test's environment (torchrun would set OMP_NUM_THREADS=1 too)."""
 LAUNCH_HOOKS: list = []
-"""Called with the torchrun command of every run_train, also one the zygote serves (tests/conftest.py's lane
-guard records them: a zygote run starts no process it could see)."""
+"""Called with the torchrun command that a run the zygote serves stands for (tests/conftest.py's lane guard records
+them: a zygote run starts no process the guard's Popen hook could see)."""
 _VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)
 
 
@@ -92,6 +90,9 @@ class _Zygote:
     def start(self, bundle: Path, nproc: int, env: dict):
         from _rank_zygote import ZygoteRun
 
+        for hook in LAUNCH_HOOKS:  # the torchrun command this run stands for
+            hook([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+                  "-m", "launcher.rank", "--bundle", str(bundle)])
         return ZygoteRun(self.sock, str(bundle), nproc, str(ROOT), env)
 
     def stop(self) -> None:

@@ -7,6 +7,8 @@ import re
 import signal
 import os
 
+import pytest
+
 from _rank_harness import TINY, communicate_on_progress, layout, run_train, steps, write_bundle
 
 
@@ -23,6 +25,7 @@ def test_a_forked_run_equals_the_torchrun_run(tmp_path):
     assert "torch.distributed.elastic" not in forked.stderr  # it was not torchrun after all
 
 
+@pytest.mark.multirank  # starts the ranks through the server directly (conftest's static reading sees no run_train)
 def test_one_rank_dying_stops_the_others_and_fails_the_run(tmp_path):
     import _rank_harness
 
