@@ -38,7 +38,7 @@ def rank_pids(bundle: Path, rank: int) -> list:
             parent = Path(f"/proc/{ppid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"torch.distributed.run" in parent:
+        if b"torch.distributed.run" in parent or b"launcher.rank.agent" in parent:  # torchrun, or our wrapper of it
             pids.append(int(proc.name))
     return pids
 
