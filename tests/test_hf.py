@@ -46,6 +46,19 @@ def megatron_in_process(monkeypatch):
     gc.collect()
 
 
+TE_NAMES = {
+    # get_gpt_layer_with_transformer_engine_spec (megatron/core/models/gpt/gpt_layer_specs.py): a MoE layer's
+    # pre-MLP norm is a TENorm of its own; a dense MLP's is fused into fc1 (TELayerNormColumnParallelLinear); MLA's
+    # latent norms are fused into the up projections
+    "mixtral": {"decoder.layers.0.pre_mlp_layernorm.weight", "decoder.layers.1.pre_mlp_layernorm.weight"},
+    "qwen3_moe": {"decoder.layers.0.pre_mlp_layernorm.weight", "decoder.layers.1.pre_mlp_layernorm.weight"},
+    "deepseek_v3": {"decoder.layers.0.mlp.linear_fc1.layer_norm_weight", "decoder.layers.1.pre_mlp_layernorm.weight",
+                    "decoder.layers.1.self_attention.linear_q_up_proj.layer_norm_weight",
+                    "mtp.layers.0.transformer_layer.self_attention.linear_kv_up_proj.layer_norm_weight",
+                    "mtp.layers.0.transformer_layer.pre_mlp_layernorm.weight"},
+}
+
+
 def megatron_logits(job, checkpoint, tokens):
     """The launcher's model at TP=PP=1, loaded from ``checkpoint`` as a job's ranks load it, on ``tokens``."""
     import torch
@@ -108,6 +121,9 @@ def test_hf_import_export_round_trip_and_logits(name, tmp_path, megatron_in_proc
         assert torch.equal(back(tokens).logits, theirs)
     # the same HF weights imported for a Transformer Engine job (its names for a few norms differ) export the same
     te = import_hf(tmp_path / "hf", tmp_path / "ckpt-te", job, log=lambda _: None, spec="te")
+    from launcher.hf.torch_dist import Reader
+
+    assert TE_NAMES.get(name, set()) <= set(Reader(te).meta), "not the Transformer Engine spec's names"
     export(te, tmp_path / "out-te", log=lambda _: None)
     again = _tensors(tmp_path / "out-te")
     assert sorted(again) == sorted(before) and all(again[k].equal(before[k]) for k in before)
