@@ -58,6 +58,24 @@ def run_train(bundle: Path, nproc: int, timeout: int = 240, env: Optional[dict] 
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def run_worker(script: Path, args: Sequence[str], nproc: int, what: str, timeout: int = 300,
+               env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node=N SCRIPT ARGS`` for a test's own rank worker (tests/_*_worker.py), through the
+    warm rank server where it serves (as run_train). ``timeout``: the hang detector, on progress (no output)."""
+    extra = env
+    env = dict(os.environ, **RANK_ENV, **(env or {}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
+           str(script), *map(str, args)]
+    zygote = None if extra else _zygote_for(env)
+    if zygote is not None:
+        proc = zygote.start(Path(script), nproc, env, str(script), [str(a) for a in args])
+    else:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    out, err = communicate_on_progress(proc, timeout, what)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 RANK_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
 """What every test run's ranks get on top of the test's environment (torchrun would set OMP_NUM_THREADS=1 too)."""
 LAUNCH_HOOKS: list = []
@@ -87,13 +105,14 @@ class _Zygote:
     def serves(self, env: dict) -> bool:
         return self.proc.poll() is None and {k: v for k, v in env.items() if k not in _VOLATILE_ENV} == self.env
 
-    def start(self, bundle: Path, nproc: int, env: dict):
+    def start(self, bundle: Path, nproc: int, env: dict, script: Optional[str] = None, argv: Sequence[str] = ()):
         from _rank_zygote import ZygoteRun
 
+        target = [script, *argv] if script else ["-m", "launcher.rank", "--bundle", str(bundle)]
         for hook in LAUNCH_HOOKS:  # the torchrun command this run stands for
             hook([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-                  "-m", "launcher.rank", "--bundle", str(bundle)])
-        return ZygoteRun(self.sock, str(bundle), nproc, str(ROOT), env)
+                  *target])
+        return ZygoteRun(self.sock, str(bundle), nproc, str(ROOT), env, script, list(argv) if script else None)
 
     def stop(self) -> None:
         import shutil
@@ -143,8 +162,7 @@ def kill_tree(pid: int) -> None:
 def communicate_on_progress(proc: subprocess.Popen, idle_s: float, what: str) -> tuple[str, str]:
     """``proc.communicate()``, except that a process (group) that writes nothing to stdout or stderr for
     ``idle_s`` seconds is SIGKILLed and reported as hung, naming ``what`` and its last line. Started with
-    ``start_new_session=True``, its whole group goes (torchrun and its ranks)."""
-    import signal
+    ``start_new_session=True``, its whole tree goes (torchrun and its ranks: kill_tree)."""
     import threading
     import time
 
@@ -214,7 +232,6 @@ def train(tmp: Path, name: str, nproc: int, overrides: Sequence[str]) -> Run:
 def run_until(bundle: Path, nproc: int, marker: str, timeout: int = 240) -> str:
     """Start a run and SIGKILL its whole process group (torchrun + ranks, started here) as soon as a stdout
     line contains ``marker``: a crash, not a clean exit. Returns the stdout seen."""
-    import signal
     import threading
     import time
 

@@ -63,8 +63,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(bundle: str, env: dict) -> int:
-    """In a forked rank: torchrun's environment, ``python -m launcher.rank``'s ``__main__``, then the entry."""
+def _rank_main(bundle: str, env: dict, script: str | None = None, argv: list | None = None) -> int:
+    """In a forked rank: torchrun's environment, ``python -m launcher.rank``'s ``__main__``, then the entry (or
+    a test's own worker script as ``__main__``, as ``torchrun SCRIPT ARGS`` runs it)."""
     import atexit
     import importlib
     import random
@@ -76,13 +77,20 @@ def _rank_main(bundle: str, env: dict) -> int:
     os.environ.update(env)
     random.seed()  # a fresh interpreter seeds these from the OS; forked ones would all share the server's
     numpy.random.seed()
-    # the __main__ a torchrun rank has (multiprocessing's spawn re-imports it by name, as under torchrun)
-    sys.modules["__main__"] = importlib.import_module("launcher.rank.__main__")
-    sys.argv = [sys.modules["__main__"].__file__, "--bundle", bundle]
-    from launcher.rank.entry import main
-
     try:
-        code = main(["--bundle", bundle])
+        if script is not None:
+            import runpy
+
+            sys.argv = [script, *(argv or [])]
+            runpy.run_path(script, run_name="__main__")
+            code = 0
+        else:
+            # the __main__ a torchrun rank has (multiprocessing's spawn re-imports it by name, as under torchrun)
+            sys.modules["__main__"] = importlib.import_module("launcher.rank.__main__")
+            sys.argv = [sys.modules["__main__"].__file__, "--bundle", bundle]
+            from launcher.rank.entry import main
+
+            code = main(["--bundle", bundle])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # noqa: BLE001 - as an uncaught exception in a fresh interpreter: traceback, exit 1
@@ -119,7 +127,7 @@ def _leader(conn: socket.socket, request: dict, out_fd: int, err_fd: int) -> Non
             conn.close()
             os.chdir(request["cwd"])
             env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
-            os._exit(_rank_main(request["bundle"], env))
+            os._exit(_rank_main(request["bundle"], env, request.get("script"), request.get("argv")))
         ranks[pid] = rank
     codes, failed = {}, None
     while len(codes) < nproc:
@@ -192,12 +200,14 @@ class ZygoteRun:
     ``_rank_harness.communicate_on_progress`` uses: ``pid`` (the leader; its process group holds the ranks),
     ``stdout``/``stderr`` (text streams), ``poll()``, ``wait()``, ``returncode``."""
 
-    def __init__(self, sock_path: str, bundle: str, nproc: int, cwd: str, env: dict):
+    def __init__(self, sock_path: str, bundle: str, nproc: int, cwd: str, env: dict, script: str | None = None,
+                 argv: list | None = None):
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._conn.connect(sock_path)
-        request = json.dumps({"bundle": bundle, "nproc": nproc, "cwd": cwd, "env": env}).encode() + b"\n"
+        request = json.dumps({"bundle": bundle, "nproc": nproc, "cwd": cwd, "env": env, "script": script,
+                              "argv": argv}).encode() + b"\n"
         socket.send_fds(self._conn, [request], [out_w, err_w])
         os.close(out_w)
         os.close(err_w)

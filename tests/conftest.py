@@ -108,7 +108,7 @@ def _runs_the_default_action(func: ast.AST) -> bool:
     return False
 
 
-_RANK_HELPERS = {"train", "run_train", "run_until"}
+_RANK_HELPERS = {"train", "run_train", "run_until", "run_worker"}
 """`_rank_harness` functions that start torchrun."""
 _RANK_FIXTURES = {"reference_run"}
 _SLURM_FIXTURES = {"slurm", "slurm_cluster"}

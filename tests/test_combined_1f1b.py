@@ -20,16 +20,12 @@ What runs on CPU torch, and where it stops:
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import traceback
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from _rank_harness import ROOT, run_worker  # noqa: E402
 SEQ = 32
 MOE_TINY = ["recipe=smoke", "data=mock", "model.num_experts=4", "parallel.tensor=1", "parallel.pipeline=1",
             "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128",
@@ -132,10 +128,7 @@ def test_combined_schedule_equals_1f1b_with_expert_parallelism(tmp_path):
     """Two gloo ranks, EP=2: Megatron-Core's combined 1F1B (no pipelining) vs plain 1F1B, 4 microbatches."""
     out = tmp_path / "cb"
     overrides = [o for o in MOE_TINY] + ["parallel.expert=2", "train.global_batch_size=16", "cluster.gpus_per_node=2"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-           str(ROOT / "tests" / "_combined_1f1b_worker.py"), str(out), *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    proc = run_worker(ROOT / "tests" / "_combined_1f1b_worker.py", [out, *overrides], 2, "the combined 1F1B worker")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     for r in range(2):
         rep = json.loads((out / f"rank-{r}.json").read_text())

@@ -4,14 +4,9 @@ layout-independent (the parity tests rely on it)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-from _rank_harness import TINY, communicate_on_progress, layout
+from _rank_harness import ROOT, TINY, layout, run_worker
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_stage_seed_is_megatron_lms_formula():
@@ -26,13 +21,9 @@ def test_two_stages_draw_different_weights_on_the_gpu_init_path(tmp_path):
     one tracker seed for every stage their first layers would be the same draw (stage 0's differs anyway: it
     draws the embedding first)."""
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", "--standalone",
-           str(ROOT / "tests" / "_seed_worker.py"), str(out), *TINY, *layout(pp=3), "model.num_layers=6",
-           "cluster.gpus_per_node=3"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    _, err = communicate_on_progress(proc, 300, "the seed worker (3 ranks)")
-    assert proc.returncode == 0, err[-4000:]
+    proc = run_worker(ROOT / "tests" / "_seed_worker.py", [out, *TINY, *layout(pp=3), "model.num_layers=6",
+                                                           "cluster.gpus_per_node=3"], 3, "the seed worker (3 ranks)")
+    assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = sorted((json.loads(p.read_text()) for p in out.glob("rank-*.json")), key=lambda r: r["pp_rank"])
     assert [r["torch_seed"] for r in ranks] == [r["seed"] + 100 * r["pp_rank"] for r in ranks]
     # GPU init path: weights come from the stage's RNG tracker, so stage 2's first layer is not stage 1's

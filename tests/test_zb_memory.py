@@ -9,14 +9,11 @@ planner reads those counts off ``launcher.core.schedules.schedule_zb_h1``, the l
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from _rank_harness import ROOT, TINY, layout
+from _rank_harness import ROOT, TINY, layout, run_worker
 
 from launcher.core.schedules import Op, schedule_1f1b, schedule_zb_h1
 from launcher.plan.memory import (held_after_each_op, memory_per_stage, stage_wgrad_bytes, zb_h1_held_wgrad_bytes,
@@ -107,10 +104,7 @@ def test_render_refuses_a_zb_h1_job_whose_pending_w_overflow_the_last_stage(cli,
 # ------------------------------------------------------------------------ against the executor (multi-process)
 def _store_peaks(tmp_path: Path, nproc: int, overrides: list) -> list:
     out = tmp_path / "zbmem"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-           str(ROOT / "tests" / "_zb_memory_worker.py"), str(out), *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    proc = run_worker(ROOT / "tests" / "_zb_memory_worker.py", [out, *overrides], nproc, "the ZB memory worker")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(nproc)]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from _rank_harness import ROOT, TINY, layout, train
+from _rank_harness import ROOT, TINY, layout, run_worker, train
 
 from launcher.core.schedules import build_schedule, schedule_1f1b, schedule_zb_h1
 from launcher.core import timeline
@@ -256,10 +256,8 @@ def test_te_spec_passes_delay_wgrad_compute_and_w_calls_backward_dw(monkeypatch)
 # ------------------------------------------------------------------ gradients after one step (multi-process)
 def _grad_parity(tmp_path: Path, nproc: int, lay: list) -> list:
     out = tmp_path / "grads"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-           str(ROOT / "tests" / "_zb_grad_worker.py"), str(out), *GRAD_TINY, *lay, f"cluster.gpus_per_node={nproc}"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    proc = run_worker(ROOT / "tests" / "_zb_grad_worker.py", [out, *GRAD_TINY, *lay, f"cluster.gpus_per_node={nproc}"],
+                      nproc, "the ZB gradient worker")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(nproc)]
 
