@@ -235,11 +235,16 @@ def run_until(bundle: Path, nproc: int, marker: str, timeout: int = 240) -> str:
     import threading
     import time
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, **RANK_ENV)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "launcher.rank", "--bundle", str(bundle)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, start_new_session=True)
+    zygote = _zygote_for(env)
+    if zygote is not None:
+        proc = zygote.start(bundle, nproc, env)
+        threading.Thread(target=proc.stderr.read, daemon=True).start()  # drained, as DEVNULL below
+    else:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                text=True, start_new_session=True)
     # ``timeout`` is a hang detector on progress: the run is killed once it has printed nothing for that long
     # (a watchdog thread: the readline below blocks while nothing comes)
     seen, last, done = [], [time.monotonic()], threading.Event()

@@ -47,13 +47,20 @@ _NO_LINK = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EML
 
 
 def pid_alive(pid: int) -> bool:
+    """A running process (same host). A zombie is not: it was killed and only waits for its parent to reap it
+    (a rank SIGKILLed with its torchrun is re-parented to init, which may take a second or two to reap it; a run
+    started again at once must not read its lock as held)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as fh:  # "pid (comm) state ...": comm may hold spaces and parentheses
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc (not Linux): kill(pid, 0) answered
 
 
 def owner_gone(owner: dict, age_s: float, *, stale_s: float) -> bool:
