@@ -51,7 +51,8 @@ TE_NAMES = {
     # pre-MLP norm is a TENorm of its own; a dense MLP's is fused into fc1 (TELayerNormColumnParallelLinear); MLA's
     # latent norms are fused into the up projections
     "mixtral": {"decoder.layers.0.pre_mlp_layernorm.weight", "decoder.layers.1.pre_mlp_layernorm.weight"},
-    "qwen3_moe": {"decoder.layers.0.pre_mlp_layernorm.weight", "decoder.layers.1.pre_mlp_layernorm.weight"},
+    "qwen3_moe": {"decoder.layers.0.pre_mlp_layernorm.weight", "decoder.layers.1.pre_mlp_layernorm.weight",
+                  "decoder.layers.0.self_attention.q_layernorm.weight"},  # per-head qk-norm: the same in both
     "deepseek_v3": {"decoder.layers.0.mlp.linear_fc1.layer_norm_weight", "decoder.layers.1.pre_mlp_layernorm.weight",
                     "decoder.layers.1.self_attention.linear_q_up_proj.layer_norm_weight",
                     "mtp.layers.0.transformer_layer.self_attention.linear_kv_up_proj.layer_norm_weight",

@@ -305,8 +305,10 @@ def te_checkpoint_key(key: str, model: ModelConfig) -> str:
         return key
     prefix, rest = m[1], m[2]
     moe = bool(model.num_experts) and (prefix.startswith("mtp.") or moe_layers(model)[int(prefix.split(".")[2])])
-    rest = {"self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
-            "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight"}.get(rest, rest)
+    if model.multi_latent_attention:  # standard attention's per-head q/k norms keep their names in both specs
+        rest = {"self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+                "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight"
+                }.get(rest, rest)
     if moe and rest.startswith("mlp.linear_fc1.layer_norm_"):
         rest = "pre_mlp_layernorm." + rest[len("mlp.linear_fc1.layer_norm_"):]
     if not moe and rest.startswith("pre_mlp_layernorm."):
