@@ -194,6 +194,19 @@ def pytest_collection_modifyitems(config, items):
                 cuda = _cuda_available()
             if not cuda:
                 item.add_marker(pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False)"))
+    # the long poles first (the Slurm group waits on Slurm's timers; the slow in-process tests take minutes each):
+    # pytest-xdist hands out tests in this order, so they overlap the rest instead of running alone at the end
+    items.sort(key=_long_poles_first)
+
+
+LONGEST = ("tests/test_validate_differential.py", "tests/test_fuzz_cli.py")
+"""The two slowest in-process tests (about 200 s and 135 s of one core at load 15): handed out first of all."""
+
+
+def _long_poles_first(item) -> int:
+    if Path(str(item.fspath)).relative_to(ROOT).as_posix() in LONGEST:
+        return 0
+    return 1 if item.get_closest_marker("slurm") or item.get_closest_marker("slow") else 2
 
 
 def _cuda_available() -> bool:
