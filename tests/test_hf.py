@@ -160,6 +160,10 @@ def test_import_accepts_the_matching_config_of_every_architecture():
         assert arch.compare(hf_config(name), compose_job(overrides(name)).model) == [], name
     lines = arch.compare(hf_config("qwen3"), compose_job(overrides("llama")).model)
     assert lines[0].startswith("model: the HF config.json is a 'qwen3' model, the model entry makes a 'llama' one")
+    # sliding-window attention is not what Megatron-Core's causal attention computes: refused, not dropped
+    for name, change in (("mixtral", {"sliding_window": 4096}), ("qwen3", {"use_sliding_window": True})):
+        lines = arch.compare(hf_config(name, **change), compose_job(overrides(name)).model)
+        assert lines and lines[0].startswith("the HF config.json has sliding_window=4096"), name
 
 
 def test_export_refuses_what_is_not_a_checkpoint(tmp_path, capsys):

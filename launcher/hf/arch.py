@@ -250,6 +250,11 @@ def compare(theirs, model: ModelConfig) -> List[str]:
     except Unsupported as exc:
         return [str(exc)]
     a, b = _fields(theirs), _fields(ours)
+    windowed = getattr(theirs, "use_sliding_window", None) is not False  # Qwen3 keeps a window size it does not use
+    window = getattr(theirs, "sliding_window", None) if windowed and theirs.model_type in (
+        "mixtral", "qwen3", "qwen3_moe") else None
+    early = [f"the HF config.json has sliding_window={window}: Megatron-Core's attention here is full causal "
+             "attention; this checkpoint cannot be imported as it is"] if window else []
     moe = bool(model.num_experts) or any(getattr(theirs, k, None) for k in ("num_local_experts", "num_experts"))
     lines = []
     for key in COMPARED:
@@ -259,4 +264,4 @@ def compare(theirs, model: ModelConfig) -> List[str]:
             continue  # the scaling's own fields: compared when both scale (rope_type says when one does not)
         if not _close(a.get(key), b.get(key)):
             lines.append(_line(key, a.get(key), b.get(key), model))
-    return lines
+    return early + lines
