@@ -7,6 +7,8 @@ d DP size), so any layout with the same global batch sees the same samples per s
 """
 from __future__ import annotations
 
+import os
+
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -45,14 +47,26 @@ def _collate(samples: list) -> dict:
 def _worker_ignores_stop_signals(worker_id: int) -> None:
     """scancel and preemption signal every process of the step, loader workers too: a worker that died of it
     would fail the step its rank is finishing before the stop checkpoint. The rank answers the signal
-    (launcher/rank/signals.py); its workers end with it (torch's workers watch their parent)."""
+    (launcher/rank/signals.py); its workers ignore SIGINT/SIGHUP/SIGUSR1, and SIGTERM unless their rank sent it
+    (the DataLoader's and multiprocessing's own shutdown terminate workers with SIGTERM: ignoring that would hang
+    the rank at exit). Python cannot see a signal's sender in a handler, so SIGTERM is blocked and read with
+    sigwaitinfo by a watcher thread."""
     import signal
-
-    from launcher.rank.signals import STOP_SIGNALS
+    import threading
 
     signal.set_wakeup_fd(-1)  # the rank's wake-up socket, inherited through fork
-    for sig in STOP_SIGNALS:
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
+    parent = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def watch():
+        while True:
+            info = signal.sigwaitinfo({signal.SIGTERM})
+            if info.si_pid == parent or os.getppid() != parent:
+                os._exit(0)
+
+    threading.Thread(target=watch, name="sigterm-from-rank", daemon=True).start()
 
 
 def _batches(dataset, *, start: int, train: TrainConfig, dp_rank: int, dp_size: int, num_workers: int) -> Iterator[dict]:

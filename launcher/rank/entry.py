@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     try:
         failed = (bundle / "FAILED").read_text().strip() if (bundle / "FAILED").is_file() else None
         if failed:  # a torchrun restart after a refusal every rank agreed on: it would only fail the same way
-            console.line(f"error: {failed} (not retried)")
+            print(f"error: {failed} (not retried; said once on the console already)", flush=True)  # rank log
             return 1
         stuck = progress.check(bundle)  # the last two attempts crashed at the same step: a third would too
         if stuck:
