@@ -127,12 +127,17 @@ class _Zygote:
 
 
 _ZYGOTE: list = []
+_SESSION_ENV = {k: v for k, v in dict(os.environ, **RANK_ENV).items() if k not in _VOLATILE_ENV}
+"""The environment the rank server serves: the test session's own, as it was when this module was imported (before
+any test could monkeypatch it). A run in another environment (a test's setenv, an explicit env) goes to torchrun,
+and the server never starts in a test's patched environment."""
 
 
 def _zygote_for(env: dict) -> Optional[_Zygote]:
     """The warm rank server for a run with this environment, or None: torchrun then (LAUNCHER_TEST_TORCHRUN=1,
     or the environment differs from the one the server started with: a value read at import would be stale)."""
-    if env.get("LAUNCHER_TEST_TORCHRUN") == "1":
+    if env.get("LAUNCHER_TEST_TORCHRUN") == "1" or {k: v for k, v in env.items()
+                                                     if k not in _VOLATILE_ENV} != _SESSION_ENV:
         return None
     if not _ZYGOTE or _ZYGOTE[0].proc.poll() is not None:
         _ZYGOTE[:] = [_Zygote(env)]
