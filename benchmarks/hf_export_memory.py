@@ -2,7 +2,7 @@
 
 A random Llama-style model of about 400M parameters (fp32: a 1.6 GB checkpoint) is made with transformers,
 imported with ``import-hf`` (a torch_dist checkpoint), then exported by ``python -m launcher export-hf`` in a fresh
-process, whose own report line is printed with the sizes: its peak RSS (``ru_maxrss``), its RSS before the first
+process, whose own report line is printed with the sizes: its peak RSS (VmHWM), its peak RSS before the first
 tensor is read (torch, transformers, the checkpoint's metadata: the floor), and the largest tensor group (one
 Megatron-Core tensor plus the HF tensors it splits into, an upper bound: a slice that is a view counts twice).
 

@@ -32,6 +32,20 @@ class ExportError(Exception):
     """Bad input: one line, no traceback."""
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory: VmHWM, which starts afresh at exec (``ru_maxrss`` keeps the peak of the
+    process that forked it, so a big parent would hide the export's own figure); ``ru_maxrss`` where there is no
+    /proc."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def job_of_checkpoint(ckpt: Path, config: Optional[Path]) -> tuple:
     """(ModelConfig, tokenizer path or None) of the run that wrote ``ckpt``."""
     if config is not None:
@@ -110,7 +124,7 @@ def export(checkpoint: Path, output: Path, *, config: Optional[Path] = None, tok
     from launcher.hf.torch_dist import Reader
 
     reader = Reader(ckpt)
-    baseline_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # torch, transformers, the metadata
+    baseline_rss = peak_rss_bytes()  # torch, transformers, the metadata
     plan, missing = [], []
     for unit in mapping.units(model):
         where = reader.locate(unit.mcore, unit.index)
@@ -165,7 +179,7 @@ def export(checkpoint: Path, output: Path, *, config: Optional[Path] = None, tok
     ckpt_bytes = sum(p.stat().st_size for p in ckpt.iterdir() if p.is_file())
     report = {"checkpoint": str(ckpt), "output": str(output), "tensors": len(entries), "shards": len(shards),
               "bytes": total, "checkpoint_bytes": ckpt_bytes, "largest_group_bytes": group_bytes,
-              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+              "peak_rss_bytes": peak_rss_bytes(),
               "rss_before_reading_bytes": baseline_rss,
               "seconds": round(time.perf_counter() - start, 2)}
     log(f"exported {ckpt} -> {output}: {len(entries)} tensors, {total / 1e6:.1f} MB in {len(shards)} shard(s), "
