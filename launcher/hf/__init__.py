@@ -105,11 +105,17 @@ def _export(flags: dict) -> int:
 def _import(flags: dict, overrides: List[str]) -> int:
     from launcher.config import ConfigError, compose_job
     from launcher.hf.importer import ImportRefused, import_hf
+    from launcher.overrides import check_override
 
+    typos = [p for p in map(check_override, overrides) if p]  # "did you mean", as the login CLI
+    if typos:
+        for problem in typos:
+            print(problem.line(), file=sys.stderr)
+        return 2
     try:
         job = compose_job(overrides)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except ConfigError as exc:  # the login CLI's one-line form (launcher/cli.py)
+        print(exc.problem.line() if exc.problem is not None else f"error: {exc}", file=sys.stderr)
         return 2
     try:
         spec = flags.get("--spec")
