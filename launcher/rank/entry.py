@@ -95,11 +95,6 @@ def train(bundle: Path, console) -> int:
     layout, tr = derive(job), job.train
     elastic.init_process_group_for_restart(job.cluster.backend)  # before setup: a torchrun restart's own keys
     setup.init_distributed(cluster=job.cluster, layout=layout, seed=tr.seed)
-    profiling.set_deterministic(tr.deterministic)  # train.deterministic: before any kernel is chosen
-    profiling.SNAPSHOT = profiling.MemorySnapshot(enabled=job.profile.memory_snapshot,
-                                                  entries=job.profile.memory_snapshot_entries, bundle=bundle,
-                                                  rank=torch.distributed.get_rank())
-    profiling.SNAPSHOT.start()  # profile.memory_snapshot: the allocator's history from the model build on
     if job.cluster.health_check or (job.cluster.health_check is None and job.nodes > 1):
         from launcher.rank import health
 
@@ -113,6 +108,11 @@ def train(bundle: Path, console) -> int:
     lock = ckpt.DirLock(ckpt_dir, bundle=bundle, run=ckpt.run_hash(identity))
     try:
         lock.acquire()
+        profiling.set_deterministic(tr.deterministic)  # train.deterministic: before any kernel is chosen
+        profiling.SNAPSHOT = profiling.MemorySnapshot(enabled=job.profile.memory_snapshot,
+                                                      entries=job.profile.memory_snapshot_entries, bundle=bundle,
+                                                      rank=torch.distributed.get_rank())
+        profiling.SNAPSHOT.start()  # profile.memory_snapshot: the allocator's history from the model build on
         attempt = progress.Attempt(bundle, torch.distributed.get_rank())
         attempt.start()
         return _build_and_train(bundle, console, job, layout, ckpt_dir, identity, lock, attempt)
