@@ -1,6 +1,6 @@
 """Hugging Face in and out at TP2 x PP2, once, for the Llama family (one 4-rank run shared by both directions):
 
-- ``python -m launcher import-hf`` of a tiny random Llama 3.1 (GQA, llama3 RoPE scaling) -> its checkpoint loaded by
+- ``import-hf`` of a tiny random Llama 3.1 (GQA, llama3 RoPE scaling) -> its checkpoint loaded by
   4 ranks at TP2 x PP2 as a job's ``checkpoint.load`` loads it -> the launcher's logits equal the HF model's;
 - the ranks change every weight and save at TP2 x PP2 -> ``python -m launcher export-hf`` -> the exported tensors
   are exactly the changed HF tensors, and AutoModelForCausalLM on the export gives the ranks' logits;
@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 from _hf_tiny import batch, overrides, save_random
-from _rank_harness import ROOT, TINY, communicate_on_progress, layout, write_bundle
+from _rank_harness import ROOT, TINY, communicate_on_progress, layout, run_worker, write_bundle
 from test_hf import _tensors, assert_logits_close, megatron_in_process, megatron_logits  # noqa: F401 - a fixture
 
 
@@ -27,7 +27,7 @@ def _run(cmd, what: str, timeout: int = 300) -> str:
     return out
 
 
-def test_hf_logits_at_tp2_pp2_import_and_export(tmp_path):
+def test_hf_logits_at_tp2_pp2_import_and_export(tmp_path, megatron_in_process):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -38,12 +38,14 @@ def test_hf_logits_at_tp2_pp2_import_and_export(tmp_path):
     bundle = write_bundle(tmp_path / "bundle", job, nproc=4)
     tokens = batch()
     torch.save(tokens, bundle / "tokens.pt")
-    out = _run([sys.executable, "-m", "launcher", "import-hf", "--hf", str(tmp_path / "hf"), "--output",
-                str(tmp_path / "ckpt"), *job, "cluster.gpus_per_node=4"], "import-hf")
-    assert "imported" in out and "checkpoint.load=" in out
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--standalone",
-          str(ROOT / "tests" / "_hf_tp2pp2_worker.py"), str(bundle), str(tmp_path / "ckpt" / "iter_0000000"),
-          str(tmp_path / "trained")], "TP2 x PP2 ranks")
+    from launcher.config import compose_job
+    from launcher.hf.importer import import_hf
+
+    imported = import_hf(tmp_path / "hf", tmp_path / "ckpt", compose_job([*job, "cluster.gpus_per_node=4"]),
+                         log=lambda _: None)
+    proc = run_worker(ROOT / "tests" / "_hf_tp2pp2_worker.py", [bundle, imported, tmp_path / "trained"], 4,
+                      "the TP2 x PP2 HF worker")  # torchrun (or the session's warm rank server)
+    assert proc.returncode == 0, f"the ranks failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     got = torch.load(tmp_path / "trained" / "logits.pt")
     with torch.no_grad():
         theirs = hf(tokens).logits
