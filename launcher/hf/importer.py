@@ -28,15 +28,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from launcher.core.layout import uses_transformer_engine
+from launcher.core.weights import WEIGHT_FIELDS  # one home: the model fields that shape a checkpoint's tensors
 from launcher.hf import arch, mapping
 from launcher.schema import JobConfig, ParallelConfig, PrecisionConfig
 
-WEIGHT_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                 "kv_channels", "vocab_size", "normalization", "activation", "position_embedding", "tie_embeddings",
-                 "add_bias_linear", "add_qkv_bias", "qk_layernorm", "num_experts", "moe_ffn_hidden_size",
-                 "moe_shared_expert_intermediate_size", "moe_first_k_dense", "moe_layer_freq",
-                 "moe_router_enable_expert_bias", "multi_latent_attention", "mtp_num_layers")
-"""Model fields that decide which tensors a checkpoint holds and their shapes (recorded in launcher.json)."""
 IGNORED_HF = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 """Buffers some HF checkpoints carry that are not weights."""
 _STACKED = re.compile(r"^((?:decoder|mtp)\.layers)\.(\D.*)$")
