@@ -87,7 +87,6 @@ def assert_logits_close(ours, theirs):
     assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
 
-@pytest.mark.slow  # builds Megatron-Core models in this process (2-3 per architecture); for conftest.SLOW_MODULES
 @pytest.mark.parametrize("name", NAMES)
 def test_hf_import_export_round_trip_and_logits(name, tmp_path, megatron_in_process):
     """HF random model -> import-hf -> export-hf: the same tensor names, dtypes and bytes; the imported checkpoint's
