@@ -181,16 +181,25 @@ def _xdist_group(item, lanes: set) -> str | None:
     return Path(str(item.fspath)).relative_to(ROOT).as_posix()
 
 
+_MODULES: dict = {}
+"""Test module path -> its ``_ModuleSpawns`` (read once per session)."""
+
+
+def pytest_itemcollected(item):
+    """Lane marks and the xdist group, as each test is collected: pytest-xdist reads the xdist_group marks in its own
+    ``pytest_collection_modifyitems`` (xdist/remote.py), which ran before this conftest's (the groups were silently
+    ignored: every worker trained the shared reference runs and started Slurm)."""
+    lanes = _lane_of(item, _MODULES)
+    for lane in sorted(lanes):
+        item.add_marker(getattr(pytest.mark, lane))
+    group = _xdist_group(item, lanes)
+    if group:
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 def pytest_collection_modifyitems(config, items):
-    modules: dict = {}
     cuda = None
     for item in items:
-        lanes = _lane_of(item, modules)
-        for lane in sorted(lanes):
-            item.add_marker(getattr(pytest.mark, lane))
-        group = _xdist_group(item, lanes)
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
         if item.get_closest_marker("gpu"):
             if cuda is None:
                 cuda = _cuda_available()
