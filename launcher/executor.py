@@ -209,26 +209,16 @@ def checkpoint_preflight(job, bundle: Bundle):
     and has room for one checkpoint (the planner's parameter count x bytes per parameter: weights in their
     dtype, fp32 main copy and Adam moments). Returns one problem line, or None. Rank 0 checks again before
     step 1 (a Slurm job's nodes may see other file systems)."""
-    import errno
     import shutil
-    import tempfile
 
     target = Path(job.checkpoint.dir) if job.checkpoint.dir else bundle.path / "checkpoints"
     target = target if target.is_absolute() else Path.cwd() / target
+    why = _takes_no_file(target)
+    if why:
+        return f"checkpoint.dir={target}: {why}"
     probe_dir = target
     while not probe_dir.exists() and probe_dir != probe_dir.parent:
         probe_dir = probe_dir.parent
-    if not probe_dir.is_dir():
-        return f"checkpoint.dir={target}: {probe_dir} is not a directory"
-    try:
-        with tempfile.NamedTemporaryFile(dir=probe_dir, prefix=".launcher-probe-") as fh:
-            fh.write(b"\0" * 4096)
-            fh.flush()
-            os.fsync(fh.fileno())
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            return f"checkpoint.dir={target}: no space left on device ({probe_dir})"
-        return f"checkpoint.dir={target} is not writable (a test file in {probe_dir}: {exc.strerror or exc})"
     if job.checkpoint.load and not Path(job.checkpoint.load).exists():
         return f"checkpoint.load={job.checkpoint.load} does not exist"
     try:
