@@ -103,7 +103,7 @@ class _Zygote:
         atexit.register(self.stop)
 
     def serves(self, env: dict) -> bool:
-        return self.proc.poll() is None and {k: v for k, v in env.items() if k not in _VOLATILE_ENV} == self.env
+        return self.proc.poll() is None and _import_time(env) == _import_time(self.env)
 
     def start(self, bundle: Path, nproc: int, env: dict, script: Optional[str] = None, argv: Sequence[str] = ()):
         from _rank_zygote import ZygoteRun
@@ -128,19 +128,27 @@ class _Zygote:
 
 _ZYGOTE: list = []
 _SESSION_ENV = {k: v for k, v in dict(os.environ, **RANK_ENV).items() if k not in _VOLATILE_ENV}
-"""The environment the rank server serves: the test session's own, as it was when this module was imported (before
-any test could monkeypatch it). A run in another environment (a test's setenv, an explicit env) goes to torchrun,
-and the server never starts in a test's patched environment."""
+"""The environment the rank server starts with: the test session's own, as it was when this module was imported
+(before any test could set a variable)."""
+IMPORT_TIME_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "OPENBLAS_", "GOTO", "NVTE_", "CUDA",
+                        "NCCL_", "LD_", "MALLOC", "TRITON", "WANDB_", "MPLBACKEND", "MATPLOTLIB", "HF_", "TRANSFORMERS")
+"""Variables that torch, Megatron-Core and the libraries the server imports may read at import time (or that change
+how the interpreter starts). A forked rank runs with the run's own environment (os.environ is replaced), so the
+others may differ freely (SLURM_JOB_ID, LAUNCHER_*, a preprocessor's RAYON_NUM_THREADS left in the test process);
+a run that differs in one of these goes to torchrun."""
+
+
+def _import_time(env: dict) -> dict:
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)}
 
 
 def _zygote_for(env: dict) -> Optional[_Zygote]:
     """The warm rank server for a run with this environment, or None: torchrun then (LAUNCHER_TEST_TORCHRUN=1,
     or the environment differs from the one the server started with: a value read at import would be stale)."""
-    if env.get("LAUNCHER_TEST_TORCHRUN") == "1" or {k: v for k, v in env.items()
-                                                     if k not in _VOLATILE_ENV} != _SESSION_ENV:
+    if env.get("LAUNCHER_TEST_TORCHRUN") == "1" or _import_time(env) != _import_time(_SESSION_ENV):
         return None
     if not _ZYGOTE or _ZYGOTE[0].proc.poll() is not None:
-        _ZYGOTE[:] = [_Zygote(env)]
+        _ZYGOTE[:] = [_Zygote(dict(_SESSION_ENV))]
     return _ZYGOTE[0] if _ZYGOTE[0].serves(env) else None
 
 

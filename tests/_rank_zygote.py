@@ -9,8 +9,10 @@ about a hundred such runs. Forked ranks start in milliseconds and run exactly th
 torchrun's failure rule (one rank fails: the others get SIGTERM, the run exits 1).
 
 What it does not do (those tests keep the real torchrun, ``_rank_harness.run_train`` decides): restarts
-(``--max-restarts``) and the agent's store, and any run whose environment differs from the one this server started
-with (a value read at import time would be stale). ``LAUNCHER_TEST_TORCHRUN=1`` sends every run through torchrun.
+(``--max-restarts``) and the agent's store, and any run whose environment differs from the session's in a variable
+that may be read at import time (``_rank_harness.IMPORT_TIME_PREFIXES``: its value in the warm server would be
+stale; the others are the run's own, os.environ is replaced in each rank). ``LAUNCHER_TEST_TORCHRUN=1`` sends every
+run through torchrun.
 The real launch path (``python -m launcher`` -> launch.sh -> ``launcher.rank.agent`` -> ranks) stays covered by
 the tests that start it (tests/test_nothing_lost.py, the Slurm tests, ``make run``).
 
