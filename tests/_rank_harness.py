@@ -138,8 +138,21 @@ others may differ freely (SLURM_JOB_ID, LAUNCHER_*, a preprocessor's RAYON_NUM_T
 a run that differs in one of these goes to torchrun."""
 
 
+SET_BY_LIBRARIES = ("TORCHINDUCTOR_CACHE_DIR",)
+"""Import-time variables a library writes into its own process's environment: TorchInductor's ``cache_dir()``
+stores its default (``/tmp/torchinductor_<user>``) in os.environ the first time anything in the test worker
+compiles or imports ``torch._inductor``; a rank computes the same default itself. Without this, one in-process
+HF test sent every later run of that worker to torchrun (CI: test_one_rank_dying_stops_the_others failed)."""
+
+
 def _import_time(env: dict) -> dict:
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)}
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES) and k not in SET_BY_LIBRARIES}
+
+
+def import_time_diff(env: dict) -> list:
+    """The import-time variables in which ``env`` differs from the rank server's (why a run goes to torchrun)."""
+    a, b = _import_time(env), _import_time(_SESSION_ENV)
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
 def _zygote_for(env: dict) -> Optional[_Zygote]:

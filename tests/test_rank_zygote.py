@@ -32,7 +32,8 @@ def test_one_rank_dying_stops_the_others_and_fails_the_run(tmp_path):
     bundle = write_bundle(tmp_path / "b", TINY + layout(tp=2) + ["train.train_steps=100000"], 2)
     env = dict(os.environ, **_rank_harness.RANK_ENV)
     zygote = _rank_harness._zygote_for(env)
-    assert zygote is not None, "the test environment should be the one the rank server serves"
+    assert zygote is not None, ("the test environment should be the one the rank server serves; differs in "
+                                f"{_rank_harness.import_time_diff(env)}")
     proc = zygote.start(bundle, 2, env)
     try:
         for line in iter(proc.stdout.readline, ""):
@@ -47,3 +48,17 @@ def test_one_rank_dying_stops_the_others_and_fails_the_run(tmp_path):
     assert proc.returncode == 1
     assert f"zygote: rank 1 exited with code {-signal.SIGKILL}; stopping the other ranks" in err
     assert not (bundle / "DONE").exists()
+
+
+def test_a_library_writing_its_cache_dir_into_the_worker_does_not_send_runs_to_torchrun(monkeypatch):
+    """CI: an in-process test made TorchInductor store TORCHINDUCTOR_CACHE_DIR in the worker's os.environ, and every
+    later run of that worker went to torchrun. A variable a test sets itself still does."""
+    from _rank_harness import RANK_ENV, import_time_diff
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    cache_dir()
+    assert "TORCHINDUCTOR_CACHE_DIR" in os.environ  # the premise: the library writes it
+    assert import_time_diff(dict(os.environ, **RANK_ENV)) == []
+    monkeypatch.setenv("MKL_NUM_THREADS", "7")
+    assert import_time_diff(dict(os.environ, **RANK_ENV)) == ["MKL_NUM_THREADS"]
