@@ -17,6 +17,14 @@ Three method-level assumptions cannot be reached through a module's ``torch`` na
 one function that makes them: ``Tensor.type() == 'torch.cuda.FloatTensor'`` checks (clip_grads, the
 distributed / float16 optimizers) and ``Tensor.cuda()`` when first/last pipeline stages share embeddings.
 
+Megatron-FSDP (``parallel.megatron_fsdp``) runs on CPU through the same proxy, given to its modules
+(FSDP_MODULES) with two more mappings: ``torch.device('cuda:...')`` -> cpu (mcore_fsdp_adapter.py:156,
+megatron_fsdp.py:232 build the device from ``current_device()``) and ``DeviceMesh.from_group(device_type='cuda')``
+-> a CPU mesh (mcore_fsdp_adapter.py:407-449); ``Tensor.cuda()`` in ``validate_uneven_dtensor``
+(uneven_dtensor.py:187) is the identity. Its gradient reduce divides inside NCCL's PREMUL_SUM unless
+``gradient_reduce_div_fusion`` is off (param_and_grad_buffer.py:4746); gloo has no PREMUL_SUM, so the rank wing
+turns that fusion off on CPU (launcher/rank/optim.py).
+
 Applied only when ``torch.cuda.is_available()`` is False; idempotent. Nothing happens at import time.
 (Not CUDA-related and therefore elsewhere: the distributed optimizer's Adam-step restore bug is handled in
 launcher/rank/checkpoint.py; the interleaved PP=2 batch_p2p guard in models/builder.py.)
@@ -57,6 +65,17 @@ PATCHED_MODULES = (
     "megatron.core.transformer.moe.moe_layer",  # streams
     "megatron.core.transformer.multi_token_prediction",  # MTP loss-logging buffers on current_device
 )
+
+FSDP_MODULES = (
+    "megatron.core.distributed.fsdp.mcore_fsdp_adapter",  # device from current_device; DeviceMesh on 'cuda'
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp",  # device check; side streams
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer",  # streams, synchronize, buffers
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.mixed_precision",  # overflow buffer on 'cuda'
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.utils",  # RNG helpers, current_device
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor",  # boundary checks .cuda()
+    "megatron.core.transformer.fsdp_dtensor_checkpoint",  # DeviceMesh on 'cuda' when validating a load
+)
+"""Megatron-FSDP's modules (0.19.2): they get TORCH_ON_CPU_FSDP, and DeviceMesh where they import it by name."""
 
 _FACTORIES = frozenset({"zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like",
                         "empty_like", "full_like", "randn", "rand", "randint"})
@@ -161,6 +180,46 @@ class _TorchOnCpu:
 TORCH_ON_CPU = _TorchOnCpu()
 
 
+class _DeviceOnCpu:
+    """``torch.device`` inside Megatron-FSDP's modules: a CUDA device is the CPU (an instance check still works)."""
+
+    def __call__(self, *args, **kwargs):
+        if args and isinstance(args[0], str) and args[0].startswith("cuda"):
+            return torch.device("cpu")
+        return torch.device(*args, **kwargs)
+
+    def __instancecheck__(self, obj):
+        return isinstance(obj, torch.device)
+
+
+class _TorchOnCpuFsdp(_TorchOnCpu):
+    device = _DeviceOnCpu()
+
+
+TORCH_ON_CPU_FSDP = _TorchOnCpuFsdp()
+
+
+class _DeviceMeshOnCpu:
+    """``DeviceMesh`` as Megatron-FSDP's modules see it: meshes over gloo groups are CPU meshes."""
+
+    def __getattr__(self, name):
+        from torch.distributed import DeviceMesh
+
+        return getattr(DeviceMesh, name)
+
+    @staticmethod
+    def from_group(*args, **kwargs):
+        from torch.distributed import DeviceMesh
+
+        kwargs["device_type"] = "cpu"
+        return DeviceMesh.from_group(*args, **kwargs)
+
+    def __instancecheck__(self, obj):
+        from torch.distributed import DeviceMesh
+
+        return isinstance(obj, DeviceMesh)
+
+
 @contextlib.contextmanager
 def _cuda_type_names():
     """Make ``Tensor.type()`` answer 'torch.cuda.FloatTensor' (etc.) for CPU tensors, for checks that
@@ -238,8 +297,25 @@ def apply() -> bool:
 
     language_module = importlib.import_module("megatron.core.models.common.language_module.language_module")
     _wrap(language_module.LanguageModule, "setup_embeddings_and_output_layer", _tensor_cuda_is_identity)
+    _apply_fsdp()
     _APPLIED = True
     return True
+
+
+def _apply_fsdp() -> None:
+    """Megatron-FSDP's modules, when it imports (it needs einops: mcore_fsdp_adapter.py:556)."""
+    try:
+        modules = [importlib.import_module(name) for name in FSDP_MODULES]
+    except ImportError:  # Megatron-FSDP unavailable: the rank wing says so when a job asks for it
+        return
+    for module in modules:
+        module.torch = TORCH_ON_CPU_FSDP
+        if "DeviceMesh" in vars(module):
+            module.DeviceMesh = _DeviceMeshOnCpu()
+    uneven = importlib.import_module("megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor")
+    _wrap(uneven, "validate_uneven_dtensor", _tensor_cuda_is_identity)
+    buffer = importlib.import_module("megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer")
+    buffer.validate_uneven_dtensor = uneven.validate_uneven_dtensor  # imported by name before the wrap
 
 
 def is_applied() -> bool:

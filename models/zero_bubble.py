@@ -31,6 +31,8 @@ import torch
 
 ZB_ATTR = "zb_delayed_wgrad"
 """Attribute set on modules whose weight gradient is deferred (local: queued in STORE; TE: backward_dw)."""
+ZB_HOOKS = "_zb_grad_hooks"
+"""Attribute of a deferred weight: Megatron DDP's grad hooks for it, run by its W step (local path)."""
 
 
 class WeightGradStore:
@@ -132,9 +134,10 @@ def _linear_autograd():
         @staticmethod
         @layers.custom_bwd
         def backward(ctx, grad_output):
-            if (not STORE.capturing or ctx.gtp_remat_size > 1 or ctx.grad_output_buffer is not None):
-                return Base.backward(ctx, grad_output)
             input_, weight = ctx.saved_tensors
+            if ctx.gtp_remat_size > 1 or ctx.grad_output_buffer is not None or (
+                    not STORE.capturing and not getattr(weight, ZB_HOOKS, None)):
+                return Base.backward(ctx, grad_output)
             group = ctx.tp_group
             if ctx.sequence_parallel:  # a fresh buffer: the shared "mpu" buffer is reused before W runs
                 size = list(input_.size())
@@ -152,8 +155,11 @@ def _linear_autograd():
                 layers.dist_reduce_scatter_func(sub, grad_input, group=group)
                 grad_input = sub
             grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None
-            STORE.put(_wgrad_step(weight, grad_output_2d, total_input_2d, ctx.main_grad),
-                      (grad_output_2d, total_input_2d))
+            step = _wgrad_step(weight, grad_output_2d, total_input_2d, ctx.main_grad)
+            if STORE.capturing:
+                STORE.put(step, (grad_output_2d, total_input_2d))
+            else:  # a backward outside a ZB schedule: W at once, through DDP's hook like the deferred one
+                step()
             return grad_input, None, grad_bias, None, None, None, None, None, None, None
 
     return DeferredWgradLinear
@@ -165,6 +171,15 @@ def _wgrad_step(weight, grad_output, total_input, fused_main_grad) -> Callable[[
     @torch.no_grad()  # outside autograd's backward: no graph for the GEMM or the accumulation
     def run() -> None:
         grad_weight = grad_output.t().matmul(total_input)
+        hooks = getattr(weight, ZB_HOOKS, None)
+        if hooks:  # Megatron DDP's own grad hook, handed to the module (ddp_config.delay_wgrad_compute)
+            if fused_main_grad is not None:  # gradient-accumulation fusion: the GEMM's sum is in main_grad
+                fused_main_grad.add_(grad_weight)
+                weight.grad_added_to_main_grad = True
+            weight.grad = grad_weight  # the hook adds it to main_grad (unless fused) and drops it, as in 1F1B,
+            for hook in hooks:  # then, under overlap_grad_reduce, marks the weight ready for its bucket's reduce
+                hook()
+            return
         main_grad = fused_main_grad if fused_main_grad is not None else getattr(weight, "main_grad", None)
         if main_grad is not None:  # Megatron DDP: the hook's ``param.main_grad.add_(param.grad)``
             main_grad.add_(grad_weight)
@@ -198,6 +213,29 @@ def _deferred_forward_impl(self, input, weight, *args, **kwargs):
     return deferred_linear(input, weight, *args, **kwargs)
 
 
+def _register_wgrad_hooks(self, hook) -> None:
+    """Megatron DDP with ``ddp_config.delay_wgrad_compute`` gives the grad hook of a weight marked
+    ``skip_backward_post_hook`` to its module (distributed_data_parallel.py, the path TE's ``backward_dw`` uses)
+    instead of autograd's accumulator: the hook then runs when W has computed the gradient, not in B (where it
+    would see no gradient and, under ``overlap_grad_reduce``, assert)."""
+    setattr(self.weight, ZB_HOOKS, getattr(self.weight, ZB_HOOKS, []) + [hook])
+
+
+def mark_deferred_weights(chunk) -> int:
+    """Mark the weights of a chunk's deferrable local linear layers for DDP (``skip_backward_post_hook``); returns
+    how many. Call before wrapping the chunk in DDP with ``delay_wgrad_compute=True``."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    count = 0
+    for module in chunk.modules():
+        weight = getattr(module, "weight", None)
+        if (getattr(type(module), ZB_ATTR, False) and isinstance(module, (ColumnParallelLinear, RowParallelLinear))
+                and weight is not None and weight.requires_grad):
+            weight.skip_backward_post_hook = True
+            count += 1
+    return count
+
+
 @functools.lru_cache(maxsize=None)
 def local_classes():
     """(ColumnParallelLinear, RowParallelLinear) subclasses whose W is deferrable."""
@@ -206,6 +244,7 @@ def local_classes():
     def subclass(base):
         return type(f"ZB{base.__name__}", (base,), {
             "_forward_impl": _deferred_forward_impl, ZB_ATTR: True, "_zb_base": base,
+            "register_wgrad_accumulation_and_reduce_hooks": _register_wgrad_hooks,
             "__doc__": f"{base.__name__} whose weight-gradient GEMM is queued in STORE while it captures."})
 
     return subclass(ColumnParallelLinear), subclass(RowParallelLinear)

@@ -44,16 +44,7 @@ def run_train(bundle: Path, nproc: int, timeout: int = 240, env: Optional[dict] 
     is killed (and this raises) once it has printed nothing for ``timeout`` s; a slow run that keeps printing
     steps runs to its end however loaded the machine is. ``env`` adds to (or overrides) the ranks' environment;
     ``what`` names the run in a hang message."""
-    extra = env
-    env = dict(os.environ, **RANK_ENV, **(env or {}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-           "-m", "launcher.rank", "--bundle", str(bundle)]
-    zygote = None if extra else _zygote_for(env)
-    if zygote is not None:
-        proc = zygote.start(bundle, nproc, env)
-    else:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+    cmd, proc = _start(["-m", "launcher.rank", "--bundle", str(bundle)], nproc, env)
     out, err = communicate_on_progress(proc, timeout, what or f"torchrun of {bundle.name} ({nproc} ranks)")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
@@ -62,18 +53,31 @@ def run_worker(script: Path, args: Sequence[str], nproc: int, what: str, timeout
                env: Optional[dict] = None) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node=N SCRIPT ARGS`` for a test's own rank worker (tests/_*_worker.py), through the
     warm rank server where it serves (as run_train). ``timeout``: the hang detector, on progress (no output)."""
-    extra = env
-    env = dict(os.environ, **RANK_ENV, **(env or {}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-           str(script), *map(str, args)]
-    zygote = None if extra else _zygote_for(env)
-    if zygote is not None:
-        proc = zygote.start(Path(script), nproc, env, str(script), [str(a) for a in args])
-    else:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+    cmd, proc = _start([str(script), *map(str, args)], nproc, env)
     out, err = communicate_on_progress(proc, timeout, what)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _start(target: List[str], nproc: int, extra_env: Optional[dict], stderr=subprocess.PIPE):
+    """Start ``torchrun --nproc_per_node=N TARGET`` (``-m launcher.rank --bundle B`` or a worker script and its
+    arguments): forked from the warm rank server where it serves this environment, else torchrun itself. An
+    explicit ``extra_env`` always means torchrun (a test that sets variables wants fresh interpreters).
+    Returns the torchrun command the run stands for and the process (stdout a text pipe)."""
+    env = dict(os.environ, **RANK_ENV, **(extra_env or {}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *target]
+    zygote = None if extra_env else _zygote_for(env)
+    if zygote is None:
+        return cmd, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                     start_new_session=True)
+    if target[0] == "-m":
+        proc = zygote.start(Path(target[-1]), nproc, env)
+    else:
+        proc = zygote.start(Path(target[0]), nproc, env, target[0], target[1:])
+    if stderr is subprocess.DEVNULL:
+        import threading
+
+        threading.Thread(target=proc.stderr.read, daemon=True).start()  # drained, as DEVNULL does for torchrun
+    return cmd, proc
 
 
 RANK_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
@@ -261,16 +265,7 @@ def run_until(bundle: Path, nproc: int, marker: str, timeout: int = 240) -> str:
     import threading
     import time
 
-    env = dict(os.environ, **RANK_ENV)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "launcher.rank", "--bundle", str(bundle)]
-    zygote = _zygote_for(env)
-    if zygote is not None:
-        proc = zygote.start(bundle, nproc, env)
-        threading.Thread(target=proc.stderr.read, daemon=True).start()  # drained, as DEVNULL below
-    else:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                text=True, start_new_session=True)
+    _, proc = _start(["-m", "launcher.rank", "--bundle", str(bundle)], nproc, None, stderr=subprocess.DEVNULL)
     # ``timeout`` is a hang detector on progress: the run is killed once it has printed nothing for that long
     # (a watchdog thread: the readline below blocks while nothing comes)
     seen, last, done = [], [time.monotonic()], threading.Event()

@@ -37,6 +37,10 @@ def ddp_config(*, parallel: ParallelConfig, precision: PrecisionConfig, on_gpu: 
         # Megatron-FSDP: parameters, gradients and optimizer state sharded over DP (ZeRO-3)
         use_megatron_fsdp=parallel.megatron_fsdp,
         data_parallel_sharding_strategy="optim_grads_params" if parallel.megatron_fsdp else "no_shard",
+        # Megatron-FSDP divides gradients inside NCCL's PREMUL_SUM reduce-scatter when this is on
+        # (megatron_fsdp/param_and_grad_buffer.py gradient_reduce_op); gloo has no PREMUL_SUM, so on CPU the
+        # gradients are scaled first and summed (the same arithmetic as Megatron DDP's). Only FSDP reads it.
+        gradient_reduce_div_fusion=on_gpu,
         # bucket_size stays None: DDP then applies Megatron-LM's default, max(40M, 1M x DP) elements, and
         # disables bucketing when the reduce is not overlapped (distributed_data_parallel.py)
         check_for_nan_in_grad=False)
@@ -48,13 +52,15 @@ def wrap_ddp(chunks: List[torch.nn.Module], *, parallel: ParallelConfig,
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.utils import get_model_config
 
-    from models.zero_bubble import te_modules
+    from models.zero_bubble import mark_deferred_weights, te_modules
 
     config = ddp_config(parallel=parallel, precision=precision, on_gpu=torch.cuda.is_available())
-    # zb_h1 on TE: weights with delayed wgrad get DDP's grad hook through their module's backward_dw
-    config.delay_wgrad_compute = any(te_modules(chunk) for chunk in chunks)
+    # zero bubble: weights with a deferred W get DDP's grad hook through their module (TE's backward_dw, or our
+    # local W step), so the hook sees the gradient and a bucket's reduce starts after its last W
+    local = sum([mark_deferred_weights(chunk) for chunk in chunks])
+    config.delay_wgrad_compute = bool(local) or any(te_modules(chunk) for chunk in chunks)
     model_config = get_model_config(chunks[0])
-    if parallel.megatron_fsdp:  # GPU only (validation refuses it elsewhere): Megatron-FSDP's wrapper
+    if parallel.megatron_fsdp:  # Megatron-FSDP's wrapper (on CPU through models/cpu_compat.py's FSDP bridges)
         from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
         return [FullyShardedDataParallel(config=model_config, ddp_config=config, module=chunk) for chunk in chunks]

@@ -17,10 +17,11 @@ same peer (Megatron's ``send_forward_recv_backward`` rule, so two stages never b
 NCCL's blocking sends), each receive waited right before the op that needs it. ``tests/test_nccl_semantics.py``
 replays the program, and the order the ranks really issue, under NCCL's rules for PP 2..16.
 
-Gradient reduction: a parameter's gradient is complete only after its last W, so the DP reduce (and the
-embedding/SP all-reduces) run once, in ``finalize_model_grads`` after the last W, as with 1F1B without
-``overlap_grad_reduce`` (validation refuses overlap_grad_reduce for zb_h1). The optimizer, clipping and the
-grad norm then see exactly 1F1B's gradients.
+Gradient reduction: a parameter's gradient is complete only after its last W. Without ``overlap_grad_reduce``
+the DP reduce (and the embedding/SP all-reduces) run once, in ``finalize_model_grads`` after the last W, as
+with 1F1B. With it, Megatron DDP's hook of a deferred weight runs in its W (``models/zero_bubble.py``), so in
+the last microbatch a bucket's reduce starts as soon as the last W of its weights has run (``_grad_sync``);
+``finalize_model_grads`` waits for them. The optimizer, clipping and the grad norm see 1F1B's gradients.
 """
 from __future__ import annotations
 
@@ -136,8 +137,6 @@ def forward_backward_zb_h1(*, forward_step_func, data_iterator, model, num_micro
     model = model[0] if isinstance(model, list) else model
     data_iterator = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
     config = get_model_config(model)
-    if config.no_sync_func is not None or config.grad_sync_func is not None:
-        raise ValueError("zb_h1 reduces gradients once after the last W; overlap_grad_reduce is not supported")
     pg = pg_collection or S._build_default_pg_collection()
     comm = p2p_communicator or P2PCommunicator(pp_group=parallel_state.get_pipeline_model_parallel_group(),
                                                config=config)
@@ -166,6 +165,10 @@ def forward_backward_zb_h1(*, forward_step_func, data_iterator, model, num_micro
                         _wait(reqs)
                 continue
             op, mb = event[1], event[1].microbatch
+            if op.kind != "F":
+                with _grad_sync(config, mb == num_microbatches - 1):
+                    _backward_op(op, tensors, inputs, outputs, config, first, last, recorder, te_dw)
+                continue
             if op.kind == "F":
                 x = tensors.pop(f"act{mb}") if not first else None
                 with _span(recorder, "F", mb):
@@ -178,22 +181,6 @@ def forward_backward_zb_h1(*, forward_step_func, data_iterator, model, num_micro
                 if not last:
                     tensors[f"act{mb}"] = out  # sent by the program's next post
                 inputs[mb], outputs[mb] = x, out
-            elif op.kind in ("B", "BW"):
-                grad = tensors.pop(f"grad{mb}") if not last else None
-                x, out = inputs.pop(mb), outputs.pop(mb)
-                S.deallocate_output_tensor(out, config.deallocate_pipeline_outputs)
-                with _span(recorder, op.kind, mb):
-                    grad_in = S.backward_step(x, out, grad, config)
-                    STORE.flush(mb, te_dw)
-                    if op.kind == "BW":
-                        STORE.pop(mb)
-                if not first:
-                    tensors[f"grad{mb}"] = grad_in[0] if isinstance(grad_in, list) else grad_in
-            elif op.kind == "W":
-                with _span(recorder, "W", mb):
-                    STORE.pop(mb)
-            else:
-                raise ValueError(f"op {op} is not F, B, W or BW")
     if requests:
         raise RuntimeError(f"p2p groups never waited: {sorted(requests)}")
     if STORE.pending():
@@ -202,6 +189,48 @@ def forward_backward_zb_h1(*, forward_step_func, data_iterator, model, num_micro
         config.finalize_model_grads_func([model], total_num_tokens if config.calculate_per_token_loss else None,
                                          pg_collection=pg, force_all_reduce=False)
     return forward_data_store
+
+
+def _grad_sync(config, last_microbatch: bool):
+    """Under ``overlap_grad_reduce`` (Megatron DDP's ``no_sync``/``register_grad_ready``): gradients of every
+    microbatch but the last accumulate without marking anything ready; in the last microbatch's B and W every
+    parameter is marked ready as its gradient completes (a deferred weight by its W), so each bucket's reduce
+    starts right after its last W, on every stage (Megatron's 1F1B starts it in the backward on the first stage
+    and leaves the other stages' to their bubble, which zero bubble has not)."""
+    if config.no_sync_func is None or last_microbatch:
+        return contextlib.nullcontext()
+    if isinstance(config.no_sync_func, list):
+        stack = contextlib.ExitStack()
+        for func in config.no_sync_func:
+            stack.enter_context(func())
+        return stack
+    return config.no_sync_func()
+
+
+def _backward_op(op, tensors: dict, inputs: dict, outputs: dict, config, first: bool, last: bool, recorder,
+                 te_dw) -> None:
+    """B (input gradient, W queued), BW (both) or W (the oldest queued microbatch's weight gradients)."""
+    from megatron.core.pipeline_parallel import schedules as S
+
+    from models.zero_bubble import STORE
+
+    mb = op.microbatch
+    if op.kind in ("B", "BW"):
+        grad = tensors.pop(f"grad{mb}") if not last else None
+        x, out = inputs.pop(mb), outputs.pop(mb)
+        S.deallocate_output_tensor(out, config.deallocate_pipeline_outputs)
+        with _span(recorder, op.kind, mb):
+            grad_in = S.backward_step(x, out, grad, config)
+            STORE.flush(mb, te_dw)
+            if op.kind == "BW":
+                STORE.pop(mb)
+        if not first:
+            tensors[f"grad{mb}"] = grad_in[0] if isinstance(grad_in, list) else grad_in
+    elif op.kind == "W":
+        with _span(recorder, "W", mb):
+            STORE.pop(mb)
+    else:
+        raise ValueError(f"op {op} is not F, B, W or BW")
 
 
 def _post(ops, tensors: dict, peers: dict, group, shape, config, recorder) -> tuple:
