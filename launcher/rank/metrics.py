@@ -154,7 +154,9 @@ def write_report(report_dir: Path, history: List[dict], evals: List[dict], final
     import matplotlib.pyplot as plt
 
     steps = [h["step"] for h in history]
-    fig, (ax_loss, ax_tput) = plt.subplots(1, 2, figsize=(10, 4))
+    # fixed margins, not tight_layout(): its text-extent pass was 40% of the report's 0.85 CPU s, on every run
+    fig, (ax_loss, ax_tput) = plt.subplots(1, 2, figsize=(10, 4), gridspec_kw=dict(
+        left=0.08, right=0.98, bottom=0.13, top=0.92, wspace=0.28))
     ax_loss.plot(steps, [h["loss"] for h in history], label="train")
     if evals:
         ax_loss.plot([e["step"] for e in evals], [e["loss"] for e in evals], "o-", label="valid")
@@ -162,6 +164,5 @@ def write_report(report_dir: Path, history: List[dict], evals: List[dict], final
     ax_loss.legend()
     ax_tput.plot(steps, [h["tokens_per_s"] for h in history])
     ax_tput.set(xlabel="step", ylabel="tokens/s", title="Throughput")
-    fig.tight_layout()
     fig.savefig(report_dir / "training.png", dpi=80)
     plt.close(fig)

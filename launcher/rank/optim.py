@@ -24,7 +24,7 @@ def ddp_config(*, parallel: ParallelConfig, precision: PrecisionConfig, on_gpu: 
         grad_reduce_in_fp32=precision.grad_reduce_in_fp32,
         use_distributed_optimizer=parallel.distributed_optimizer,
         # overlapping needs CUDA streams; on CPU the reduce runs after backward
-        overlap_grad_reduce=parallel.overlap_grad_reduce and on_gpu,
+        overlap_grad_reduce=parallel.overlap_grad_reduce and (on_gpu or parallel.megatron_fsdp),
         overlap_param_gather=parallel.overlap_param_gather and on_gpu and parallel.distributed_optimizer,
         # FP8 primary weights are re-quantised by the distributed optimizer only under fp8_param_gather
         # (optimizer/distrib_optimizer.py); Megatron-LM sets the two together (training/argument_utils.py).
