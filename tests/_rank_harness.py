@@ -66,6 +66,11 @@ def _start(target: List[str], nproc: int, extra_env: Optional[dict], stderr=subp
     env = dict(os.environ, **RANK_ENV, **(extra_env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *target]
     zygote = None if extra_env else _zygote_for(env)
+    if zygote is None and not extra_env and env.get("LAUNCHER_TEST_TORCHRUN") != "1":
+        import warnings  # shown in pytest's warnings summary (also under xdist): a slow run for a reason to fix
+
+        warnings.warn(f"rank harness: {' '.join(target[:3])} ran under torchrun, not the warm rank server: the "
+                      f"test process's environment differs from the server's in {import_time_diff(env)}")
     if zygote is None:
         return cmd, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
                                      start_new_session=True)
