@@ -748,22 +748,28 @@ def _validate_experts(c: _Checks, p: ParallelConfig, model: ModelConfig, lay: La
 
 # --------------------------------------------------------------------------------------------- schedule
 def zb_h1_rules(job: JobConfig) -> list[tuple]:
-    """What the ZB-H1 executor (launcher/rank/zero_bubble.py) trains, as (holds, field, value, rule, hint);
-    validate_schedule checks them all, the layout search those on fields it does not choose itself."""
-    p, zb = job.parallel, "zb_h1 (launcher/rank/zero_bubble.py)"
+    """What the zero-bubble executor (launcher/rank/zero_bubble.py) trains, as (holds, field, value, rule, hint);
+    validate_schedule checks them all, the layout search those on fields it does not choose itself. Recompute,
+    MoE experts (with router and shared experts), MTP, overlap_grad_reduce and the distributed optimizer are
+    supported (tests/test_zero_bubble.py: 1F1B's gradients, bitwise); what is refused here, upstream forbids."""
+    p, zb = job.parallel, f"{job.schedule.kind} (launcher/rank/zero_bubble.py)"
     return [
-        (p.pipeline > 1, "schedule.kind", job.schedule.kind, "zb_h1 needs parallel.pipeline > 1",
+        (p.pipeline > 1, "schedule.kind", job.schedule.kind, f"{job.schedule.kind} needs parallel.pipeline > 1",
          "parallel.pipeline=2 (or schedule.kind=1f1b)"),
-        (not p.overlap_grad_reduce, "parallel.overlap_grad_reduce", True, f"{zb} reduces gradients once "
-         "after the last W pass (a weight's gradient is complete only then)", "parallel.overlap_grad_reduce=false"),
-        (not job.model.num_experts, "model.num_experts", job.model.num_experts,
-         f"{zb} does not split the backward of MoE expert layers yet", "schedule.kind=1f1b"),
-        (job.train.recompute == "none", "train.recompute", job.train.recompute,
-         f"{zb} does not support activation recompute yet", "train.recompute=none"),
-        (not job.model.mtp_num_layers, "model.mtp_num_layers", job.model.mtp_num_layers,
-         f"{zb} does not support multi-token prediction yet", "model.mtp_num_layers=0"),
+        # Transformer Engine's Linear backward (transformer_engine/pytorch/module/linear.py:1290-1300, TE 2.20.0.dev0
+        # at d0067d0; layernorm_linear.py:1076 and layernorm_mlp.py:1690 the same): "Delayed weight grad
+        # computation is not supported with Userbuffers (tensor-parallel communication overlapping)" whenever the
+        # wgrad GEMM has a userbuffer, which Megatron-Core's default tp_comm_bulk_wgrad=True gives every
+        # column-parallel layer (model_parallel_config.py:271)
         (not p.tp_comm_overlap, "parallel.tp_comm_overlap", True,
-         f"{zb} does not support TE userbuffer TP overlap yet", "parallel.tp_comm_overlap=false"),
+         f"{zb} defers weight gradients with TE's delay_wgrad_compute, which Transformer Engine refuses with "
+         "userbuffer TP overlap (transformer_engine/pytorch/module/linear.py:1290: \"Delayed weight grad "
+         "computation is not supported with Userbuffers\")", "parallel.tp_comm_overlap=false"),
+        # megatron/core/pipeline_parallel/schedules.py:751: overlap_moe_expert_parallel_comm runs Megatron's
+        # combined 1F1B schedule instead of the one asked for
+        (not p.moe_a2a_overlap, "parallel.moe_a2a_overlap", True, f"{zb}: parallel.moe_a2a_overlap is "
+         "Megatron's combined 1F1B schedule (megatron/core/pipeline_parallel/schedules.py:751), a schedule of "
+         "its own", "parallel.moe_a2a_overlap=false"),
         # TE (2.7 .. 2.18) under FP8 computes the bias gradient in B (grad_output_preprocess) and gives the
         # delayed wgrad GEMM bias=None (linear.py: "bias": bias if (grad_bias is None and not fp8) else None);
         # its backward_dw then sets an empty bias grad from that None (base.py TransformerEngineBaseModule.

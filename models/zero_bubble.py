@@ -105,8 +105,7 @@ class WeightGradStore:
         keys = self._queue_keys.popleft()
         if microbatch is not None and mb != microbatch:
             raise RuntimeError(f"W slot for microbatch {microbatch} but the oldest pending W is {mb}")
-        for step in work:
-            step()
+        run_microbatch(work)
         self._release(keys)
         return mb
 
@@ -155,7 +154,7 @@ def _linear_autograd():
                 layers.dist_reduce_scatter_func(sub, grad_input, group=group)
                 grad_input = sub
             grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None
-            step = _wgrad_step(weight, grad_output_2d, total_input_2d, ctx.main_grad)
+            step = _Wgrad(weight, grad_output_2d, total_input_2d, ctx.main_grad)
             if STORE.capturing:
                 STORE.put(step, (grad_output_2d, total_input_2d))
             else:  # a backward outside a ZB schedule: W at once, through DDP's hook like the deferred one
@@ -165,12 +164,24 @@ def _linear_autograd():
     return DeferredWgradLinear
 
 
-def _wgrad_step(weight, grad_output, total_input, fused_main_grad) -> Callable[[], None]:
-    """The deferred W of one linear layer and microbatch: 1F1B's GEMM, added where 1F1B adds it."""
+class _Wgrad:
+    """The deferred W of one linear layer and microbatch: 1F1B's GEMM (``compute``), added where 1F1B adds it
+    (``finish``). A weight used several times in one microbatch (the output layer under MTP) gets one ``finish``
+    with the sum, as autograd sums a leaf's incoming gradients before its accumulator (and DDP's hook) runs once."""
+
+    __slots__ = ("weight", "grad_output", "total_input", "fused_main_grad")
+
+    def __init__(self, weight, grad_output, total_input, fused_main_grad) -> None:
+        self.weight, self.grad_output, self.total_input = weight, grad_output, total_input
+        self.fused_main_grad = fused_main_grad
 
     @torch.no_grad()  # outside autograd's backward: no graph for the GEMM or the accumulation
-    def run() -> None:
-        grad_weight = grad_output.t().matmul(total_input)
+    def compute(self):
+        return self.grad_output.t().matmul(self.total_input)
+
+    @torch.no_grad()
+    def finish(self, grad_weight) -> None:
+        weight, fused_main_grad = self.weight, self.fused_main_grad
         hooks = getattr(weight, ZB_HOOKS, None)
         if hooks:  # Megatron DDP's own grad hook, handed to the module (ddp_config.delay_wgrad_compute)
             if fused_main_grad is not None:  # gradient-accumulation fusion: the GEMM's sum is in main_grad
@@ -188,7 +199,27 @@ def _wgrad_step(weight, grad_output, total_input, fused_main_grad) -> Callable[[
         else:
             weight.grad.add_(grad_weight)
 
-    return run
+    def __call__(self) -> None:
+        self.finish(self.compute())
+
+
+def run_microbatch(work: list) -> None:
+    """Run one microbatch's W work in B's order: TE ``backward_dw`` callables as they are, local GEMMs with one
+    ``finish`` per weight, after its last use (autograd's ``old + new`` per extra use)."""
+    last = {id(w.weight): i for i, w in enumerate(work) if isinstance(w, _Wgrad)}
+    pending: dict = {}
+    for i, step in enumerate(work):
+        if not isinstance(step, _Wgrad):
+            step()
+            continue
+        key = id(step.weight)
+        grad = step.compute()
+        if key in pending:
+            grad = pending.pop(key) + grad
+        if last[key] == i:
+            step.finish(grad)
+        else:
+            pending[key] = grad
 
 
 _AUTOGRAD = None
@@ -284,7 +315,8 @@ def spec_mapping(te: bool) -> dict:
         return {ColumnParallelLinear: column, RowParallelLinear: row}
     from megatron.core.extensions import transformer_engine as mte
 
-    names = ("TELayerNormColumnParallelLinear", "TEColumnParallelLinear", "TERowParallelLinear", "TELinear")
+    names = ("TELayerNormColumnParallelLinear", "TEColumnParallelLinear", "TERowParallelLinear", "TELinear",
+             "TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear")  # MoE experts: TE GroupedLinear
     return {getattr(mte, n): _te_class(getattr(mte, n)) for n in names if getattr(mte, n, None) is not None}
 
 

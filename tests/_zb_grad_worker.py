@@ -48,15 +48,13 @@ def _overlap_on_cpu(parallel) -> None:
         return start(self, *args, **kwargs)
 
     pgb._ParamAndGradBucketGroup.start_grad_sync = recorded_start
-    put = zb.STORE.put
+    compute = zb._Wgrad.compute
 
-    def recorded_put(work, tensors=()):
-        def step():
-            EVENTS.append(("w",))
-            work()
-        put(step, tensors)
+    def recorded_compute(self):
+        EVENTS.append(("w",))
+        return compute(self)
 
-    zb.STORE.put = recorded_put
+    zb._Wgrad.compute = recorded_compute
 
 
 def one_step(job, layout, kind: str, bundle: Path, steps: int = 1):
@@ -96,8 +94,13 @@ def one_step(job, layout, kind: str, bundle: Path, steps: int = 1):
     w_total = sum(e[0] == "w" for e in schedule_events)
     started = [sum(e[0] == "w" for e in schedule_events[:i]) for i, e in enumerate(schedule_events)
                if e[0] == "reduce"]
+    from models.zero_bubble import ZB_ATTR
+
+    deferred = [m for m in model[0].modules() if getattr(type(m), ZB_ATTR, False)]
     return ([float(x["lm loss"]) for x in losses], grads, float(grad_norm), params,
-            {"reduce_started_after_w": started, "w_total": w_total})
+            {"reduce_started_after_w": started, "w_total": w_total, "deferred_linears": len(deferred),
+             "deferred_expert_linears": sum(bool(getattr(m, "is_expert", False)) for m in deferred),
+             "recompute_granularity": model[0].config.recompute_granularity})
 
 
 def main() -> int:

@@ -95,9 +95,6 @@ def test_recorder_times_gpu_ops_with_events_resolved_once_per_step():
 # ------------------------------------------------------------------------- validation and planner pictures
 @pytest.mark.parametrize("override,field", [
     ("parallel.pipeline=1", "schedule.kind"),
-    ("parallel.overlap_grad_reduce=true", "parallel.overlap_grad_reduce"),
-    ("train.recompute=selective", "train.recompute"),
-    ("model.mtp_num_layers=1", "model.mtp_num_layers"),
     ("parallel.virtual_pipeline=2", "parallel.virtual_pipeline"),
 ])
 def test_unsupported_zb_h1_combinations_are_refused_with_one_line(cli, override, field):
@@ -106,9 +103,28 @@ def test_unsupported_zb_h1_combinations_are_refused_with_one_line(cli, override,
     assert code == 2 and any(line.startswith(f"error: {field}=") for line in lines), err
 
 
-def test_moe_is_refused_for_zb_h1(cli):
-    code, _, err = cli("schedule.kind=zb_h1", "action=validate", "model.num_experts=4", "parallel.tensor=1")
-    assert code == 2 and "error: model.num_experts=4: zb_h1" in err
+def test_tp_comm_overlap_is_refused_quoting_transformer_engine(cli):
+    """TE refuses delayed wgrad with userbuffer TP overlap; llama405b (PP8, selective recompute, overlapped grad
+    reduce and param gather) with zb_h1 gets that one line, quoting where (file:line), and nothing else."""
+    code, _, err = cli("recipe=llama405b", "schedule.kind=zb_h1", "action=validate")
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith("error: parallel.tp_comm_overlap=True:") and \
+        "transformer_engine/pytorch/module/linear.py:1290" in lines[0]
+    code, _, err = cli("recipe=llama405b", "schedule.kind=zb_h1", "parallel.tp_comm_overlap=false", "action=validate")
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("overrides", [
+    ["parallel.tensor=1", "parallel.overlap_grad_reduce=true", "parallel.distributed_optimizer=true"],
+    ["train.recompute=selective"],
+    ["train.recompute=full"],
+    ["model.mtp_num_layers=1"],
+    ["parallel.tensor=1", "parallel.expert=2", "model.num_experts=4", "model.moe_shared_expert_intermediate_size=64"],
+])
+def test_production_settings_validate_with_zb_h1(cli, overrides):
+    code, out, err = cli("schedule.kind=zb_h1", "action=validate", *overrides)
+    assert code == 0, err
 
 
 def test_embedded_default_with_zb_h1_validates(cli):
@@ -134,28 +150,31 @@ def test_plan_draws_the_three_schedules_with_the_core_op_orders(cli, tmp_path):
 
 
 def test_search_treats_the_schedule_as_a_dimension():
-    """For an uninterleaved dense pipeline the search times both 1F1B and ZB-H1 (ZB-H1 with what its executor
-    trains: no recompute, gradients reduced after the last W); with DP=1 nothing is lost by not overlapping the
-    gradient reduction, so the ZB-H1 twin of every 1F1B layout is predicted faster. MoE gets no ZB-H1."""
+    """For an uninterleaved pipeline the search times both 1F1B and ZB-H1, ZB-H1 with the job's own overlaps and
+    the same recompute choices (only TE's userbuffer TP overlap is turned off, which TE refuses with deferred
+    weight gradients); with DP=1 no gradient reduce is exposed either way, so the ZB-H1 twin of every 1F1B layout
+    is predicted faster. MoE layouts get ZB-H1 twins too."""
     from launcher.config import compose_job
     from launcher.plan.search import candidates
     from launcher.plan.timing import step_time
 
-    job = compose_job(["recipe=llama3_8b", "cluster=h100", "train.global_batch_size=8"])
-    by_kind: dict = {}
-    for overrides, cand, lay in candidates(job):
-        if lay.pp > 1 and lay.vpp == 1 and lay.dp == 1:
-            key = tuple(o for o in overrides if not o.startswith(("schedule.kind=", "parallel.overlap_grad_reduce=")))
-            by_kind.setdefault(key, {})[cand.schedule.kind] = (cand, lay)
-    pairs = [v for v in by_kind.values() if "zb_h1" in v and "1f1b" in v]
-    assert pairs, "no ZB-H1 candidate next to a 1F1B one"
-    for pair in pairs:
-        zb, lay = pair["zb_h1"]
-        assert not zb.parallel.overlap_grad_reduce and zb.train.recompute == "none"
-        assert step_time(zb, lay).step_s < step_time(*pair["1f1b"]).step_s
-    assert all(len(v) == 2 or "zb_h1" not in v for v in by_kind.values())  # never ZB-H1 without its twin
-    moe = compose_job(["recipe=llama3_8b", "cluster=h100", "model.num_experts=8", "train.global_batch_size=8"])
-    assert all(c.schedule.kind != "zb_h1" for _, c, _ in candidates(moe))
+    for args in (["recipe=llama3_8b", "cluster=h100", "train.global_batch_size=8"],
+                 ["recipe=llama3_8b", "cluster=h100", "model.num_experts=8", "train.global_batch_size=8"]):
+        job = compose_job(args)
+        by_kind: dict = {}
+        for overrides, cand, lay in candidates(job):
+            if lay.pp > 1 and lay.vpp == 1 and lay.dp == 1:
+                key = tuple(o for o in overrides if not o.startswith(("schedule.kind=", "parallel.tp_comm_overlap=")))
+                by_kind.setdefault(key, {})[cand.schedule.kind] = (cand, lay)
+        pairs = [v for v in by_kind.values() if "zb_h1" in v and "1f1b" in v]
+        assert pairs, f"no ZB-H1 candidate next to a 1F1B one: {args}"
+        assert {p["zb_h1"][0].train.recompute for p in pairs} == {p["1f1b"][0].train.recompute for p in pairs}
+        for pair in pairs:
+            zb, lay = pair["zb_h1"]
+            assert zb.parallel.overlap_grad_reduce == job.parallel.overlap_grad_reduce
+            assert not zb.parallel.tp_comm_overlap
+            assert step_time(zb, lay).step_s < step_time(*pair["1f1b"]).step_s
+        assert all(len(v) == 2 or "zb_h1" not in v for v in by_kind.values())  # never ZB-H1 without its twin
 
 
 # ------------------------------------------------------------------------------- deferred W (one process)
@@ -280,6 +299,51 @@ def test_one_step_loss_and_every_gradient_equal_1f1b(tmp_path, name, nproc, lay)
             assert g["max_abs_diff"] <= RTOL * max(g["max_abs"], 1e-12), f"{name} rank {r} {pname}: {g}"
         assert rep["params_max_abs_diff"] <= RTOL  # the optimizer step (clipping at 0.5) saw the same grads
     assert any(rep["losses_1f1b"] for rep in reports)  # the last stage reported its microbatch losses
+
+
+# ------------------------------------------------------- the settings production recipes use (multi-process)
+# Why one or two steps and not 20: ZB changes only when each weight-gradient GEMM runs, so a wrong W (dropped,
+# doubled, another microbatch's, a bucket reduced before its last W) shows in the first step's gradients, which
+# are compared one by one, bitwise (a 20-step loss curve is a weaker check of the same thing). Overlapped
+# reduces need a second step: Megatron DDP learns each bucket's readiness counts in the first and starts
+# reduces from the backward only from the second (param_and_grad_buffer.py register_grad_ready).
+PRODUCTION = {
+    "moe_ep2_overlap_distopt": (4, 2, layout(pp=2, ep=2) + [
+        "model.num_experts=4", "model.moe_shared_expert_intermediate_size=64", "parallel.overlap_grad_reduce=true",
+        "parallel.distributed_optimizer=true"]),
+    "selective_mtp": (2, 1, layout(pp=2) + ["train.recompute=selective", "model.mtp_num_layers=1"]),
+    "full_recompute": (2, 1, layout(pp=2) + ["train.recompute=full"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRODUCTION))
+def test_production_settings_give_1f1b_gradients_bitwise(tmp_path, name):
+    """ZB-H1 with MoE (EP2, shared expert, router), overlap_grad_reduce and the distributed optimizer; with
+    selective recompute and an MTP layer; with full recompute: every gradient, loss, grad norm and updated
+    parameter equal Megatron's 1F1B's, bitwise (fp32). With overlap_grad_reduce, Megatron DDP's bucket reduces
+    start during the last microbatch's W pass (after the W GEMM of their last weight), not after the schedule."""
+    nproc, steps, lay = PRODUCTION[name]
+    out = tmp_path / "grads"
+    proc = run_worker(ROOT / "tests" / "_zb_grad_worker.py", [out, f"--steps={steps}", *GRAD_TINY, *lay,
+                                                               f"cluster.gpus_per_node={nproc}"], nproc, name)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    reports = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(nproc)]
+    for r, rep in enumerate(reports):
+        assert rep["losses_zb_h1"] == rep["losses_1f1b"] and rep["grad_norm_zb_h1"] == rep["grad_norm_1f1b"], r
+        assert rep["grads"] and all(g["max_abs_diff"] == 0.0 for g in rep["grads"].values()), (r, rep["grads"])
+        assert rep["params_max_abs_diff"] == 0.0
+        assert rep["deferred_linears"] >= 4  # the W really was split off
+    assert any(rep["losses_1f1b"] for rep in reports)
+    if "moe" in name:
+        assert all(rep["deferred_expert_linears"] == 8 for rep in reports)  # 2 layers x 2 local experts x fc1/fc2
+        for rep in reports:  # several buckets per stage; the first starts before the stage's last W GEMM
+            started = rep["reduce_started_after_w"]
+            assert started and started[0] < rep["w_total"] and started == sorted(started), rep
+        assert any(len(rep["reduce_started_after_w"]) > 1 for rep in reports)
+    if "recompute" in name:
+        assert all(rep["recompute_granularity"] == "full" for rep in reports)
+    if "selective" in name:
+        assert all(rep["recompute_granularity"] == "selective" for rep in reports)
 
 
 # ----------------------------------------------------------- 20-step curves + executed vs simulated order

@@ -185,9 +185,10 @@ def _recompute_options(job: JobConfig, te: bool) -> list[tuple[str, list]]:
     return out + [("full", [])]
 
 
-CHOSEN_FOR_ZB_H1 = {"schedule.kind", "parallel.overlap_grad_reduce", "train.recompute"}
-"""Fields of launcher.validate.zb_h1_rules the search sets itself for a ZB-H1 candidate (PP > 1, gradients
-reduced after the last W, no recompute)."""
+CHOSEN_FOR_ZB_H1 = {"schedule.kind", "parallel.tp_comm_overlap", "parallel.moe_a2a_overlap"}
+"""Fields of launcher.validate.zb_h1_rules the search sets itself for a zero-bubble candidate (PP > 1; TE's
+userbuffer TP overlap off, which TE refuses with deferred weight gradients, its loss priced by the planner;
+no combined-1F1B MoE overlap). Recompute and overlap_grad_reduce stay the job's (or the search's own choice)."""
 
 
 def _zb_h1_allowed(job: JobConfig) -> bool:
@@ -217,8 +218,8 @@ def _batch_and_recompute_for(job, fixed, kind, tp, cp, pp, vp, ep, split, fsdp=F
                sequence_parallel=tp > 1, distributed_optimizer=True, data=None, megatron_fsdp=fsdp, **split)
     if job.model.num_experts:
         par["expert_tensor"] = etp
-    if zb:  # ZB-H1 reduces gradients once after the last W (validate_schedule)
-        par["overlap_grad_reduce"] = False
+    if zb:  # TE refuses deferred weight gradients with userbuffer TP overlap (validate.zb_h1_rules)
+        par["tp_comm_overlap"] = False
     overlap = fixed.overlap and ep > 1 and (pp == 1 or vp > 1)  # what this layout allows of the job's overlap
     sched = dict(kind=kind, overlap_p2p_comm=kind == "interleaved",
                  batch_p2p_comm=job.schedule.batch_p2p_comm and not (kind == "interleaved" and pp == 2),
@@ -231,13 +232,13 @@ def _batch_and_recompute_for(job, fixed, kind, tp, cp, pp, vp, ep, split, fsdp=F
                "parallel.distributed_optimizer=true", *_split_overrides(split),
                f"parallel.megatron_fsdp={'true' if fsdp else 'false'}",
                f"schedule.kind={kind}", f"schedule.overlap_p2p_comm={'true' if kind == 'interleaved' else 'false'}"]
-    if zb:
-        layout.append("parallel.overlap_grad_reduce=false")
+    if zb and job.parallel.tp_comm_overlap:
+        layout.append("parallel.tp_comm_overlap=false")
     cluster = {}
     if fsdp and job.cluster.env.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":  # FSDP needs more than one queue
         cluster = dict(env={**job.cluster.env, "CUDA_DEVICE_MAX_CONNECTIONS": "8"})
         layout.append("cluster.env.CUDA_DEVICE_MAX_CONNECTIONS=8")
-    recomputes = [("none", [])] if zb else fixed.recomputes  # the ZB-H1 executor has no recompute yet
+    recomputes = fixed.recomputes
     for mbs in MICRO_BATCH_SIZES:
         sized = _with(job, parallel=par, schedule=sched, train=dict(micro_batch_size=mbs), **(
             {"cluster": cluster} if cluster else {}))

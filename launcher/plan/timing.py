@@ -490,7 +490,10 @@ def step_time(job: JobConfig, lay: Layout | None = None, exact: bool = True) -> 
     if par.megatron_fsdp:
         rs = ag = 0.0  # per layer, inside the stage costs
     c = costs[worst]
-    hide_rs = (c.b + c.w) if par.overlap_grad_reduce else 0.0  # last microbatch's backward
+    hide_rs = 0.0
+    if par.overlap_grad_reduce:  # behind the last microbatch's backward; under zero bubble its W only (a
+        # bucket's reduce starts after the last W of its weights, launcher/rank/zero_bubble.py _grad_sync)
+        hide_rs = c.w if job.schedule.kind == "zb_h1" and p > 1 else c.b + c.w
     hide_ag = c.f if (par.overlap_param_gather and par.distributed_optimizer) else 0.0  # first forward
     dp_exposed = max(0.0, rs - hide_rs) + max(0.0, ag - hide_ag)
     # Optimizer: read/write fp32 master + 2 moments, read grads, write params, on this rank's shard.
