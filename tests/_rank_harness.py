@@ -63,7 +63,7 @@ def _start(target: List[str], nproc: int, extra_env: Optional[dict], stderr=subp
     arguments): forked from the warm rank server where it serves this environment, else torchrun itself. An
     explicit ``extra_env`` always means torchrun (a test that sets variables wants fresh interpreters).
     Returns the torchrun command the run stands for and the process (stdout a text pipe)."""
-    env = dict(os.environ, **RANK_ENV, **(extra_env or {}))
+    env = run_env(extra_env)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", *target]
     zygote = None if extra_env else _zygote_for(env)
     if zygote is None and not extra_env and env.get("LAUNCHER_TEST_TORCHRUN") != "1":
@@ -147,15 +147,26 @@ others may differ freely (SLURM_JOB_ID, LAUNCHER_*, a preprocessor's RAYON_NUM_T
 a run that differs in one of these goes to torchrun."""
 
 
-SET_BY_LIBRARIES = ("TORCHINDUCTOR_CACHE_DIR",)
-"""Import-time variables a library writes into its own process's environment: TorchInductor's ``cache_dir()``
-stores its default (``/tmp/torchinductor_<user>``) in os.environ the first time anything in the test worker
-compiles or imports ``torch._inductor``; a rank computes the same default itself. Without this, one in-process
-HF test sent every later run of that worker to torchrun (CI: test_one_rank_dying_stops_the_others failed)."""
+SET_BY_LIBRARIES = ("TORCHINDUCTOR_CACHE_DIR", "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+"""Variables (prefixes) a library writes into its own process's environment, derived from defaults or from a model
+it built: TorchInductor's ``cache_dir()`` stores ``/tmp/torchinductor_<user>``; Megatron-Core's
+``LanguageModule._set_attention_backend`` (language_module.py:114-142) sets NVTE_{FLASH,FUSED,UNFUSED}_ATTN[_V*]
+from the model's attention backend, and asserts on a conflicting value already there. A test that built a model
+in-process must not hand them to the next run (whose model may use another backend), and they must not send it to
+torchrun (CI: one in-process HF test, and every later run of that worker went to torchrun). A run gets them as
+the session started, like every rank computes them itself."""
+
+
+def run_env(extra: Optional[dict] = None) -> dict:
+    """The environment of a test run's ranks: the test process's, less what libraries wrote into it
+    (SET_BY_LIBRARIES, restored to the session's start), plus RANK_ENV and ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(SET_BY_LIBRARIES)}
+    env.update({k: v for k, v in _SESSION_ENV.items() if k.startswith(SET_BY_LIBRARIES)})
+    return dict(env, **RANK_ENV, **(extra or {}))
 
 
 def _import_time(env: dict) -> dict:
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES) and k not in SET_BY_LIBRARIES}
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)}
 
 
 def import_time_diff(env: dict) -> list:

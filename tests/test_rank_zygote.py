@@ -30,7 +30,7 @@ def test_one_rank_dying_stops_the_others_and_fails_the_run(tmp_path):
     import _rank_harness
 
     bundle = write_bundle(tmp_path / "b", TINY + layout(tp=2) + ["train.train_steps=100000"], 2)
-    env = dict(os.environ, **_rank_harness.RANK_ENV)
+    env = _rank_harness.run_env()
     zygote = _rank_harness._zygote_for(env)
     assert zygote is not None, ("the test environment should be the one the rank server serves; differs in "
                                 f"{_rank_harness.import_time_diff(env)}")
@@ -50,15 +50,25 @@ def test_one_rank_dying_stops_the_others_and_fails_the_run(tmp_path):
     assert not (bundle / "DONE").exists()
 
 
-def test_a_library_writing_its_cache_dir_into_the_worker_does_not_send_runs_to_torchrun(monkeypatch):
-    """CI: an in-process test made TorchInductor store TORCHINDUCTOR_CACHE_DIR in the worker's os.environ, and every
-    later run of that worker went to torchrun. A variable a test sets itself still does."""
-    from _rank_harness import RANK_ENV, import_time_diff
+def test_what_libraries_write_into_the_test_process_reaches_no_run_and_keeps_the_server(monkeypatch):
+    """CI: an in-process test made TorchInductor store TORCHINDUCTOR_CACHE_DIR, and one that built a GPTModel made
+    Megatron-Core set NVTE_*_ATTN, in the worker's os.environ: every later run of that worker went to torchrun, with
+    the other model's attention backend in its environment. A variable a test sets itself still counts."""
+    from _rank_harness import import_time_diff, run_env
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.transformer.enums import AttnBackend
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        monkeypatch.delenv(name, raising=False)
     cache_dir()
-    assert "TORCHINDUCTOR_CACHE_DIR" in os.environ  # the premise: the library writes it
-    assert import_time_diff(dict(os.environ, **RANK_ENV)) == []
+
+    class Model:  # just what _set_attention_backend reads
+        config = type("Config", (), {"attention_backend": AttnBackend.local, "flash_attention_version": None})
+
+    LanguageModule._set_attention_backend(Model())
+    assert {"TORCHINDUCTOR_CACHE_DIR", "NVTE_FLASH_ATTN"} <= set(os.environ)  # the premise: the libraries write them
+    env = run_env()
+    assert import_time_diff(env) == [] and "NVTE_FLASH_ATTN" not in env
     monkeypatch.setenv("MKL_NUM_THREADS", "7")
-    assert import_time_diff(dict(os.environ, **RANK_ENV)) == ["MKL_NUM_THREADS"]
+    assert import_time_diff(run_env()) == ["MKL_NUM_THREADS"]
