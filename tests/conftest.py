@@ -16,6 +16,15 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+# A suite started in the background by a non-interactive shell (`make test &`, a CI step, the load benchmark)
+# inherits SIGINT ignored, and every process it starts keeps it ignored (exec keeps SIG_IGN): the launcher's
+# Ctrl-C path then never runs and test_signals' Ctrl-C test trains to its end. A terminal's foreground job has
+# SIGINT at its default; so do the suite's processes.
+import signal as _signal  # noqa: E402
+
+if _signal.getsignal(_signal.SIGINT) is _signal.SIG_IGN:
+    _signal.signal(_signal.SIGINT, _signal.default_int_handler)
+
 RECIPES = sorted(p.stem for p in (ROOT / "recipes" / "recipe").glob("*.yaml"))
 
 
