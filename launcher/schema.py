@@ -206,8 +206,9 @@ class ParallelConfig:
     megatron_fsdp: bool = False
     """Megatron-Core FSDP (use_megatron_fsdp, sharding strategy optim_grads_params; ZeRO-3 in the usual terms):
     parameters, gradients and optimizer state sharded over DP x CP, each layer's parameters all-gathered in
-    forward and backward and its gradients reduce-scattered, overlapped with compute. GPU only; needs
-    distributed_optimizer and (in this launcher) parallel.pipeline=1."""
+    forward and backward and its gradients reduce-scattered, overlapped with compute (on GPU; on CPU the same
+    Megatron-FSDP code runs over gloo without overlap). Needs distributed_optimizer and (in this launcher)
+    parallel.pipeline=1; checkpoints are written in the fsdp_dtensor format."""
     overlap_grad_reduce: bool = True
     """Overlap the data-parallel gradient reduce-scatter with backward (GPU)."""
     overlap_param_gather: bool = True
@@ -378,7 +379,8 @@ class CheckpointConfig:
     keep_last: Optional[int] = None
     """Keep only the newest n checkpoints; null keeps all."""
     format: str = choice("torch_dist", CHECKPOINT_FORMATS)
-    """dist_checkpointing backend format."""
+    """dist_checkpointing backend format. Under parallel.megatron_fsdp the ranks write Megatron-FSDP's own
+    fsdp_dtensor format instead (DCP DTensors; the only one Megatron-FSDP writes, as in Megatron-LM)."""
     load: Optional[str] = None
     """Start from this checkpoint (an iter_* directory, or a checkpoint dir whose newest complete checkpoint
     is used) even if it belongs to another run or layout (fine-tune, changed TP/PP/DP); this run's own

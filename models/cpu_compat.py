@@ -17,8 +17,8 @@ Three method-level assumptions cannot be reached through a module's ``torch`` na
 one function that makes them: ``Tensor.type() == 'torch.cuda.FloatTensor'`` checks (clip_grads, the
 distributed / float16 optimizers) and ``Tensor.cuda()`` when first/last pipeline stages share embeddings.
 
-Megatron-FSDP (``parallel.megatron_fsdp``) runs on CPU through the same proxy, given to its modules
-(FSDP_MODULES) with two more mappings: ``torch.device('cuda:...')`` -> cpu (mcore_fsdp_adapter.py:156,
+Megatron-FSDP (``parallel.megatron_fsdp``) runs on CPU through the same proxy, which :func:`apply_fsdp` gives
+its modules (FSDP_MODULES) with two more mappings: ``torch.device('cuda:...')`` -> cpu (mcore_fsdp_adapter.py:156,
 megatron_fsdp.py:232 build the device from ``current_device()``) and ``DeviceMesh.from_group(device_type='cuda')``
 -> a CPU mesh (mcore_fsdp_adapter.py:407-449); ``Tensor.cuda()`` in ``validate_uneven_dtensor``
 (uneven_dtensor.py:187) is the identity. Its gradient reduce divides inside NCCL's PREMUL_SUM unless
@@ -297,17 +297,21 @@ def apply() -> bool:
 
     language_module = importlib.import_module("megatron.core.models.common.language_module.language_module")
     _wrap(language_module.LanguageModule, "setup_embeddings_and_output_layer", _tensor_cuda_is_identity)
-    _apply_fsdp()
     _APPLIED = True
     return True
 
 
-def _apply_fsdp() -> None:
-    """Megatron-FSDP's modules, when it imports (it needs einops: mcore_fsdp_adapter.py:556)."""
-    try:
-        modules = [importlib.import_module(name) for name in FSDP_MODULES]
-    except ImportError:  # Megatron-FSDP unavailable: the rank wing says so when a job asks for it
-        return
+_FSDP_APPLIED = False
+
+
+def apply_fsdp() -> bool:
+    """The Megatron-FSDP bridges (only without CUDA; once; imports Megatron-FSDP, so only for a job that uses
+    it: launcher/rank/optim.py calls it before wrapping). Returns True when this call applied them."""
+    global _FSDP_APPLIED
+    if _FSDP_APPLIED or torch.cuda.is_available():
+        return False
+    apply()
+    modules = [importlib.import_module(name) for name in FSDP_MODULES]
     for module in modules:
         module.torch = TORCH_ON_CPU_FSDP
         if "DeviceMesh" in vars(module):
@@ -316,6 +320,8 @@ def _apply_fsdp() -> None:
     _wrap(uneven, "validate_uneven_dtensor", _tensor_cuda_is_identity)
     buffer = importlib.import_module("megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer")
     buffer.validate_uneven_dtensor = uneven.validate_uneven_dtensor  # imported by name before the wrap
+    _FSDP_APPLIED = True
+    return True
 
 
 def is_applied() -> bool:

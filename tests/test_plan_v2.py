@@ -82,9 +82,11 @@ def test_fsdp_shards_weights_and_gradients_over_dp():
     assert fsdp["comm_buffers"] > zero1["comm_buffers"]  # unsharded layers in flight
 
 
-def test_fsdp_refused_on_cpu_and_with_pipeline():
-    cpu = compose_job(["recipe=smoke", "parallel.megatron_fsdp=true", "parallel.tensor=1", "parallel.pipeline=1"])
-    assert any("GPU clusters only" in e for e in _errors(cpu, "parallel.megatron_fsdp"))
+def test_fsdp_runs_on_cpu_but_is_refused_with_pipeline_or_without_the_distributed_optimizer():
+    cpu = ["recipe=smoke", "parallel.megatron_fsdp=true", "parallel.tensor=1", "parallel.pipeline=1"]
+    assert not _errors(compose_job([*cpu, "parallel.distributed_optimizer=true"]), "parallel.megatron_fsdp")
+    assert any("distributed_optimizer=true" in e
+               for e in _errors(compose_job([*cpu, "parallel.distributed_optimizer=false"]), "parallel.megatron_fsdp"))
     pp = compose_job(["recipe=llama3_70b", "parallel.megatron_fsdp=true"])
     assert any("pipeline=1" in e for e in _errors(pp, "parallel.megatron_fsdp"))
 

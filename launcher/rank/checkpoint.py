@@ -37,6 +37,7 @@ import torch
 
 from launcher.core import dirlock
 from launcher.core.weights import weights_of
+from launcher.rank import fsdp_checkpoint
 from models.backend import compute_device
 
 LATEST = "latest"
@@ -59,8 +60,13 @@ class CheckpointError(Exception):
 DEFAULT_OPTIMIZER_FORMAT = "dp_reshardable"
 
 
+TORCH_DIST = "torch_dist"
+"""The format of a checkpoint whose manifest names none (written before fsdp_dtensor existed here)."""
+
+
 def check_options(checkpoint) -> None:
-    """What this writer supports: torch_dist, synchronous saves (validation refuses the rest first)."""
+    """What this writer supports: torch_dist (fsdp_dtensor under parallel.megatron_fsdp: launcher/core/
+    checkpoint_format.py), synchronous saves (validation refuses the rest first)."""
     if checkpoint.format != "torch_dist":
         raise ValueError(f"checkpoint.format={checkpoint.format!r} is not supported; use torch_dist")
     if checkpoint.async_save:
@@ -475,8 +481,9 @@ def _own_crcs(tmp: Path, checksum: bool) -> dict:
 
 def save(ckpt_dir: Path, *, model, optimizer, scheduler, step: int, consumed: int, keep_last=None,
          identity: Optional[dict] = None, checksum: bool = False,
-         optimizer_format: str = DEFAULT_OPTIMIZER_FORMAT) -> Path:
+         optimizer_format: str = DEFAULT_OPTIMIZER_FORMAT, fmt: str = TORCH_DIST) -> Path:
     """Save collectively (every rank calls), then publish atomically from rank 0; returns the checkpoint.
+    ``fmt``: torch_dist (dist_checkpointing) or fsdp_dtensor (Megatron-FSDP: launcher/rank/fsdp_checkpoint.py).
 
     Never replaces a complete checkpoint of another run. A failed write (disk full, I/O error) raises
     CheckpointError on every rank and publishes nothing."""
@@ -501,10 +508,14 @@ def save(ckpt_dir: Path, *, model, optimizer, scheduler, step: int, consumed: in
                 message = dir_error(ckpt_dir, exc)
     agree_or_raise(message)
     start = time.perf_counter()
-    state = _sharded_state(model, optimizer, scheduler, step, consumed, is_loading=False,
-                           optimizer_format=optimizer_format)
     try:
-        dist_checkpointing.save(state, str(tmp), save_strategy())
+        if fmt == fsdp_checkpoint.FORMAT:
+            fsdp_checkpoint.save(tmp, model=model, optimizer=optimizer, scheduler=scheduler, step=step,
+                                 consumed=consumed)
+        else:
+            state = _sharded_state(model, optimizer, scheduler, step, consumed, is_loading=False,
+                                   optimizer_format=optimizer_format)
+            dist_checkpointing.save(state, str(tmp), save_strategy())
         message, crcs = None, _own_crcs(tmp, checksum)
     except BaseException as exc:  # torch's CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
@@ -520,7 +531,8 @@ def save(ckpt_dir: Path, *, model, optimizer, scheduler, step: int, consumed: in
     if message is None and rank == 0:
         try:
             _publish(ckpt_dir, tmp, final, step=step, identity=identity, crcs=all_crcs,
-                     seconds=time.perf_counter() - start, rng=rng_layout(), optimizer_format=optimizer_format)
+                     seconds=time.perf_counter() - start, rng=rng_layout(), optimizer_format=optimizer_format,
+                     fmt=fmt)
             _prune(ckpt_dir, keep_last, run_hash(identity))
         except OSError as exc:
             message = (f"publishing {final} failed: no space left on device" if exc.errno == errno.ENOSPC
@@ -532,12 +544,12 @@ def save(ckpt_dir: Path, *, model, optimizer, scheduler, step: int, consumed: in
 
 
 def _publish(ckpt_dir: Path, tmp: Path, final: Path, *, step: int, identity: dict, crcs: list,
-             seconds: float, rng: list, optimizer_format: str) -> None:
+             seconds: float, rng: list, optimizer_format: str, fmt: str = TORCH_DIST) -> None:
     """Rank 0: the manifest last (it makes the directory a checkpoint), then the rename, then ``latest``."""
     merged = {k: v for part in crcs for k, v in part.items()}
     files = {rel: {"size": (tmp / rel).stat().st_size, "crc32": merged.get(rel)} for rel in _files_of(tmp)}
     manifest = {"step": step, "run": run_hash(identity), "identity": identity, "files": files, "rng_layout": rng,
-                "optimizer_format": optimizer_format,
+                "optimizer_format": optimizer_format, "format": fmt,
                 "saved_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "save_seconds": round(seconds, 3)}
     _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
@@ -680,7 +692,7 @@ def _plan_resume(ckpt_dir: Path, identity: dict, load_from: Optional[str]) -> di
 
 
 def resume(ckpt_dir: Path, *, identity: dict, load_from: Optional[str], checksum: bool, model, optimizer,
-           scheduler, warn: Callable[[str], None], distributed_optimizer: bool = False
+           scheduler, warn: Callable[[str], None], distributed_optimizer: bool = False, fmt: str = TORCH_DIST
            ) -> Tuple[int, int, Optional[Path]]:
     """Collective: load the newest loadable checkpoint; returns (step, consumed samples, its path or None).
 
@@ -704,9 +716,13 @@ def resume(ckpt_dir: Path, *, identity: dict, load_from: Optional[str], checksum
                 raise CheckpointError(f"checkpoint.load={path}: {error}; name a checkpoint of this model"
                                       + (f", or set {hint}" if hint else ""))
         with_rng = manifest.get("rng_layout") == rng_layout()  # unknown (no manifest): not restored
-        fmt = manifest.get("optimizer_format", DEFAULT_OPTIMIZER_FORMAT)
+        opt_fmt = manifest.get("optimizer_format", DEFAULT_OPTIMIZER_FORMAT)
         saved_dp = (manifest.get("rng_layout") or [None] * 3)[2]
-        if error is None and distributed_optimizer and fmt == "dp_reshardable" and saved_dp not in (None, rng_layout()[2]):
+        saved_fmt = manifest.get("format") or (fsdp_checkpoint.FORMAT if _is_dcp_only(path) else TORCH_DIST)
+        if error is None and saved_fmt != fmt:  # the same job cannot read it: nothing to fall back to
+            raise CheckpointError(format_mismatch(path, saved_fmt, fmt))
+        if (error is None and distributed_optimizer and fmt == TORCH_DIST and opt_fmt == "dp_reshardable"
+                and saved_dp not in (None, rng_layout()[2])):
             error = (f"its distributed-optimizer state was saved with checkpoint.optimizer_format=dp_reshardable at "
                      f"DP={saved_dp}, this run has DP={rng_layout()[2]}; resume at DP={saved_dp}, or save with "
                      "checkpoint.optimizer_format=fully_reshardable")
@@ -716,7 +732,8 @@ def resume(ckpt_dir: Path, *, identity: dict, load_from: Optional[str], checksum
         if error is None:
             try:
                 step, consumed = load(path, model=model, optimizer=optimizer, scheduler=scheduler,
-                                      with_rng=with_rng, optimizer_format=fmt, weights_only=weights_only)
+                                      with_rng=with_rng, optimizer_format=opt_fmt, weights_only=weights_only,
+                                      fmt=fmt)
             except BaseException as exc:  # noqa: BLE001 - any load failure means: try the previous checkpoint
                 # (torch.distributed.checkpoint's CheckpointException is a BaseException: caught by `except
                 # Exception`, the rank whose shard was bad died while the others waited for it)
@@ -739,6 +756,20 @@ def resume(ckpt_dir: Path, *, identity: dict, load_from: Optional[str], checksum
         raise CheckpointError(f"no checkpoint in {Path(plan['candidates'][0][0]).parent} could be loaded (tried "
                               f"{', '.join(tried)}); fix or remove them, or set checkpoint.resume=false to start fresh")
     return 0, 0, None
+
+
+def _is_dcp_only(path: Path) -> bool:
+    """A torch.distributed.checkpoint directory that dist_checkpointing did not write (no metadata.json): how an
+    fsdp_dtensor checkpoint without our manifest (Megatron-LM's) looks."""
+    return (Path(path) / ".metadata").is_file() and not (Path(path) / "metadata.json").is_file()
+
+
+def format_mismatch(path: Path, saved: str, fmt: str) -> str:
+    """The one line for a checkpoint in the other format (torch_dist <-> fsdp_dtensor)."""
+    switch = "parallel.megatron_fsdp=true" if saved == fsdp_checkpoint.FORMAT else "parallel.megatron_fsdp=false"
+    writer = "Megatron-FSDP" if fmt == fsdp_checkpoint.FORMAT else "Megatron DDP"
+    return (f"checkpoint {path} is in the {saved} format and this run reads {fmt} (the only one {writer} reads "
+            f"here); continue it with {switch} (converting between the two formats is not implemented yet)")
 
 
 class _MissingIsNone(dict):
@@ -796,7 +827,7 @@ def _continue_hint(manifest: dict, identity: dict) -> str:
 
 
 def load(path: Path, *, model, optimizer, scheduler, with_rng: bool = True,
-         optimizer_format: str = DEFAULT_OPTIMIZER_FORMAT, weights_only: bool = False) -> tuple:
+         optimizer_format: str = DEFAULT_OPTIMIZER_FORMAT, weights_only: bool = False, fmt: str = TORCH_DIST) -> tuple:
     """Load a checkpoint into model/optimizer/scheduler/RNG; returns (step, consumed_samples). A weights-only
     checkpoint (``import-hf``) loads the model's weights alone and starts at step 0 (Megatron-LM's --finetune with
     --no-load-optim --no-load-rng): the optimizer's fp32 main parameters are copied from the loaded weights."""
@@ -811,6 +842,13 @@ def load(path: Path, *, model, optimizer, scheduler, with_rng: bool = True,
         if hasattr(optimizer, "reload_model_params"):
             optimizer.reload_model_params()
         return 0, 0
+    if fmt == fsdp_checkpoint.FORMAT:
+        step, consumed, snapshot = fsdp_checkpoint.load(path, model=model, optimizer=optimizer, scheduler=scheduler,
+                                                        with_rng=with_rng)
+        if snapshot is not None:
+            _LOADED_RNG["snapshot"] = snapshot
+            _rng_restore(snapshot)
+        return step, consumed
     _materialize_optimizer_state(optimizer)
     _tolerate_missing_adam_step()
     template = _sharded_state(model, optimizer, scheduler, 0, 0, is_loading=True, optimizer_format=optimizer_format)

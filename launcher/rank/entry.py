@@ -151,6 +151,7 @@ def _build_and_train(bundle, console, job, layout, ckpt_dir, identity, lock, att
 def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp, ckpt_dir, identity, lock,
                   attempt) -> int:
     from launcher.core import signal_lead
+    from launcher.core.checkpoint_format import checkpoint_format
     from launcher.core.flops import flops_per_token
     from launcher.rank import checkpoint as ckpt, data, loop, metrics, profiling, progress, setup
     from megatron.core import parallel_state as ps
@@ -169,7 +170,8 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
         lp.step, lp.consumed, latest = ckpt.resume(ckpt_dir, identity=identity, load_from=job.checkpoint.load,
                                                    checksum=checksum, model=model, optimizer=optimizer,
                                                    scheduler=scheduler, warn=console.line,
-                                                   distributed_optimizer=job.parallel.distributed_optimizer)
+                                                   distributed_optimizer=job.parallel.distributed_optimizer,
+                                                   fmt=checkpoint_format(job))
         if latest is not None:
             console.line(f"resumed from {latest} at step {lp.step} ({lp.consumed} samples consumed)")
     saved_at = lp.step
@@ -194,7 +196,8 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
         started = time.perf_counter()
         path = ckpt.save(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler, step=lp.step,
                          consumed=lp.consumed, keep_last=job.checkpoint.keep_last, identity=identity,
-                         checksum=checksum, optimizer_format=job.checkpoint.optimizer_format)
+                         checksum=checksum, optimizer_format=job.checkpoint.optimizer_format,
+                         fmt=checkpoint_format(job))
         console.line(f"saved checkpoint {path}")
         attempt.update(saved=lp.step)
         took = time.perf_counter() - started

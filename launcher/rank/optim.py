@@ -24,7 +24,7 @@ def ddp_config(*, parallel: ParallelConfig, precision: PrecisionConfig, on_gpu: 
         grad_reduce_in_fp32=precision.grad_reduce_in_fp32,
         use_distributed_optimizer=parallel.distributed_optimizer,
         # overlapping needs CUDA streams; on CPU the reduce runs after backward
-        overlap_grad_reduce=parallel.overlap_grad_reduce and (on_gpu or parallel.megatron_fsdp),
+        overlap_grad_reduce=parallel.overlap_grad_reduce and on_gpu,
         overlap_param_gather=parallel.overlap_param_gather and on_gpu and parallel.distributed_optimizer,
         # FP8 primary weights are re-quantised by the distributed optimizer only under fp8_param_gather
         # (optimizer/distrib_optimizer.py); Megatron-LM sets the two together (training/argument_utils.py).
@@ -63,6 +63,10 @@ def wrap_ddp(chunks: List[torch.nn.Module], *, parallel: ParallelConfig,
     if parallel.megatron_fsdp:  # Megatron-FSDP's wrapper (on CPU through models/cpu_compat.py's FSDP bridges)
         from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
+        if not torch.cuda.is_available():
+            from models import cpu_compat
+
+            cpu_compat.apply_fsdp()
         return [FullyShardedDataParallel(config=model_config, ddp_config=config, module=chunk) for chunk in chunks]
     return [DistributedDataParallel(config=model_config, ddp_config=config, module=chunk,
                                     disable_bucketing=i > 0)  # only the first chunk overlaps (Megatron)
