@@ -108,9 +108,9 @@ def test_a_crash_that_repeats_at_the_same_step_stops_after_the_first_repeat(tmp_
 
 
 def test_the_job_script_does_not_requeue_a_run_without_progress(slurm_cluster, tmp_path):
-    from test_slurm_localhost import Job, log_of, render
+    from test_slurm_localhost import ONE_RANK, Job, log_of, render
 
-    bundle = render(tmp_path, *TINY[1:], "data=mock", "train.train_steps=20", "checkpoint.save_interval=5",
+    bundle = render(tmp_path, *TINY[1:], *ONE_RANK, "data=mock", "train.train_steps=20", "checkpoint.save_interval=5",
                     "cluster.max_restarts=2", "slurm.max_requeues=3", "data.num_workers=0")
     env = _crash_env(8, 0)
     submit = subprocess.run(["sbatch", "--parsable", str(bundle.sbatch)], env=env, capture_output=True, text=True,

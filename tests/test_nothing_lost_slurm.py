@@ -7,7 +7,7 @@ import re
 import subprocess
 import time
 
-from test_slurm_localhost import FINAL, Job, job_info, log_of, render, slurm  # noqa: F401  (slurm: fixture)
+from test_slurm_localhost import FINAL, ONE_RANK, Job, job_info, log_of, render, slurm  # noqa: F401  (slurm: fixture)
 
 TINY_STEPS = ["model.num_layers=4", "model.hidden_size=64", "model.ffn_hidden_size=128",
               "model.num_attention_heads=4", "model.num_query_groups=2", "model.seq_length=64",
@@ -39,7 +39,7 @@ def test_time_limit_checkpoints_requeues_and_finishes_without_retraining_a_step(
     # 50 ms (idle cores) or 150 ms (a loaded machine). The requeued start trains what is left, so a later
     # window would only cost time (lead 70 s and 800 steps took 170 s); it gets a 10-minute limit
     # (_extend_limit_once_requeued) and finishes.
-    bundle = render(tmp_path, *TINY_STEPS, f"train.train_steps={total}", "slurm.time=00:02:00",
+    bundle = render(tmp_path, *TINY_STEPS, *ONE_RANK, f"train.train_steps={total}", "slurm.time=00:02:00",
                     "slurm.signal_lead_s=85", "slurm.max_requeues=12",
                     # the ranks' own stop guard (2 x save + a step + margin) must not beat USR1 here: on loaded
                     # cores a save took 7 s, which with the default 60 s margin needs 75 s, close to the 85 s lead

@@ -32,6 +32,11 @@ FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
 # The profile's python (.venv/bin/python, relative to the checkout) is replaced by this interpreter, so the
 # tests also work from a virtual environment elsewhere.
 PROFILE = ["cluster=slurm_local", f"cluster.python={sys.executable}"]
+ONE_RANK = ["cluster.gpus_per_node=1", "parallel.tensor=1", "parallel.pipeline=1"]
+"""For a test of Slurm's side (time limit, signal, requeue, no-progress rule) where the ranks' layout plays no
+part: one rank instead of the smoke recipe's four trains a step of this size in the same wall time on 1/4 of the
+CPU, and starts 3 fewer interpreters per attempt (~7 CPU s each). The real 4-rank path stays covered by
+test_smoke_training_through_slurm and test_smoke_training_checkpoints_on_usr1_and_resumes_after_requeue."""
 
 
 @pytest.fixture(scope="module")
