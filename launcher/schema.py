@@ -27,7 +27,7 @@ MOE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 MOE_DISPATCHERS = ("alltoall", "allgather", "flex")
 MOE_FLEX_BACKENDS = ("deepep", "hybridep")
-SCHEDULES = ("1f1b", "interleaved", "zb_h1")
+SCHEDULES = ("1f1b", "interleaved", "zb_h1", "zb_v")
 DTYPES = ("bf16", "fp16", "fp32")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 FP8_FORMATS = ("hybrid", "e4m3")
@@ -243,7 +243,8 @@ class ScheduleConfig:
     """Pipeline schedule."""
 
     kind: str = choice("1f1b", SCHEDULES)
-    """Pipeline schedule: 1f1b, interleaved (needs virtual_pipeline > 1) or zb_h1 (zero bubble)."""
+    """Pipeline schedule: 1f1b, interleaved (needs virtual_pipeline > 1), zb_h1 (zero bubble) or zb_v (zero
+    bubble over two model chunks per rank placed in a V; needs virtual_pipeline = 2)."""
     microbatch_group_size: Optional[int] = None
     """Interleaved: microbatches run per virtual stage before switching; null means the pipeline size."""
     batch_p2p_comm: bool = True

@@ -779,6 +779,29 @@ def zb_h1_rules(job: JobConfig) -> list[tuple]:
     ]
 
 
+def zb_v_rules(job: JobConfig, lay: Layout) -> list[tuple]:
+    """ZB-V's own layout rules (launcher.core.schedules.schedule_zb_v: two chunks per rank in a V, so rank 0
+    holds both the first and the last stage)."""
+    p = job.parallel
+    return [
+        (p.pipeline > 1 and lay.vpp == 2, "parallel.virtual_pipeline", p.virtual_pipeline,
+         "zb_v places exactly two model chunks on each rank (chunk 0 on ranks 0..p-1, chunk 1 back on p-1..0)",
+         "parallel.virtual_pipeline=2"),
+        (p.first_stage_layers is None and p.last_stage_layers is None and p.pipeline_model_parallel_layout is None
+         and not (p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split),
+         "parallel.first_stage_layers" if p.first_stage_layers is not None else "parallel.last_stage_layers"
+         if p.last_stage_layers is not None else "parallel.pipeline_model_parallel_layout",
+         p.first_stage_layers or p.last_stage_layers or p.pipeline_model_parallel_layout or True,
+         "zb_v splits the layers evenly over its 2 x parallel.pipeline stages (uneven splits assume the "
+         "interleaved placement, with the last stage on the last rank; in the V it is on rank 0)",
+         "parallel.first_stage_layers=null parallel.last_stage_layers=null parallel.pipeline_model_parallel_layout=null"
+         " parallel.account_for_embedding_in_pipeline_split=false parallel.account_for_loss_in_pipeline_split=false"),
+        (job.action in ("plan", "search"), "schedule.kind", "zb_v", "zb_v is planned and simulated "
+         "(launcher/core/schedules.py schedule_zb_v) but its rank-side executor is not built yet",
+         "schedule.kind=interleaved (or schedule.kind=zb_h1 parallel.virtual_pipeline=null)"),
+    ]
+
+
 def precision_fp8_without_biases(job: JobConfig) -> bool:
     """zb_h1 trains FP8 only without linear biases (TE's backward_dw, see zb_h1_rules)."""
     return job.precision.fp8 is None or not (job.model.add_bias_linear or job.model.add_qkv_bias)
@@ -790,10 +813,13 @@ def validate_schedule(job: JobConfig, lay: Layout) -> list[Problem]:
     if not _allowed(s, "kind"):
         return c.problems  # reported by validate_choices
     vp, m = lay.vpp, lay.microbatches
-    if s.kind == "zb_h1" and job.action not in ("plan", "search"):  # what the ZB-H1 executor supports
+    if s.kind in ("zb_h1", "zb_v") and job.action not in ("plan", "search"):  # what the ZB executor supports
         for ok, field, value, rule, hint in zb_h1_rules(job):
             c.need(ok, field, value, rule, hint)
-    if s.kind == "interleaved":
+    if s.kind == "zb_v":
+        for ok, field, value, rule, hint in zb_v_rules(job, lay):
+            c.need(ok, field, value, rule, hint)
+    elif s.kind == "interleaved":
         c.need(vp > 1 and p.pipeline > 1, "schedule.kind", s.kind,
                "interleaved needs parallel.pipeline > 1 and parallel.virtual_pipeline > 1",
                "parallel.virtual_pipeline=2 or schedule.kind=1f1b")

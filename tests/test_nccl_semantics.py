@@ -252,3 +252,27 @@ def test_rank_wing_makes_no_host_tensor_outside_the_allow_list():
     assert not found, f"torch factory calls without device= in the rank wing: {found}"
     stale = set(HOST_TENSORS_ALLOWED) - {(path, fn) for path, fn, _ in _factory_calls_without_device()}
     assert not stale, f"allow-list entries that no longer match a call: {stale}"
+
+
+@pytest.mark.parametrize("costs", [(1, 1, 1), (0.77, 1, 0.49), (1, 2, 1)])
+def test_zb_v_programs_replay_without_deadlock_for_pp_2_to_16(costs):
+    """ZB-V (two chunks per rank in a V): each rank pair carries activations and gradients both ways, so its
+    program uses one single-op channel per direction and posts sends in the order the peer receives them; every
+    message crosses once (2 x (2p - 2) per microbatch: the V's turn on the last rank is local)."""
+    for p in PPS:
+        for m in (1, p, 2 * p + 1, 4 * p):
+            sched = build_schedule("zb_v", p, m, costs=costs)
+            assert p2p.replay(p2p.plan_all(sched, placement="zb_v")) == 2 * (2 * p - 2) * m, (p, m)
+
+
+def test_zb_v_needs_its_sends_in_the_receivers_order():
+    """Without the peers' op lists the plan sends in production order; NCCL (no tags, in-order matching per pair)
+    then hands a rank the wrong tensor or deadlocks: the replay catches it."""
+    failures = 0
+    for p in (3, 4, 8):
+        sched = build_schedule("zb_v", p, 2 * p)
+        programs = [p2p.plan(ops, r, p, placement="zb_v") for r, ops in enumerate(sched)]
+        with pytest.raises((ValueError, p2p.Deadlock)):
+            p2p.replay(programs)
+        failures += 1
+    assert failures == 3

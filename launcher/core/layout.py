@@ -9,6 +9,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import List, Optional, Tuple
 
+from launcher.core.schedules import place
 from launcher.schema import ClusterConfig, JobConfig, ModelConfig, ParallelConfig, PrecisionConfig
 
 
@@ -93,7 +94,7 @@ def derive(job: JobConfig) -> Layout:
         microbatch_group=job.schedule.microbatch_group_size or pp,
         steps=train_steps(job), tokens_per_step=train.global_batch_size * model.seq_length,
         padded_vocab=padded_vocab(model, tp), moe_pattern=tuple(moe_layer_pattern(model)),
-        stage_layers=tuple(counts), chunk_layers=_chunk_layers(sizes),
+        stage_layers=tuple(counts), chunk_layers=_chunk_layers(sizes, job.schedule.kind),
         transformer_engine=uses_transformer_engine(job.precision, job.cluster),
     )
 
@@ -236,16 +237,16 @@ def _stage_counts(parallel: ParallelConfig, num_layers: int, p: int) -> list[int
     return counts
 
 
-def _chunk_layers(sizes: list[list[int]]) -> tuple:
+def _chunk_layers(sizes: list[list[int]], kind: str = "interleaved") -> tuple:
     """Global decoder-layer indices per [stage][chunk]: with VPP the model is cut into PP x VPP chunks,
     stage r holding chunks r, r + PP, r + 2 PP, ... (Megatron's interleaved assignment, layer ids in
-    virtual-stage order)."""
+    virtual-stage order); under zb_v, chunks r and 2 PP - 1 - r (the V, launcher.core.schedules.stage_of)."""
     p, v = len(sizes), len(sizes[0]) if sizes else 1
-    chunks: list[list[tuple]] = [[] for _ in range(p)]
+    chunks: list[list] = [[()] * v for _ in range(p)]
     nxt = 0
-    for k in range(v):
-        for r in range(p):
-            size = max(0, sizes[r][k])
-            chunks[r].append(tuple(range(nxt, nxt + size)))
-            nxt += size
+    for k in range(p * v):
+        r, c = place(kind if kind == "zb_v" and v == 2 else "interleaved", p, k)
+        size = max(0, sizes[r][c])
+        chunks[r][c] = tuple(range(nxt, nxt + size))
+        nxt += size
     return tuple(tuple(c) for c in chunks)

@@ -31,42 +31,109 @@ A program is a list of events (JSON-able tuples, also what tests record from rea
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
-from launcher.core.schedules import Op
+from launcher.core.schedules import Op, place, stage_of
 
 Event = tuple
+UP = "_up"
+"""Suffix of the second pipeline channel (messages to the lower rank) of two-chunk programs (ZB-V)."""
 
 
 # ------------------------------------------------------------------------------------------- planning
-def _neighbours(r: int, p: int, op: Op) -> Tuple[list, list]:
+def _neighbours(r: int, p: int, op: Op, placement: str = "1f1b", chunks: int = 1) -> Tuple[list, list]:
     """(receives before, sends after) of one op on rank r of p, as (kind, peer, tag): F receives the activation
-    from r-1 and sends its output to r+1; B/BW receive the output gradient from r+1 and send the input gradient
-    to r-1 (none at the pipeline's ends)."""
+    from the previous pipeline stage and sends its output to the next; B/BW receive the output gradient from the
+    next stage and send the input gradient to the previous (none at the pipeline's ends, nor between two chunks
+    of one rank: ZB-V's turn on the last rank is a local hand-over). Stages per ``schedules.stage_of``; with
+    several chunks a tag names the receiving chunk (``act3c1``), else just the microbatch (``act3``)."""
+    stages = p * chunks
+    k = stage_of(placement, p, r, op.chunk)
+
+    def tag(base: str, stage: int) -> str:
+        return f"{base}{op.microbatch}" + (f"c{place(placement, p, stage)[1]}" if chunks > 1 else "")
+
+    def peer(stage: int) -> list:
+        rank = place(placement, p, stage)[0]
+        return [] if rank == r else [rank]
+
     if op.kind == "F":
-        return ([("recv", r - 1, f"act{op.microbatch}")] if r > 0 else [],
-                [("send", r + 1, f"act{op.microbatch}")] if r < p - 1 else [])
+        return ([("recv", q, tag("act", k)) for q in peer(k - 1)] if k > 0 else [],
+                [("send", q, tag("act", k + 1)) for q in peer(k + 1)] if k < stages - 1 else [])
     if op.kind in ("B", "BW"):
-        return ([("recv", r + 1, f"grad{op.microbatch}")] if r < p - 1 else [],
-                [("send", r - 1, f"grad{op.microbatch}")] if r > 0 else [])
+        return ([("recv", q, tag("grad", k)) for q in peer(k + 1)] if k < stages - 1 else [],
+                [("send", q, tag("grad", k - 1)) for q in peer(k - 1)] if k > 0 else [])
     return [], []  # W: no communication
 
 
-def plan(ops: Sequence[Op], r: int, p: int, channel: str = "pp") -> List[Event]:
+def plan(ops: Sequence[Op], r: int, p: int, channel: str = "pp", placement: str = "1f1b",
+         schedule: Optional[Sequence[Sequence[Op]]] = None) -> List[Event]:
     """The p2p program of rank ``r`` of ``p`` running ``ops``: ``("op", Op)`` compute events interleaved with
     posts and waits. Item ids are ``(r, n)``. Every receive is waited right before the op that consumes it; a send
     is posted right after the op that produced it, in one group with the next receive from the same peer if that
-    is the pair's next p2p op (else alone, waited at the end of the step)."""
-    comm: list = []  # (index of the op it belongs to, before?, kind, peer, tag) in program order
+    is the pair's next p2p op (else alone, waited at the end of the step). ``placement``: ``schedules.stage_of``'s
+    kind (``zb_v`` for the V; the default places chunk c of rank r at stage c * p + r).
+
+    With two chunks per rank (ZB-V) both directions of a rank pair carry activations and gradients, so a send
+    fused with a receive could tie two unrelated waits into a cycle, and a lone send blocks whatever follows it on
+    its communicator. There every op is a single ``isend``/``irecv`` (PyTorch gives each rank pair of a process
+    group its own communicator) on one of two process groups: ``channel`` for messages to the higher rank,
+    ``channel + UP`` for messages to the lower one; so each communicator carries one direction only and a send
+    waits for nothing but its own receive. Receives are posted and waited right before the op that needs them.
+
+    Sends to one peer are posted in the order that peer receives (NCCL matches a pair's p2p ops in order, it
+    has no tags; and posting a receive long before it is needed would hold up every later group on the rank's
+    stream). In 1F1B and ZB-H1 that is the order they are produced in; in ZB-V a rank sends its neighbour both
+    chunk-0 activations and chunk-1 gradients, which the neighbour may need the other way round: a send is then
+    held back until the ones the peer needs first have been posted (``schedule``, every rank's op list, gives the
+    peers' order; without it, the production order is taken to be the need order)."""
+    chunks = 1 + max((op.chunk for op in ops), default=0)
+    needs: list = []  # (index of the op it belongs to, before?, kind, peer, tag) in op order
     for i, op in enumerate(ops):
-        before, after = _neighbours(r, p, op)
-        comm += [(i, True, *c) for c in before] + [(i, False, *c) for c in after]
+        before, after = _neighbours(r, p, op, placement, chunks)
+        needs += [(i, True, *c) for c in before] + [(i, False, *c) for c in after]
+    order: Dict[int, list] = {}  # peer -> the tags it receives from r, in its op order
+    for q in {c[3] for c in needs if c[2] == "send"}:
+        if schedule is None:
+            order[q] = [c[4] for c in needs if c[2] == "send" and c[3] == q]
+        else:
+            order[q] = [tag for op in schedule[q] for kind, peer, tag in _neighbours(q, p, op, placement, chunks)[0]
+                        if peer == r]
+    produced: Dict[int, set] = defaultdict(set)
+    next_send: Dict[int, int] = defaultdict(int)
+    producer: Dict[str, int] = {}
+    comm: list = []  # the same, each send moved to where the peer's order lets it go
+    for i, before, kind, peer, tag in needs:
+        if kind == "recv":
+            comm.append((i, before, kind, peer, tag))
+            continue
+        produced[peer].add(tag)
+        producer[tag] = i
+        while next_send[peer] < len(order[peer]) and order[peer][next_send[peer]] in produced[peer]:
+            comm.append((i, False, "send", peer, order[peer][next_send[peer]]))
+            next_send[peer] += 1
+    if any(next_send[q] < len(order[q]) for q in order):
+        raise ValueError(f"rank {r}: sends never produced for {[order[q][next_send[q]:] for q in order]}")
     fused_recv: Dict[int, tuple] = {}  # position in comm of a receive already posted with a send -> item
     posts_after: Dict[int, list] = defaultdict(list)  # op index -> events right after it
     posts_before: Dict[int, list] = defaultdict(list)  # op index -> events right before it
     lone_sends: list = []
+    sent: Dict[tuple, tuple] = {}  # (microbatch, chunk) of an F -> the group that sent its output
     n = 0
     for j, (i, before, kind, peer, tag) in enumerate(comm):
+        if chunks > 1:  # ZB-V: one channel per direction, single ops (see above)
+            item, n = (r, n), n + 1
+            lower, higher = (r, peer) if kind == "send" else (peer, r)
+            ch = channel if lower < higher else channel + UP
+            if kind == "send":
+                posts_after[i].append(("post", item, [("send", peer, ch, tag)], "pair"))
+                lone_sends.append(item)
+                src = ops[producer[tag]]
+                if src.kind == "F":
+                    sent[(src.microbatch, src.chunk)] = item
+            else:
+                posts_before[i] += [("post", item, [("recv", peer, ch, tag)], "pair"), ("wait", item)]
+            continue
         if kind == "send":
             item, n = (r, n), n + 1
             nxt = next((k for k in range(j + 1, len(comm)) if comm[k][3] == peer), None)
@@ -77,6 +144,9 @@ def plan(ops: Sequence[Op], r: int, p: int, channel: str = "pp") -> List[Event]:
             else:
                 lone_sends.append(item)
             posts_after[i].append(("post", item, group, "group"))
+            src = ops[producer[tag]]
+            if src.kind == "F":
+                sent[(src.microbatch, src.chunk)] = item
         elif j in fused_recv:
             posts_before[i].append(("wait", fused_recv[j]))
         else:
@@ -85,12 +155,10 @@ def plan(ops: Sequence[Op], r: int, p: int, channel: str = "pp") -> List[Event]:
     # A backward frees its forward's output (Megatron's deallocate_output_tensor), so the group that sent that
     # output must have completed: wait it right before the backward (always already true under NCCL, where the
     # output gradient can only come back after the activation arrived; the wait makes it explicit).
-    sent = {tag: item for i in posts_after for ev in posts_after[i] for kind, _, _, tag in ev[2] if kind == "send"
-            for item in [ev[1]]}
     waited: set = set()
     program: List[Event] = []
     for i, op in enumerate(ops):
-        item = sent.get(f"act{op.microbatch}") if op.kind in ("B", "BW") else None
+        item = sent.get((op.microbatch, op.chunk)) if op.kind in ("B", "BW") else None
         for ev in ([("wait", item)] if item is not None else []) + posts_before[i]:
             if ev[0] == "wait" and ev[1] in waited:
                 continue  # one wait per group
@@ -101,10 +169,10 @@ def plan(ops: Sequence[Op], r: int, p: int, channel: str = "pp") -> List[Event]:
     return program + [("wait", item) for item in lone_sends if item not in waited]
 
 
-def plan_all(schedule: Sequence[Sequence[Op]], channel: str = "pp") -> List[List[Event]]:
+def plan_all(schedule: Sequence[Sequence[Op]], channel: str = "pp", placement: str = "1f1b") -> List[List[Event]]:
     """``plan`` for every rank of a schedule (``launcher.core.schedules.build_schedule``)."""
     p = len(schedule)
-    return [plan(ops, r, p, channel) for r, ops in enumerate(schedule)]
+    return [plan(ops, r, p, channel, placement, schedule) for r, ops in enumerate(schedule)]
 
 
 # ------------------------------------------------------------------------------------------- replay

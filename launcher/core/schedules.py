@@ -8,6 +8,7 @@ executed-timeline test checks that what ran is this order. One definition, read 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -98,10 +99,106 @@ def schedule_interleaved(p: int, m: int, v: int, group: int | None = None) -> li
     return out
 
 
-def build_schedule(kind: str, p: int, m: int, v: int = 1, group: int | None = None) -> list[list[Op]]:
-    """The per-rank op lists for schedule ``kind`` (1f1b, interleaved, zb_h1)."""
+def stage_of(kind: str, p: int, rank: int, chunk: int) -> int:
+    """The pipeline stage (0 = embedding side, 2p - 1 or vp - 1 = loss side) that model chunk ``chunk`` of
+    ``rank`` holds: interleaved places chunk c at c * p + rank; ZB-V places chunk 0 at rank and chunk 1 at
+    2p - 1 - rank (a V: down the ranks and back up, so rank 0 holds both the first and the last stage)."""
+    if kind == "zb_v":
+        return rank if chunk == 0 else 2 * p - 1 - rank
+    return chunk * p + rank
+
+
+def loss_rank(kind: str, p: int) -> int:
+    """The pipeline rank holding the last stage (output layer, loss, MTP): p - 1, or 0 under ZB-V's V."""
+    return 0 if kind == "zb_v" else p - 1
+
+
+def place(kind: str, p: int, stage: int) -> tuple[int, int]:
+    """(rank, chunk) holding pipeline ``stage``; the inverse of :func:`stage_of`."""
+    if kind == "zb_v":
+        return (stage, 0) if stage < p else (2 * p - 1 - stage, 1)
+    return stage % p, stage // p
+
+
+def schedule_zb_v(p: int, m: int, costs: tuple = (1.0, 1.0, 1.0)) -> list[list[Op]]:
+    """ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory", 2024): two model chunks per rank in a V
+    (``stage_of``), backward split into B and W, at most 2p chunk-microbatches holding activations per rank
+    (from F until W: 1F1B's peak, p microbatches of a whole stage, since a chunk is half a stage).
+
+    Built by list scheduling with the chunk costs ``costs`` = (T_F, T_B, T_W) (default equal, the paper's
+    setting): whenever a rank is free it runs, of the ops whose inputs exist, a B (oldest microbatch, the chunk
+    nearer the loss first), else an F (chunk 1 first: it drains the V) if its memory allows, else its oldest
+    pending W, else it waits for the next input; the W's left run at the end. The order is deterministic for given
+    costs; a fixed order tuned to other costs leaves W-sized holes (the planner generates it from its own stage
+    costs). The rank executor would run it literally, its p2p program from ``launcher.core.p2p.plan``."""
+    return [list(ops) for ops in _zb_v(p, m, tuple(float(c) for c in costs))]
+
+
+@functools.lru_cache(maxsize=512)
+def _zb_v(p: int, m: int, costs: tuple) -> tuple:
+    limit = 2 * p
+    dur = dict(zip("FBW", costs))
+    done: dict = {}  # (kind, stage, microbatch) -> end time
+    out: list[list[Op]] = [[] for _ in range(p)]
+    free = [0.0] * p
+    held = [0] * p  # chunk-microbatches between F and W
+    next_f = [[0, 0] for _ in range(p)]  # next microbatch to forward, per chunk
+    pending_b: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # (microbatch, chunk) forwarded, no B yet
+    pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+    total, count, t = 3 * 2 * m * p, 0, 0.0
+
+    def ready(kind: str, r: int, c: int, mb: int) -> bool:
+        k = stage_of("zb_v", p, r, c)
+        if kind == "F":
+            key = None if k == 0 else ("F", k - 1, mb)
+        else:
+            key = ("F", k, mb) if k == 2 * p - 1 else ("B", k + 1, mb)
+        return key is None or done.get(key, float("inf")) <= t
+
+    while count < total:
+        for r in range(p):
+            if free[r] > t:
+                continue
+            choice = None
+            bs = sorted((mb, -c) for mb, c in pending_b[r] if ready("B", r, c, mb))
+            if bs:
+                mb, c = bs[0][0], -bs[0][1]
+                choice = Op("B", mb, c)
+                pending_b[r].remove((mb, c))
+                pending_w[r].append((mb, c))
+            else:
+                for c in (1, 0):
+                    mb = next_f[r][c]
+                    if mb < m and held[r] < limit and ready("F", r, c, mb):
+                        choice = Op("F", mb, c)
+                        next_f[r][c] += 1
+                        held[r] += 1
+                        pending_b[r].append((mb, c))
+                        break
+                if choice is None and pending_w[r]:
+                    mb, c = pending_w[r].pop(0)
+                    choice = Op("W", mb, c)
+                    held[r] -= 1
+            if choice is not None:
+                out[r].append(choice)
+                free[r] = t + dur[choice.kind]
+                done[(choice.kind, stage_of("zb_v", p, r, choice.chunk), choice.microbatch)] = free[r]
+                count += 1
+        later = [x for x in list(free) + list(done.values()) if x > t]
+        if count < total and not later:
+            raise RuntimeError(f"zb_v list scheduling is stuck for p={p}, m={m}")
+        t = min(later) if later else t
+    return tuple(tuple(ops) for ops in out)
+
+
+def build_schedule(kind: str, p: int, m: int, v: int = 1, group: int | None = None,
+                   costs: tuple = (1.0, 1.0, 1.0)) -> list[list[Op]]:
+    """The per-rank op lists for schedule ``kind`` (1f1b, interleaved, zb_h1, zb_v; ``costs``: zb_v's (T_F,
+    T_B, T_W) per chunk, relative)."""
     if kind == "interleaved" and v > 1:
         return schedule_interleaved(p, m, v, group)
     if kind == "zb_h1":
         return schedule_zb_h1(p, m)
+    if kind == "zb_v":
+        return schedule_zb_v(p, m, costs)
     return schedule_1f1b(p, m)

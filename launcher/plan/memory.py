@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from launcher.core import Layout, derive, moe_layer_pattern
 from launcher.core.flops import kv_channels, query_groups
-from launcher.core.schedules import Op, schedule_zb_h1
+from launcher.core.schedules import Op, loss_rank, schedule_zb_h1, schedule_zb_v
 from launcher.schema import JobConfig, ModelConfig
 
 GB = 1e9
@@ -188,7 +188,7 @@ def stage_params(job: JobConfig, stage: int, lay: Layout | None = None) -> RankP
     layers = stage_layers(lay, stage)
     n_moe = sum(1 for i in layers if pattern[i])
     counts = {True: n_moe, False: len(layers) - n_moe}
-    last = stage == p - 1
+    last = stage == loss_rank(job.schedule.kind, p)
     if last and model.mtp_num_layers:
         counts[pattern[-1]] += model.mtp_num_layers
     out = RankParams()
@@ -364,6 +364,12 @@ def zb_h1_states(p: int, m: int) -> tuple[tuple[tuple[int, int], ...], ...]:
     return tuple(tuple(sorted(set(held_after_each_op(ops)))) for ops in schedule_zb_h1(p, m))
 
 
+@functools.lru_cache(maxsize=256)
+def zb_v_states(p: int, m: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """``zb_h1_states`` for ``schedule_zb_v``: (chunk-microbatches in flight, chunk-microbatches with W pending)."""
+    return tuple(tuple(sorted(set(held_after_each_op(ops)))) for ops in schedule_zb_v(p, m))
+
+
 def zb_peak_state(states, act_bytes: float, wgrad_bytes: float, while_in_flight: float = 0.0) -> tuple[int, int]:
     """The (in flight, pending W) state of most memory: in_flight * act_bytes + pending * wgrad_bytes, plus
     ``while_in_flight`` (the last stage's loss logits, held from its forward into its backward) when any
@@ -430,7 +436,7 @@ def stage_wgrad_bytes(job: JobConfig, lay: Layout, stage: int) -> float:
     n_moe = sum(1 for i in layers if lay.moe_pattern[i])
     per_token = sum(n * layer_wgrad_bytes_per_token(job, lay, moe)
                     for moe, n in ((True, n_moe), (False, len(layers) - n_moe)) if n)
-    if stage == lay.pp - 1:
+    if stage == loss_rank(job.schedule.kind, lay.pp):
         per_token += output_wgrad_bytes_per_token(job, lay)
     return per_token * job.train.micro_batch_size * job.model.seq_length / lay.cp
 
@@ -535,7 +541,8 @@ def stage_memory(job: JobConfig, lay: Layout, stage: int, cache: dict | None = N
         layers = stage_layers(lay, stage)
         static_cache[("stage", stage)] = (len(layers), sum(1 for i in layers if lay.moe_pattern[i]))
     n_layers, n_moe = static_cache[("stage", stage)]
-    key = (stage == 0, stage == p - 1, n_moe, n_layers)
+    last = stage == loss_rank(job.schedule.kind, p)
+    key = (stage == 0, last, n_moe, n_layers)
     if key not in static_cache:
         rp = stage_params(job, stage, lay)
         static_cache[key] = (rp, static_bytes(job, rp, lay))  # FP8 copies: layer GEMMs only (output layer BF16)
@@ -554,7 +561,6 @@ def stage_memory(job: JobConfig, lay: Layout, stage: int, cache: dict | None = N
     counts = {True: n_moe, False: n_layers - n_moe}
     frac = recompute_fraction(job, lay, n_layers)
     per_kind = {k: frac * per_token(k) + (1 - frac) * per_token(k, True) for k, n in counts.items() if n}
-    last = stage == p - 1
     mtp = model.mtp_num_layers if last else 0
     per_mb = sum(n * per_kind[k] for k, n in counts.items() if n) * tokens
     per_mb_mtp = mtp * (per_token(pattern[-1]) + 3 * a * h / sp) * tokens
@@ -567,11 +573,14 @@ def stage_memory(job: JobConfig, lay: Layout, stage: int, cache: dict | None = N
         logits += 2 * a * h * tokens / sp  # final norm input + output-layer input
         logits += tokens * vp / t * logit_bytes(job, mtp)
     pending = None
-    if job.schedule.kind == "zb_h1" and p > 1:  # the op list's state of most memory, pending W's counted
-        if ("wgrad", stage == p - 1, n_moe, n_layers) not in cache:
-            cache[("wgrad", stage == p - 1, n_moe, n_layers)] = stage_wgrad_bytes(job, lay, stage)
-        w_mb = cache[("wgrad", stage == p - 1, n_moe, n_layers)]
-        states = zb_h1_states(p, max(1, lay.microbatches))[stage]
+    if job.schedule.kind in ("zb_h1", "zb_v") and p > 1:  # the op list's state of most memory, pending W's counted
+        if ("wgrad", last, n_moe, n_layers) not in cache:
+            cache[("wgrad", last, n_moe, n_layers)] = stage_wgrad_bytes(job, lay, stage)
+        w_mb = cache[("wgrad", last, n_moe, n_layers)]
+        if job.schedule.kind == "zb_v":  # states count chunk-microbatches, each half of the rank's layers
+            states = tuple((f / 2, w / 2) for f, w in zb_v_states(p, max(1, lay.microbatches))[stage])
+        else:
+            states = zb_h1_states(p, max(1, lay.microbatches))[stage]
         in_flight, n_pending = zb_peak_state(states, per_mb, w_mb, logits)
         logits = logits if in_flight else 0.0
         pending = n_pending * w_mb

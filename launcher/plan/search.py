@@ -199,9 +199,9 @@ def _zb_h1_allowed(job: JobConfig) -> bool:
 
 def _schedules(job: JobConfig, pp: int, vp: int) -> list[str]:
     """Schedules tried at this layout: the schedule is a search dimension (1F1B and ZB-H1 for an
-    uninterleaved pipeline, interleaved for VPP > 1)."""
+    uninterleaved pipeline, interleaved for VPP > 1 and ZB-V beside it for VPP = 2)."""
     if vp > 1:
-        return ["interleaved"]
+        return ["interleaved", "zb_v"] if vp == 2 and _zb_h1_allowed(job) else ["interleaved"]
     if pp > 1 and _zb_h1_allowed(job):
         return ["1f1b", "zb_h1"]
     return ["1f1b"]
@@ -209,18 +209,20 @@ def _schedules(job: JobConfig, pp: int, vp: int) -> list[str]:
 
 def _batch_and_recompute(job, fixed, tp, cp, pp, vp, ep, split, fsdp=False, etp=None):
     for kind in _schedules(job, pp, vp):
+        if kind == "zb_v" and split != EVEN:  # validate.zb_v_rules: the V splits the layers evenly
+            continue
         yield from _batch_and_recompute_for(job, fixed, kind, tp, cp, pp, vp, ep, split, fsdp, etp)
 
 
 def _batch_and_recompute_for(job, fixed, kind, tp, cp, pp, vp, ep, split, fsdp=False, etp=None):
-    zb = kind == "zb_h1"
+    zb = kind in ("zb_h1", "zb_v")
     par = dict(tensor=tp, pipeline=pp, virtual_pipeline=vp if vp > 1 else None, context=cp, expert=ep,
                sequence_parallel=tp > 1, distributed_optimizer=True, data=None, megatron_fsdp=fsdp, **split)
     if job.model.num_experts:
         par["expert_tensor"] = etp
     if zb:  # TE refuses deferred weight gradients with userbuffer TP overlap (validate.zb_h1_rules)
         par["tp_comm_overlap"] = False
-    overlap = fixed.overlap and ep > 1 and (pp == 1 or vp > 1)  # what this layout allows of the job's overlap
+    overlap = fixed.overlap and ep > 1 and (pp == 1 or vp > 1) and not zb  # what this layout allows of it
     sched = dict(kind=kind, overlap_p2p_comm=kind == "interleaved",
                  batch_p2p_comm=job.schedule.batch_p2p_comm and not (kind == "interleaved" and pp == 2),
                  microbatch_group_size=None)

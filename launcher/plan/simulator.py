@@ -1,10 +1,10 @@
-"""Pipeline-schedule simulator: 1F1B, interleaved (virtual stages) and ZB-H1 (zero bubble, Qi et al. 2024).
+"""Pipeline-schedule simulator: 1F1B, interleaved (virtual stages), ZB-H1 and ZB-V (zero bubble, Qi et al. 2024).
 
 A schedule is, for every pipeline rank, an ordered list of operations ``Op(kind, microbatch, chunk)`` with kind
 F (forward), B (backward: input gradient) or W (weight gradient). ``simulate`` replays those lists event by
 event: a rank runs its next operation as soon as the rank is free and the operation's inputs exist:
 
-- F of model chunk c (virtual stage k = chunk * p + rank) needs F of virtual stage k - 1 on its rank, plus a
+- F of model chunk c (virtual stage k = chunk * p + rank; ZB-V: rank or 2p - 1 - rank) needs F of virtual stage k - 1 on its rank, plus a
   send/recv of ``t_comm``;
 - B of virtual stage k needs B of virtual stage k + 1 (+ ``t_comm``), or its own F on the last virtual stage;
 - W needs its own B.
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from launcher.core.schedules import (  # noqa: F401  (re-exported: the planner's names)
-    Op, build_schedule, schedule_1f1b, schedule_interleaved, schedule_zb_h1)
+    Op, build_schedule, schedule_1f1b, schedule_interleaved, schedule_zb_h1, schedule_zb_v, stage_of)
 
 
 @dataclass
@@ -63,8 +63,9 @@ def _per_rank(x: float | Sequence[float], p: int) -> list[float]:
 
 
 def simulate(schedule: list[list[Op]], t_f: float | Sequence[float], t_b: float | Sequence[float],
-             t_w: float | Sequence[float], t_comm: float = 0.0) -> SimResult:
-    """Replay per-rank op lists; costs are per model chunk, scalars or one value per rank."""
+             t_w: float | Sequence[float], t_comm: float = 0.0, placement: str = "interleaved") -> SimResult:
+    """Replay per-rank op lists; costs are per model chunk, scalars or one value per rank. ``placement``: how
+    chunks map to pipeline stages (``launcher.core.schedules.stage_of``: interleaved, or zb_v's V)."""
     p = len(schedule)
     v = 1 + max((op.chunk for ops in schedule for op in ops), default=0)
     cost = {"F": _per_rank(t_f, p), "B": _per_rank(t_b, p), "W": _per_rank(t_w, p)}
@@ -82,7 +83,7 @@ def simulate(schedule: list[list[Op]], t_f: float | Sequence[float], t_b: float 
         for r in range(p):
             while pos[r] < len(schedule[r]):
                 op = schedule[r][pos[r]]
-                k = op.chunk * p + r
+                k = stage_of(placement, p, r, op.chunk)
                 ready = _ready_time(op, k, r, n_virtual, done, t_comm)
                 if ready is None:
                     break
@@ -132,6 +133,11 @@ def simulate_kind(kind: str, p: int, m: int, t_f, t_b, t_w, v: int = 1, t_comm: 
                   group: int | None = None) -> SimResult:
     """Build and replay schedule ``kind``; t_f/t_b/t_w are per microbatch per whole stage (divided by v
     for each model chunk of the interleaved schedule)."""
-    vv = v if kind == "interleaved" else 1
+    vv = v if kind == "interleaved" else 2 if kind == "zb_v" else 1
     scale = (lambda x: [c / vv for c in x]) if isinstance(t_f, (list, tuple)) else (lambda x: x / vv)
-    return simulate(build_schedule(kind, p, m, vv, group), scale(t_f), scale(t_b), scale(t_w), t_comm)
+    costs = (1.0, 1.0, 1.0)
+    if kind == "zb_v":  # the order is generated for the mean stage's costs (rounded: one order per ratio)
+        mean = [sum(x) / len(x) if isinstance(x, (list, tuple)) else x for x in (t_f, t_b, t_w)]
+        costs = tuple(round(c / max(mean), 2) or 0.01 for c in mean)
+    return simulate(build_schedule(kind, p, m, vv, group, costs), scale(t_f), scale(t_b), scale(t_w), t_comm,
+                    placement=kind)

@@ -18,6 +18,7 @@ from launcher.core import Layout, derive
 from launcher.core.flops import FMA, flops_per_step, kv_channels, layer_flops, query_groups
 from launcher.plan.memory import (DTYPE_BYTES, GRAD_BYTES_FP32, fsdp_layer_params, grad_groups, optimizer_shards,
                                   recompute_fraction, recomputed_modules, sp_shards, stage_layers, stage_params)
+from launcher.core.schedules import loss_rank
 from launcher.plan.simulator import simulate_kind
 from launcher.schema import JobConfig
 
@@ -130,7 +131,7 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
     lf = layer_flops(model)
     pattern = lay.moe_pattern
     kinds = [pattern[i] for i in stage_layers(lay, stage)]
-    last = stage == lay.pp - 1
+    last = stage == loss_rank(job.schedule.kind, lay.pp)
     n_mtp = model.mtp_num_layers if last else 0
     kinds += [pattern[-1]] * n_mtp
     h = model.hidden_size
@@ -374,7 +375,7 @@ def _all_stage_costs(job: JobConfig, lay: Layout) -> list[StageCosts]:
     out = []
     for r in range(p):
         layers = stage_layers(lay, r)
-        key = (r == 0, r == p - 1, sum(pattern[i] for i in layers), len(layers))
+        key = (r == 0, r == loss_rank(job.schedule.kind, p), sum(pattern[i] for i in layers), len(layers))
         if key not in cache:
             cache[key] = stage_costs(job, lay, r)
         out.append(cache[key])
@@ -428,6 +429,8 @@ def _closed_form(kind: str, p: int, v: int, m: int, fs, bs, ws, t_comm: float):
         bubble /= v
     elif kind == "zb_h1":
         bubble = (p - 1) * max(f + b - w, 0.0)
+    elif kind == "zb_v":  # ZB-H1's over two half-size chunks (the simulated op list at T_F = T_B = T_W)
+        bubble = (p - 1) * max(f + b - w, 0.0) / 2
     busy = m * max(x + y + z for x, y, z in zip(fs, bs, ws))
     makespan = busy + bubble + 2 * (p - 1) * t_comm
     total_busy = m * sum(x + y + z for x, y, z in zip(fs, bs, ws))
@@ -444,7 +447,7 @@ def _pipeline(job: JobConfig, lay: Layout, costs: list[StageCosts], t_comm: floa
     if not exact or p == 1:
         return _closed_form(kind, p, v, m, fs, bs, ws, t_comm)
     group = lay.microbatch_group
-    unit = group if kind == "interleaved" else 1
+    unit = group if kind == "interleaved" else p if kind == "zb_v" else 1  # zb_v: steady per p microbatches
     cap = max(3 * p, 2 * unit)
     cap = -(-cap // unit) * unit
     if m <= cap + unit:
@@ -493,7 +496,7 @@ def step_time(job: JobConfig, lay: Layout | None = None, exact: bool = True) -> 
     hide_rs = 0.0
     if par.overlap_grad_reduce:  # behind the last microbatch's backward; under zero bubble its W only (a
         # bucket's reduce starts after the last W of its weights, launcher/rank/zero_bubble.py _grad_sync)
-        hide_rs = c.w if job.schedule.kind == "zb_h1" and p > 1 else c.b + c.w
+        hide_rs = c.w if job.schedule.kind in ("zb_h1", "zb_v") and p > 1 else c.b + c.w
     hide_ag = c.f if (par.overlap_param_gather and par.distributed_optimizer) else 0.0  # first forward
     dp_exposed = max(0.0, rs - hide_rs) + max(0.0, ag - hide_ag)
     # Optimizer: read/write fp32 master + 2 moments, read grads, write params, on this rank's shard.
