@@ -30,16 +30,11 @@ $(VENV)/.installed: pyproject.toml constraints/cpu.txt Makefile
 run: setup
 	$(PY) -m launcher
 
-# `make test` runs everything in two parts, each on both cores (pytest-xdist): the in-process tests (the fast
-# lane and the slow single-process ones), then the tests that start ranks or use Slurm, two at a time, grouped
-# (tests/conftest.py `_xdist_group`: one worker holds the Slurm cluster, one the shared reference runs, a module
-# its trained fixtures); it fails if either part fails.
-IN_PROCESS := not multirank and not slurm and not gpu
-
+# `make test` runs everything in one session on both cores (pytest-xdist, --dist loadgroup): in-process tests one at
+# a time, rank and Slurm tests in groups (tests/conftest.py `_xdist_group`: one worker holds the Slurm cluster, one
+# the shared reference runs, a module its trained fixtures), the biggest units first (conftest `LONGEST`).
 test: setup
-	$(PY) -m pytest -q -n 2 --durations=15 -m '$(IN_PROCESS)' tests; inproc=$$?; \
-	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=25 -m 'not ($(IN_PROCESS))' tests; ranks=$$?; \
-	exit $$(( inproc || ranks ))
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=30 tests
 
 test-fast: setup
 	$(PY) -m pytest -q -n 2 --durations=10 -m '$(FAST)' tests

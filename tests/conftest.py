@@ -214,19 +214,26 @@ def pytest_collection_modifyitems(config, items):
                 cuda = _cuda_available()
             if not cuda:
                 item.add_marker(pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False)"))
-    # the long poles first (the Slurm group waits on Slurm's timers; the slow in-process tests take minutes each):
-    # pytest-xdist hands out tests in this order, so they overlap the rest instead of running alone at the end
+    # the long poles first: pytest-xdist (--dist loadgroup) hands out work units (a group, or one ungrouped test)
+    # in the order of their first test, so the biggest start at once and overlap the rest instead of running alone
+    # at the end
     items.sort(key=_long_poles_first)
 
 
-LONGEST = ("tests/test_validate_differential.py", "tests/test_fuzz_cli.py")
-"""The two slowest in-process tests (about 200 s and 135 s of one core at load 15): handed out first of all."""
+LONGEST = ("slurm", "tests/test_zero_bubble.py", "tests/test_validate_differential.py", "tests/test_nothing_lost.py",
+           "reference-runs", "tests/test_fuzz_cli.py", "tests/test_signals.py")
+"""The biggest work units, biggest first (a part-2 run at load 15-30, worker-seconds: the Slurm group 606, ZB 513,
+nothing-lost 207, the shared reference runs 195, signals 33 once its Ctrl-C test was fixed; in-process at load 15:
+the differential test ~200, the CLI fuzz ~135)."""
 
 
-def _long_poles_first(item) -> int:
-    if Path(str(item.fspath)).relative_to(ROOT).as_posix() in LONGEST:
-        return 0
-    return 1 if item.get_closest_marker("slurm") or item.get_closest_marker("slow") else 2
+def _long_poles_first(item) -> tuple:
+    marker = item.get_closest_marker("xdist_group")
+    unit = marker.args[0] if marker and marker.args else Path(str(item.fspath)).relative_to(ROOT).as_posix()
+    if unit in LONGEST:
+        return (0, LONGEST.index(unit))
+    slow = item.get_closest_marker("slow") or item.get_closest_marker("multirank")
+    return (1, 0) if slow else (2, 0)
 
 
 def _cuda_available() -> bool:
