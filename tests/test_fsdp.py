@@ -21,7 +21,9 @@ STEPS, K = 6, 3
 RTOL = 1e-6
 DIST_OPT = ["parallel.distributed_optimizer=true"]
 SAVES = [f"train.train_steps={STEPS}", f"checkpoint.save_interval={K}", "checkpoint.save_at_end=true"]
-FSDP = ["parallel.megatron_fsdp=true"]
+FSDP = ["parallel.megatron_fsdp=true", "parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true"]
+"""Megatron-FSDP as on a GPU (the smoke recipe under TINY turns both overlaps off): the reduce-scatter is started in
+each layer's backward and the all-gather in each layer's forward (on CPU, gloo's async work)."""
 
 
 def _same_losses(ref: Run, run: Run, name: str) -> None:
@@ -82,3 +84,35 @@ def test_a_ddp_job_refuses_an_fsdp_dtensor_checkpoint_with_one_line(tmp_path, fs
     assert proc.returncode != 0
     assert (f"checkpoint {saved} is in the fsdp_dtensor format and this run reads torch_dist (the only one Megatron "
             "DDP reads here); continue it with parallel.megatron_fsdp=true") in proc.stdout, proc.stdout[-3000:]
+
+
+MEMORY_JOBS = [
+    ("fp32_dp4", ["parallel.tensor=1"]),
+    ("bf16_tp2_dp2_fp32_grads", ["parallel.tensor=2", "precision.dtype=bf16", "precision.grad_reduce_in_fp32=true"]),
+]
+
+
+@pytest.mark.parametrize("name,overrides", MEMORY_JOBS, ids=[n for n, _ in MEMORY_JOBS])
+def test_planned_fsdp_static_bytes_are_what_the_ranks_allocate(tmp_path, name, overrides):
+    """The planner's per-rank weights, gradients and optimizer state (fp32 main weights + Adam) under FSDP equal
+    the bytes Megatron-FSDP holds on each of 4 ranks after a step (tests/_fsdp_memory_worker.py: its sharded
+    model-weight, main-weight and gradient buffers, the unsharded weights outside its units (embedding, output
+    layer) and the optimizer state) within 2% (padding to the shard size)."""
+    from _rank_harness import ROOT, run_worker
+    from launcher.config import compose_job
+    from launcher.plan.memory import stage_params, static_bytes
+
+    job_overrides = ["recipe=smoke", "data=mock", "parallel.pipeline=1", *DIST_OPT, *FSDP, *overrides]
+    bundle = write_bundle(tmp_path / name, job_overrides, 4)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run_worker(ROOT / "tests" / "_fsdp_memory_worker.py", [bundle, out], 4, f"FSDP memory of {name}")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    job = compose_job(job_overrides)
+    planned = static_bytes(job, stage_params(job, 0))
+    for rank in range(4):
+        real = json.loads((out / f"rank{rank}.json").read_text())["bytes"]
+        held = {"weights": real["model_weight_buffer"] + real["root_weights"], "grads": real["main_grad_buffer"],
+                "optimizer": real["main_weight_buffer"] + real["optimizer"]}
+        for key, value in held.items():
+            assert planned[key] == pytest.approx(value, rel=0.02), (name, rank, key, planned[key], value)

@@ -10,7 +10,7 @@ import pytest
 from launcher.config import compose_job
 from launcher.core import derive
 from launcher.plan import plan_job
-from launcher.plan.memory import memory_per_stage, stage_layers
+from launcher.plan.memory import memory_per_stage, stage_layers, stage_params
 from launcher.plan.search import search
 from launcher.plan.timing import (A2A_SM_SHARE, COLLECTIVE_LATENCY_S, NCCL_A2A_SM_SHARE, a2a_sm_share, _a2a_time, _bandwidth, _grouped_gemm_efficiency,
                                   _overlapped_a2a, stage_costs, step_time)
@@ -76,7 +76,10 @@ def test_fsdp_shards_weights_and_gradients_over_dp():
     row = pa.ROWS[2]  # Llama3-8B FSDP on 8 GPUs
     zero1 = memory_per_stage(_job(row, "parallel.megatron_fsdp=false"))[0].parts
     fsdp = memory_per_stage(_job(row))[0].parts
-    assert fsdp["weights"] == pytest.approx(zero1["weights"] / 8, rel=0.01)
+    # + the bf16 embedding and output layer once more, whole: outside FSDP's units they are also held unsharded
+    # (measured: tests/test_fsdp.py::test_planned_fsdp_static_bytes_are_what_the_ranks_allocate)
+    emb = 2 * stage_params(_job(row), 0).embedding
+    assert fsdp["weights"] == pytest.approx(zero1["weights"] / 8 + emb, rel=0.01)
     assert fsdp["grads"] == pytest.approx(zero1["grads"] / 8, rel=0.01)
     assert fsdp["optimizer"] == pytest.approx(zero1["optimizer"])
     assert fsdp["comm_buffers"] > zero1["comm_buffers"]  # unsharded layers in flight

@@ -496,7 +496,9 @@ def static_bytes(job: JobConfig, rp: RankParams, lay: Layout | None = None) -> d
     """Weights, fp32 gradients, optimizer state (master copy + Adam) and FP8 weight copies."""
     pr = job.precision
     a = DTYPE_BYTES.get(pr.dtype, 2)
-    opt_per_param = ADAM_STATE_BYTES + (MASTER_BYTES if pr.dtype != "fp32" else 0)
+    # Megatron-FSDP keeps fp32 main weights in a buffer of their own even for an fp32 model
+    # (megatron_fsdp_main_params_dtype, fp32 by default; measured: tests/test_fsdp.py)
+    opt_per_param = ADAM_STATE_BYTES + (MASTER_BYTES if pr.dtype != "fp32" or job.parallel.megatron_fsdp else 0)
     dense_shards, expert_shards = optimizer_shards(job, lay or derive(job))
     weight_bytes = a * rp.total
     fp8 = 0.0
@@ -510,6 +512,10 @@ def static_bytes(job: JobConfig, rp: RankParams, lay: Layout | None = None) -> d
     if job.parallel.megatron_fsdp and rp.total:  # ZeRO-3: weights and gradients sharded like the optimizer
         shard = (rp.dense / dense_shards + rp.expert / expert_shards) / rp.total
         weight_bytes, grads, fp8 = weight_bytes * shard, grads * shard, fp8 * shard
+        # ... except the weights outside its units (TransformerLayer): the embedding and output layer are
+        # all-gathered once per step and stay unsharded through forward and backward (megatron_fsdp
+        # param_and_grad_buffer.py release_bucket: "Non-unit modules should remain persistently allocated")
+        weight_bytes += a * rp.embedding
     return {
         "weights": weight_bytes,
         "grads": grads,

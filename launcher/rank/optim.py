@@ -23,9 +23,12 @@ def ddp_config(*, parallel: ParallelConfig, precision: PrecisionConfig, on_gpu: 
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=precision.grad_reduce_in_fp32,
         use_distributed_optimizer=parallel.distributed_optimizer,
-        # overlapping needs CUDA streams; on CPU the reduce runs after backward
-        overlap_grad_reduce=parallel.overlap_grad_reduce and on_gpu,
-        overlap_param_gather=parallel.overlap_param_gather and on_gpu and parallel.distributed_optimizer,
+        # overlapping needs CUDA streams; on CPU the reduce runs after backward. Megatron-FSDP keeps its GPU
+        # setting on CPU (gloo's async work stands in for the streams): without overlap_param_gather its
+        # start_param_sync all-gathers every layer after each step (megatron_fsdp.py start_param_sync), so the
+        # whole model stays unsharded until the next forward instead of one layer at a time
+        overlap_grad_reduce=parallel.overlap_grad_reduce and (on_gpu or parallel.megatron_fsdp),
+        overlap_param_gather=_overlap_param_gather(parallel, on_gpu),
         # FP8 primary weights are re-quantised by the distributed optimizer only under fp8_param_gather
         # (optimizer/distrib_optimizer.py); Megatron-LM sets the two together (training/argument_utils.py).
         fp8_param_gather=precision.fp8_param,
@@ -41,9 +44,21 @@ def ddp_config(*, parallel: ParallelConfig, precision: PrecisionConfig, on_gpu: 
         # (megatron_fsdp/param_and_grad_buffer.py gradient_reduce_op); gloo has no PREMUL_SUM, so on CPU the
         # gradients are scaled first and summed (the same arithmetic as Megatron DDP's). Only FSDP reads it.
         gradient_reduce_div_fusion=on_gpu,
+        # Megatron-FSDP does not read grad_reduce_in_fp32: its gradient buffer has the model's dtype unless
+        # megatron_fsdp_main_grads_dtype says otherwise (Megatron-LM's --megatron-fsdp-main-grads-dtype, default
+        # auto); its main (fp32) weights are megatron_fsdp_main_params_dtype's, fp32 by default
+        megatron_fsdp_main_grads_dtype=torch.float32 if parallel.megatron_fsdp and precision.grad_reduce_in_fp32
+        else None,
         # bucket_size stays None: DDP then applies Megatron-LM's default, max(40M, 1M x DP) elements, and
         # disables bucketing when the reduce is not overlapped (distributed_data_parallel.py)
         check_for_nan_in_grad=False)
+
+
+def _overlap_param_gather(parallel: ParallelConfig, on_gpu: bool) -> bool:
+    """DDP's and the optimizer's overlap_param_gather (the two must agree)."""
+    if not on_gpu and not parallel.megatron_fsdp:
+        return False  # Megatron DDP on CPU: the all-gather runs inside optimizer.step()
+    return parallel.overlap_param_gather and parallel.distributed_optimizer
 
 
 def wrap_ddp(chunks: List[torch.nn.Module], *, parallel: ParallelConfig,
@@ -85,7 +100,7 @@ def optimizer_config(*, train: TrainConfig, parallel: ParallelConfig, precision:
         adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, adam_eps=train.adam_eps,
         clip_grad=train.clip_grad, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         params_dtype=dtype, fp8_recipe=precision.fp8, use_distributed_optimizer=parallel.distributed_optimizer,
-        overlap_param_gather=parallel.overlap_param_gather and on_gpu and parallel.distributed_optimizer)
+        overlap_param_gather=_overlap_param_gather(parallel, on_gpu))
 
 
 def build_optimizer(model: List[torch.nn.Module], *, train: TrainConfig, parallel: ParallelConfig,
