@@ -23,10 +23,9 @@ def ddp_config(*, parallel: ParallelConfig, precision: PrecisionConfig, on_gpu: 
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=precision.grad_reduce_in_fp32,
         use_distributed_optimizer=parallel.distributed_optimizer,
-        # overlapping needs CUDA streams; on CPU the reduce runs after backward. Megatron-FSDP keeps its GPU
-        # setting on CPU (gloo's async work stands in for the streams): without overlap_param_gather its
-        # start_param_sync all-gathers every layer after each step (megatron_fsdp.py start_param_sync), so the
-        # whole model stays unsharded until the next forward instead of one layer at a time
+        # overlapping needs CUDA streams; on CPU the reduce runs after backward. Megatron-FSDP keeps the GPU's
+        # setting on CPU, so the CPU run is the GPU's code path (gloo's async work stands in for the streams: each
+        # layer's reduce-scatter starts in its backward, its all-gather in its forward; same losses either way)
         overlap_grad_reduce=parallel.overlap_grad_reduce and (on_gpu or parallel.megatron_fsdp),
         overlap_param_gather=_overlap_param_gather(parallel, on_gpu),
         # FP8 primary weights are re-quantised by the distributed optimizer only under fp8_param_gather
