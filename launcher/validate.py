@@ -801,9 +801,11 @@ def zb_v_rules(job: JobConfig, lay: Layout) -> list[tuple]:
          "interleaved placement, with the last stage on the last rank; in the V it is on rank 0)",
          "parallel.first_stage_layers=null parallel.last_stage_layers=null parallel.pipeline_model_parallel_layout=null"
          " parallel.account_for_embedding_in_pipeline_split=false parallel.account_for_loss_in_pipeline_split=false"),
-        (job.action in ("plan", "search"), "schedule.kind", "zb_v", "zb_v is planned and simulated "
-         "(launcher/core/schedules.py schedule_zb_v) but its rank-side executor is not built yet",
-         "schedule.kind=interleaved (or schedule.kind=zb_h1 parallel.virtual_pipeline=null)"),
+        # ours, not upstream's: Megatron ties the two copies with an all-reduce over the embedding group (first
+        # and last pipeline rank); in the V both are on rank 0, in two chunks, and that sync is not built
+        (not job.model.tie_embeddings, "model.tie_embeddings", True, "zb_v puts the embedding and the output "
+         "layer on rank 0 in two model chunks; tying them there is not implemented (launcher/rank/zero_bubble.py)",
+         "model.tie_embeddings=false (or schedule.kind=interleaved)"),
     ]
 
 

@@ -210,8 +210,9 @@ def seeded_layer_class(seed: int):
 
     class SeededTransformerLayer(TransformerLayer):
         def __init__(self, config, submodules, layer_number: int = 1, *args, **kwargs):
-            offset = get_transformer_layer_offset(
-                config, kwargs.get("vp_stage"), parallel_state.get_pipeline_model_parallel_rank())
+            pgs = kwargs.get("pg_collection")  # Megatron's own source of the rank (ZB-V mirrors it for chunk 1)
+            offset = get_transformer_layer_offset(config, kwargs.get("vp_stage"), pgs.pp.rank() if pgs is not None
+                                                  else parallel_state.get_pipeline_model_parallel_rank())
             torch.manual_seed(seed * _LAYER_SEED_STRIDE + layer_number + offset)
             super().__init__(config, submodules, layer_number, *args, **kwargs)
 
@@ -287,19 +288,24 @@ def build_model(*, model: ModelConfig, parallel: ParallelConfig, precision: Prec
                                 recompute_modules=recompute_modules,
                                 te=te, deterministic=deterministic)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    kind = schedule.kind if schedule is not None else "1f1b"
     chunks = []
     for vp_stage in range(layout.vpp):
         torch.manual_seed(seed)  # embeddings: the same draw on every rank that builds them
         vp = vp_stage if layout.vpp > 1 else None
-        spec = _seed_layers(backend.decoder_block_spec(config, te, vp_stage=vp, pp_rank=pp_rank), seed)
-        zero_bubble = schedule is not None and schedule.kind == "zb_h1"
+        # ZB-V: chunk 1 of rank r is interleaved chunk 1 of rank p - 1 - r (stage 2p - 1 - r): Megatron numbers
+        # and builds its layers, and decides pre/post-process, from that rank (zb.v_chunk_pg_collection)
+        layer_rank = zb.v_layer_rank(kind, layout.pp, pp_rank, vp_stage)
+        spec = _seed_layers(backend.decoder_block_spec(config, te, vp_stage=vp, pp_rank=layer_rank), seed)
+        zero_bubble = kind in ("zb_h1", "zb_v")
         if zero_bubble:  # split backward: weight gradients deferred into W slots (models/zero_bubble.py)
             spec = zb.defer_wgrad_spec(spec, te)
+        extra = {"pg_collection": zb.v_chunk_pg_collection(layer_rank)} if layer_rank != pp_rank else {}
         chunk = GPTModel(**gpt_model_kwargs(
             model=model, layout=layout, config=config, spec=spec, vp_stage=vp,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-            mtp_block_spec=mtp_block_spec(config, spec, te=te, vp_stage=vp, pp_rank=pp_rank, seed=seed)))
+            pre_process=zb.holds_stage(kind, layout.pp, pp_rank, vp_stage, layout.vpp, first=True),
+            post_process=zb.holds_stage(kind, layout.pp, pp_rank, vp_stage, layout.vpp, first=False),
+            mtp_block_spec=mtp_block_spec(config, spec, te=te, vp_stage=vp, pp_rank=layer_rank, seed=seed)), **extra)
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
         if zero_bubble:

@@ -345,3 +345,45 @@ def defer_output_layer(chunk) -> None:
     layer = getattr(chunk, "output_layer", None)
     if layer is not None:
         defer_module(layer)
+
+
+# ------------------------------------------------------------------------------------------------ ZB-V
+def v_layer_rank(kind: str, p: int, rank: int, chunk: int) -> int:
+    """The pipeline rank whose interleaved chunk ``chunk`` holds the same stage as this rank's chunk under
+    ``kind``: itself, except ZB-V's chunk 1 (stage 2p - 1 - r = interleaved chunk 1 of rank p - 1 - r)."""
+    return p - 1 - rank if kind == "zb_v" and chunk == 1 else rank
+
+
+def holds_stage(kind: str, p: int, rank: int, chunk: int, chunks: int, first: bool) -> bool:
+    """Whether this rank's ``chunk`` is the first (embedding) or the last (output layer, loss) pipeline stage
+    (``launcher.core.schedules.stage_of``; ZB-V: both on rank 0)."""
+    from launcher.core.schedules import stage_of
+
+    stage = stage_of(kind if kind == "zb_v" else "interleaved", p, rank, chunk)
+    return stage == 0 if first else stage == p * chunks - 1
+
+
+class MirroredPipelineGroup:
+    """The pipeline process group as ZB-V's chunk 1 must see it to be built as the stage it holds: ``rank()``
+    answers the rank whose interleaved chunk 1 that stage is (``v_layer_rank``); everything else is the real
+    group's. Megatron-Core reads the pipeline rank from the model's process-group collection to number the
+    layers (transformer_block.py, transformer_layer.py ``get_transformer_layer_offset``), so checkpoints keep
+    global layer numbers."""
+
+    def __init__(self, group, rank: int) -> None:
+        self._group, self._rank = group, rank
+
+    def rank(self) -> int:
+        return self._rank
+
+    def __getattr__(self, name):
+        return getattr(self._group, name)
+
+
+def v_chunk_pg_collection(layer_rank: int):
+    """Megatron's default process-group collection with the pipeline group mirrored (``MirroredPipelineGroup``)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pgs = copy.copy(ProcessGroupCollection.use_mpu_process_groups())
+    pgs.pp = MirroredPipelineGroup(pgs.pp, layer_rank)
+    return pgs

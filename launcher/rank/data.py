@@ -86,10 +86,17 @@ def _batches(dataset, *, start: int, train: TrainConfig, dp_rank: int, dp_size: 
     return iter(loader)
 
 
-def chunks_reading_data(num_chunks: int) -> List[bool]:
+def chunks_reading_data(num_chunks: int, kind: str = "1f1b") -> List[bool]:
     """Per model chunk of this rank: does it read batches (first or last pipeline stage of the whole
-    pipeline: tokens/position ids for the embedding, labels/loss mask for the loss and MTP)?"""
+    pipeline: tokens/position ids for the embedding, labels/loss mask for the loss and MTP)? Under zb_v both
+    are rank 0's (launcher.core.schedules.stage_of)."""
     from megatron.core import parallel_state as ps
+
+    if kind == "zb_v":
+        from launcher.core.schedules import stage_of
+
+        p, r = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+        return [stage_of(kind, p, r, c) in (0, p * num_chunks - 1) for c in range(num_chunks)]
 
     def vp(c):
         return c if num_chunks > 1 else None

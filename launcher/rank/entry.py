@@ -183,7 +183,7 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
     train_iters, valid_iters = data.build_train_valid_iterators(
         data=job.data, model=job.model, train=tr, steps=layout.steps, consumed_samples=lp.consumed,
         dp_rank=ps.get_data_parallel_rank(), dp_size=layout.dp, num_chunks=len(model),
-        reads=data.chunks_reading_data(len(model)), cache_dir=job.data.cache_dir or str(bundle / "data_cache"))
+        reads=data.chunks_reading_data(len(model), job.schedule.kind), cache_dir=job.data.cache_dir or str(bundle / "data_cache"))
     torch.distributed.barrier()  # every rank measures the CPU share at the same time
     peak, label = metrics.utilisation_basis(peak_tflops_bf16=job.cluster.peak_tflops_bf16,
                                             on_gpu=torch.cuda.is_available(), fp8=job.precision.fp8)

@@ -58,13 +58,13 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
 def schedule_func(kind: str) -> Callable:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    if kind == "zb_h1":  # no upstream zero-bubble schedule: ours, on Megatron's p2p and step functions
-        from launcher.rank.zero_bubble import forward_backward_zb_h1
+    if kind in ("zb_h1", "zb_v"):  # no upstream zero-bubble schedule: ours, on Megatron's p2p and step functions
+        from launcher.rank import zero_bubble
 
-        return forward_backward_zb_h1
+        return getattr(zero_bubble, f"forward_backward_{kind}")
     if kind not in ("1f1b", "interleaved"):
         raise NotImplementedError(f"schedule.kind={kind!r} is not available on the rank side; "
-                                  "use 1f1b, interleaved or zb_h1")
+                                  "use 1f1b, interleaved, zb_h1 or zb_v")
     return get_forward_backward_func()  # picks interleaved when virtual_pipeline > 1
 
 
@@ -106,12 +106,16 @@ def auxiliary_losses(config, num_microbatches: int, step: int) -> Dict[str, floa
     return out
 
 
-def reduce_report(local_loss: float, stop: bool) -> tuple:
-    """World all-reduce: mean loss over the ranks that hold it (last stage, TP rank 0), and whether any
-    rank asked to stop. One small collective per step."""
+def reduce_report(local_loss: float, stop: bool, kind: str = "1f1b") -> tuple:
+    """World all-reduce: mean loss over the ranks that hold it (the last stage's rank, TP rank 0: pipeline rank
+    p - 1, or 0 under zb_v's V), and whether any rank asked to stop. One small collective per step."""
     from megatron.core import parallel_state
 
-    holder = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+    from launcher.core.schedules import loss_rank
+
+    holder = (parallel_state.get_pipeline_model_parallel_rank()
+              == loss_rank(kind, parallel_state.get_pipeline_model_parallel_world_size())
+              and parallel_state.get_tensor_model_parallel_rank() == 0)
     dev = compute_device()
     t = torch.tensor([local_loss if holder else 0.0, float(holder), float(stop)], dtype=torch.float64,
                      device=dev)
@@ -216,7 +220,7 @@ class Loop:
         from launcher.rank import zero_bubble as zb
 
         self.recorder.start_step()
-        if self.kind == "zb_h1":
+        if self.kind in ("zb_h1", "zb_v"):
             yield partial(self.fwd_bwd, recorder=self.recorder), forward_step
         elif self.kind == "1f1b":
             with zb.recording_megatron_1f1b(self.recorder):
@@ -237,7 +241,7 @@ class Loop:
             losses.append(_mean_lm_loss(out))
         for chunk in self.model:
             chunk.train()
-        loss, _ = reduce_report(sum(losses) / len(losses), False)
+        loss, _ = reduce_report(sum(losses) / len(losses), False, self.kind)
         return loss
 
     def run(self, *, iterators, valid_iters: Callable, steps: int, on_step: Callable,
@@ -263,7 +267,7 @@ class Loop:
             start = time.perf_counter()
             out = self.train_step(iterators)
             why = local_reason()
-            loss, stop = reduce_report(out["local_loss"], why is not None)
+            loss, stop = reduce_report(out["local_loss"], why is not None, self.kind)
             elapsed = time.perf_counter() - start
             self.signals.step_s = elapsed
             tflops = flops_per_token * tokens_per_step / elapsed / world / 1e12

@@ -28,13 +28,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import re
 import time
 from typing import Callable, List, Optional
 
 import torch
 
 from launcher.core import p2p
-from launcher.core.schedules import schedule_1f1b, schedule_zb_h1
+from launcher.core.schedules import schedule_1f1b, schedule_zb_h1, schedule_zb_v
 from models.backend import compute_device
 
 
@@ -108,8 +109,8 @@ class Recorder:
             self.add(kind, microbatch, chunk, start, self.now())
 
 
-def _span(recorder: Optional[Recorder], kind: str, mb: int):
-    return recorder.span(kind, mb) if recorder is not None else contextlib.nullcontext()
+def _span(recorder: Optional[Recorder], kind: str, mb: int, chunk: int = 0):
+    return recorder.span(kind, mb, chunk) if recorder is not None else contextlib.nullcontext()
 
 
 def forward_backward_zb_h1(*, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int,
@@ -121,12 +122,7 @@ def forward_backward_zb_h1(*, forward_step_func, data_iterator, model, num_micro
     runs Megatron's 1F1B function: forwards are the same in both schedules. ``order`` is exchangeable for
     tests (``schedule_1f1b`` runs 1F1B's order through this executor). ``p2p_communicator`` and
     ``pg_collection`` as in Megatron-Core's schedules (default: from parallel_state)."""
-    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import schedules as S
-    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-    from megatron.core.utils import get_model_config
-
-    from models.zero_bubble import STORE, te_modules
 
     if forward_only:
         return S.forward_backward_pipelining_without_interleaving(
@@ -134,29 +130,89 @@ def forward_backward_zb_h1(*, forward_step_func, data_iterator, model, num_micro
             num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
             decoder_seq_length=decoder_seq_length, forward_only=True, collect_non_loss_data=collect_non_loss_data,
             first_val_step=first_val_step, p2p_communicator=p2p_communicator, pg_collection=pg_collection)
-    model = model[0] if isinstance(model, list) else model
-    data_iterator = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
-    config = get_model_config(model)
+    return _run("1f1b", order, forward_step_func, data_iterator, model, num_microbatches, seq_length,
+                micro_batch_size, decoder_seq_length, False, collect_non_loss_data, first_val_step, recorder,
+                p2p_communicator, pg_collection)
+
+
+def forward_backward_zb_v(*, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int,
+                          micro_batch_size: int, decoder_seq_length: Optional[int] = None,
+                          forward_only: bool = False, collect_non_loss_data: bool = False,
+                          first_val_step: Optional[bool] = None, recorder: Optional[Recorder] = None,
+                          p2p_communicator=None, pg_collection=None):
+    """The same interface, running ZB-V (``launcher.core.schedules.schedule_zb_v``) over this rank's two model
+    chunks (chunk 0: stage r, chunk 1: stage 2p - 1 - r; ``models.builder`` builds them so). ``forward_only``
+    runs the F ops of the same order under no_grad (Megatron has no schedule for a V)."""
+    return _run("zb_v", schedule_zb_v, forward_step_func, data_iterator, model, num_microbatches, seq_length,
+                micro_batch_size, decoder_seq_length, forward_only, collect_non_loss_data, first_val_step,
+                recorder, p2p_communicator, pg_collection)
+
+
+_UP_GROUPS: dict = {}
+"""ZB-V's second pipeline channel (messages to the lower rank): pipeline group ranks -> process group."""
+
+
+def up_group(pp_group):
+    """A second process group over the pipeline group's ranks (``launcher.core.p2p.UP``), created once, by every
+    rank of the world for every pipeline group in the same order (new_group is collective)."""
+    ranks = tuple(torch.distributed.get_process_group_ranks(pp_group))
+    if ranks not in _UP_GROUPS:
+        everyone = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, ranks)
+        for group_ranks in sorted(set(everyone)):
+            group = torch.distributed.new_group(list(group_ranks))
+            _UP_GROUPS.setdefault(group_ranks, group)
+    return _UP_GROUPS[ranks]
+
+
+def _run(placement: str, order: Callable, forward_step_func, data_iterator, model, num_microbatches: int,
+         seq_length: int, micro_batch_size: int, decoder_seq_length, forward_only: bool, collect_non_loss_data: bool,
+         first_val_step, recorder, p2p_communicator, pg_collection):
+    """Execute ``order``'s op list for this rank literally, with the p2p program ``launcher.core.p2p.plan``
+    derives from it (``placement``: how chunks map to stages)."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import schedules as S
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from megatron.core.utils import get_model_config
+
+    from launcher.core.schedules import place, stage_of
+    from models.zero_bubble import STORE, te_modules
+
+    models = list(model) if isinstance(model, list) else [model]
+    iters = list(data_iterator) if isinstance(data_iterator, list) else [data_iterator]
+    chunks = len(models)
+    config = get_model_config(models[0])
     pg = pg_collection or S._build_default_pg_collection()
     comm = p2p_communicator or P2PCommunicator(pp_group=parallel_state.get_pipeline_model_parallel_group(),
                                                config=config)
-    first, last = comm.is_pp_first_stage, comm.is_pp_last_stage
     shape = S.get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size,
                                 decoder_seq_length=decoder_seq_length, config=config, tp_group=pg.tp,
                                 cp_group=pg.cp)[0]
-    rank, stages = comm.current_stage, comm.total_stages
-    program = p2p.plan(order(stages, num_microbatches)[rank], rank, stages)
+    rank, p = comm.current_stage, comm.total_stages
+    schedule = order(p, num_microbatches)
+    if forward_only:  # evaluation: the F ops of the same order (a valid order of the forwards alone)
+        schedule = [[op for op in ops if op.kind == "F"] for ops in schedule]
+    program = p2p.plan(schedule[rank], rank, p, placement=placement, schedule=schedule)
     peers = {rank + 1: comm.next_rank, rank - 1: comm.prev_rank}
-    te_dw = te_modules(model)
-    tensors: dict = {}  # tag (act<mb> / grad<mb>) -> tensor received, or to send
+    groups = {"pp": comm.pp_group}
+    if chunks > 1:
+        groups["pp" + p2p.UP] = up_group(comm.pp_group)
+    te_dw = [te_modules(m) for m in models]
+    last_stage = p * chunks - 1
+
+    def tag(base: str, mb: int, chunk: int) -> str:
+        return f"{base}{mb}" + (f"c{chunk}" if chunks > 1 else "")
+
+    tensors: dict = {}  # tag (act<mb>[c<chunk>] / grad<mb>[c<chunk>]) -> tensor received, or to send
     inputs, outputs, requests = {}, {}, {}
     forward_data_store: list = []
     total_num_tokens = torch.zeros([], dtype=torch.int, device=compute_device())
+    synced: set = set()
     STORE.clear()
-    with STORE.capture():
+    with STORE.capture(), (torch.no_grad() if forward_only else contextlib.nullcontext()):
         for event in program:
             if event[0] == "post":
-                requests[event[1]] = _post(event[2], tensors, peers, comm.pp_group, shape, config, recorder)
+                requests[event[1]] = _post(event[2], tensors, peers, groups, shape, config, recorder, event[3])
                 continue
             if event[0] == "wait":
                 reqs, what = requests.pop(event[1], ((), None))
@@ -164,29 +220,40 @@ def forward_backward_zb_h1(*, forward_step_func, data_iterator, model, num_micro
                     with _span(recorder, *what):
                         _wait(reqs)
                 continue
-            op, mb = event[1], event[1].microbatch
+            op, mb, c = event[1], event[1].microbatch, event[1].chunk
+            k = stage_of(placement, p, rank, c)
+            key = mb if chunks == 1 else (mb, c)
             if op.kind != "F":
                 with _grad_sync(config, mb == num_microbatches - 1):
-                    _backward_op(op, tensors, inputs, outputs, config, first, last, recorder, te_dw)
+                    grad_in = _backward_op(op, key, tensors.pop(tag("grad", mb, c)) if k < last_stage and op.kind
+                                           != "W" else None, inputs, outputs, config, recorder, te_dw[c])
+                if grad_in is not None and k > 0:  # to the previous stage: sent, or handed to this rank's chunk
+                    tensors[tag("grad", mb, place(placement, p, k - 1)[1])] = grad_in
                 continue
-            if op.kind == "F":
-                x = tensors.pop(f"act{mb}") if not first else None
-                with _span(recorder, "F", mb):
-                    out, tokens = S.forward_step(
-                        forward_step_func, data_iterator, model, num_microbatches, x, forward_data_store, config,
-                        cp_group_size=pg.cp.size(), collect_non_loss_data=collect_non_loss_data,
-                        is_first_microbatch=S.check_first_val_step(first_val_step, False, mb == 0),
-                        current_microbatch=mb, is_last_stage=last)
-                total_num_tokens += tokens
-                if not last:
-                    tensors[f"act{mb}"] = out  # sent by the program's next post
-                inputs[mb], outputs[mb] = x, out
+            if c not in synced and isinstance(config.param_sync_func, list):
+                config.param_sync_func[c](models[c].parameters())  # Megatron's interleaved: per chunk, first F
+            synced.add(c)
+            x = tensors.pop(tag("act", mb, c)) if k > 0 else None
+            with _span(recorder, "F", mb, c):
+                out, tokens = S.forward_step(
+                    forward_step_func, iters[c], models[c], num_microbatches, x, forward_data_store, config,
+                    cp_group_size=pg.cp.size(), collect_non_loss_data=collect_non_loss_data,
+                    is_first_microbatch=S.check_first_val_step(first_val_step, forward_only, mb == 0),
+                    current_microbatch=mb, vp_stage=c if chunks > 1 else None, is_last_stage=k == last_stage)
+            total_num_tokens += tokens
+            if k < last_stage:
+                nxt_rank, nxt_chunk = place(placement, p, k + 1)
+                # sent by the program's next post, or (the V's turn) this rank's next chunk's input, a leaf as a
+                # received activation is
+                tensors[tag("act", mb, nxt_chunk)] = out if nxt_rank != rank else out.detach().requires_grad_()
+            if not forward_only:
+                inputs[key], outputs[key] = x, out
     if requests:
         raise RuntimeError(f"p2p groups never waited: {sorted(requests)}")
     if STORE.pending():
         raise RuntimeError(f"{STORE.pending()} microbatches of weight gradients were never run")
-    if config.finalize_model_grads_func is not None:
-        config.finalize_model_grads_func([model], total_num_tokens if config.calculate_per_token_loss else None,
+    if config.finalize_model_grads_func is not None and not forward_only:
+        config.finalize_model_grads_func(models, total_num_tokens if config.calculate_per_token_loss else None,
                                          pg_collection=pg, force_all_reduce=False)
     return forward_data_store
 
@@ -207,39 +274,47 @@ def _grad_sync(config, last_microbatch: bool):
     return config.no_sync_func()
 
 
-def _backward_op(op, tensors: dict, inputs: dict, outputs: dict, config, first: bool, last: bool, recorder,
-                 te_dw) -> None:
-    """B (input gradient, W queued), BW (both) or W (the oldest queued microbatch's weight gradients)."""
+def _backward_op(op, key, grad, inputs: dict, outputs: dict, config, recorder, te_dw):
+    """B (input gradient, W queued), BW (both) or W (the oldest queued microbatch's weight gradients); returns
+    the input gradient of a B/BW (None on the first stage, and for W)."""
     from megatron.core.pipeline_parallel import schedules as S
 
     from models.zero_bubble import STORE
 
-    mb = op.microbatch
-    if op.kind in ("B", "BW"):
-        grad = tensors.pop(f"grad{mb}") if not last else None
-        x, out = inputs.pop(mb), outputs.pop(mb)
-        S.deallocate_output_tensor(out, config.deallocate_pipeline_outputs)
-        with _span(recorder, op.kind, mb):
-            grad_in = S.backward_step(x, out, grad, config)
-            STORE.flush(mb, te_dw)
-            if op.kind == "BW":
-                STORE.pop(mb)
-        if not first:
-            tensors[f"grad{mb}"] = grad_in[0] if isinstance(grad_in, list) else grad_in
-    elif op.kind == "W":
-        with _span(recorder, "W", mb):
-            STORE.pop(mb)
-    else:
+    if op.kind == "W":
+        with _span(recorder, "W", op.microbatch, op.chunk):
+            STORE.pop(key)
+        return None
+    if op.kind not in ("B", "BW"):
         raise ValueError(f"op {op} is not F, B, W or BW")
+    x, out = inputs.pop(key), outputs.pop(key)
+    S.deallocate_output_tensor(out, config.deallocate_pipeline_outputs)
+    with _span(recorder, op.kind, op.microbatch, op.chunk):
+        grad_in = S.backward_step(x, out, grad, config)
+        STORE.flush(key, te_dw)
+        if op.kind == "BW":
+            STORE.pop(key)
+    return grad_in[0] if isinstance(grad_in, list) else grad_in
 
 
-def _post(ops, tensors: dict, peers: dict, group, shape, config, recorder) -> tuple:
-    """Post one group of the p2p program as one ``batch_isend_irecv`` (NCCL group semantics: the ops progress
-    together, so a send and the receive posted with it never wait on each other). Receive buffers are
-    allocated as Megatron's ``P2PCommunicator`` does (compute device, pipeline dtype, requires_grad) and stored
-    under their tag once posted. Returns (requests, span of the wait that completes them)."""
+_TAG = re.compile(r"(act|grad)(\d+)(?:c(\d+))?$")
+
+
+def _what(tag: str, direction: str) -> tuple:
+    """(span kind, microbatch, chunk) of a p2p tag: send_fwd / recv_bwd ..."""
+    base, mb, chunk = _TAG.match(tag).groups()
+    return f"{direction}_{'fwd' if base == 'act' else 'bwd'}", int(mb), int(chunk or 0)
+
+
+def _post(ops, tensors: dict, peers: dict, groups: dict, shape, config, recorder, stream: str = "group") -> tuple:
+    """Post one group of the p2p program: as one ``batch_isend_irecv`` (``stream`` "group": NCCL group semantics,
+    the ops progress together, so a send and the receive posted with it never wait on each other), or as a single
+    ``isend``/``irecv`` ("pair": the rank pair's own communicator of that channel's process group). Receive
+    buffers are allocated as Megatron's ``P2PCommunicator`` does (compute device, pipeline dtype, requires_grad)
+    and stored under their tag once posted. Returns (requests, span of the wait that completes them)."""
     p2p_ops, received = [], []
-    for kind, peer, _, tag in ops:
+    for kind, peer, channel, tag in ops:
+        group = groups[channel]
         if kind == "send":
             p2p_ops.append(torch.distributed.P2POp(torch.distributed.isend, tensors.pop(tag), peers[peer], group))
         else:
@@ -247,15 +322,19 @@ def _post(ops, tensors: dict, peers: dict, group, shape, config, recorder) -> tu
             tensors[tag] = buf
             p2p_ops.append(torch.distributed.P2POp(torch.distributed.irecv, buf, peers[peer], group))
             received.append(tag)
+
+    def issue():
+        if stream == "group":
+            return torch.distributed.batch_isend_irecv(p2p_ops)
+        return [op.op(op.tensor, op.peer, op.group) for op in p2p_ops]
+
     sends = [tag for kind, _, _, tag in ops if kind == "send"]
     if sends:
-        mb = int(sends[0].lstrip("actgrd"))
-        with _span(recorder, "send_fwd" if sends[0].startswith("act") else "send_bwd", mb):
-            reqs = torch.distributed.batch_isend_irecv(p2p_ops)
+        with _span(recorder, *_what(sends[0], "send")):
+            reqs = issue()
     else:
-        reqs = torch.distributed.batch_isend_irecv(p2p_ops)
-    wait = received[0] if received else sends[0]
-    return reqs, ("recv_fwd" if wait.startswith("act") else "recv_bwd", int(wait.lstrip("actgrd")))
+        reqs = issue()
+    return reqs, _what(received[0] if received else sends[0], "recv")
 
 
 def _wait(reqs) -> None:
@@ -346,4 +425,4 @@ def write_timeline(recorder: Recorder, out_dir, kind: str):
     return timeline.draw(out / "executed.png", [(title, timelines)], time_label="seconds")
 
 
-__all__ = ["Recorder", "forward_backward_zb_h1", "recording_megatron_1f1b", "recorded_forward", "schedule_1f1b", "write_timeline"]
+__all__ = ["Recorder", "forward_backward_zb_h1", "forward_backward_zb_v", "recording_megatron_1f1b", "recorded_forward", "schedule_1f1b", "write_timeline"]
