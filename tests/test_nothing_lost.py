@@ -98,7 +98,10 @@ def launcher_run_timed(tmp_path: Path, overrides, nproc: int, timeout: float = 2
     proc = launcher_run(tmp_path, overrides, nproc)
     try:
         bundle = wait_for(lambda: the_bundle(tmp_path), 60, "the bundle")
-        wait_for(lambda: any(rank_pids(bundle, r) for r in range(nproc)), timeout, "a training rank")
+        # a hang detector, generous: at load 38 on 2 cores the rank's imports alone took minutes (seen: no rank
+        # within 240 s); a launcher that ended without starting one ends the wait (the asserts then say why)
+        wait_for(lambda: any(rank_pids(bundle, r) for r in range(nproc)) or proc.poll() is not None, 3 * timeout,
+                 "a training rank")
         wait_for(lambda: not any(rank_pids(bundle, r) for r in range(nproc)) or proc.poll() is not None, timeout,
                  "the training ranks to end")
         gone = time.monotonic()
