@@ -184,10 +184,27 @@ def _xdist_group(item, lanes: set) -> str | None:
     if "slurm" in lanes:
         return "slurm"
     if "multirank" not in lanes:
-        return None
+        # an in-process test using its module's own module-scoped fixture (test_nccl_semantics' fake-rank traces,
+        # ~30 s) runs beside the module's other users of it: ungrouped, each worker that ran one set it up again
+        # whenever it came back from another module (seen: three set-ups of the same traces in one session)
+        return _module_path(item) if _uses_own_module_fixture(item) else None
     if set(getattr(item, "fixturenames", ())) & _RANK_FIXTURES:
         return "reference-runs"
+    return _module_path(item)
+
+
+def _module_path(item) -> str:
     return Path(str(item.fspath)).relative_to(ROOT).as_posix()
+
+
+def _uses_own_module_fixture(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    module = getattr(getattr(item, "module", None), "__name__", None)
+    for defs in (info.name2fixturedefs.values() if info else ()):
+        last = defs[-1]
+        if last.scope in ("module", "package", "session") and getattr(last.func, "__module__", None) == module:
+            return True
+    return False
 
 
 _MODULES: dict = {}
