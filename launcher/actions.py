@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
+from pathlib import Path
 
 from launcher.core import derive
 from launcher.problems import EXIT_USAGE, Problem
@@ -133,6 +135,80 @@ def launch_preflight(job: JobConfig) -> list[Problem]:
         late = lead_problem(job, lead_for_render(job, limit, plan, _ckpt_dir(job)), limit)
         if late is not None:
             problems.append(late)
+    return problems
+
+
+HF_LINE = re.compile(r"^(model\.\w+)=(.*?): (.*); try (model\.\w+=.*)$")
+"""import-hf's line for one differing field (launcher/hf/arch.py ``_line``): field=value: rule; try field=value."""
+
+
+def hf_import_dir(job: JobConfig) -> Path:
+    """Where checkpoint.load_hf is imported: output_dir/hf-imports/NAME-DIGEST, the digest over the HF directory
+    (path, and size and mtime of config.json and every weights file), the whole model entry, the dtype, the layer
+    spec and the padded vocabulary: a job that would import the same tensors reuses the import."""
+    import hashlib
+
+    from launcher.core.layout import uses_transformer_engine
+
+    src = Path(job.checkpoint.load_hf).resolve()
+    files = sorted(p for p in src.iterdir() if p.name == "config.json" or p.name.endswith(
+        (".safetensors", ".safetensors.index.json")))
+    key = json.dumps({"hf": str(src), "files": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files],
+                      "model": dataclasses.asdict(job.model), "dtype": job.precision.dtype,
+                      "te": uses_transformer_engine(job.precision, job.cluster),
+                      "padded_vocab": derive(job).padded_vocab}, sort_keys=True, default=str)
+    return Path(job.output_dir).resolve() / "hf-imports" / f"{src.name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def hf_start(job: JobConfig, *, import_weights: bool) -> tuple[JobConfig, list[Problem]]:
+    """checkpoint.load_hf: compare the HF config.json with the model entry (one problem per differing field) and,
+    unless only validating, import it (once: an import of the same weights for the same model is reused); the job
+    then starts from the import as checkpoint.load, the path every layout loads. Both run in ``python -m launcher
+    import-hf``, a process of its own: it needs torch and transformers, which the login commands never import."""
+    import subprocess
+    import tempfile
+
+    from launcher.core import job_to_yaml
+
+    src, out = job.checkpoint.load_hf, hf_import_dir(job)
+    final = out / "iter_0000000"
+    if not (final / "launcher.json").is_file():
+        with tempfile.TemporaryDirectory(prefix="load-hf-") as tmp:
+            (Path(tmp) / "config.yaml").write_text(job_to_yaml(job))
+            cmd = [sys.executable, "-m", "launcher", "import-hf", "--hf", str(src), "--config",
+                   str(Path(tmp) / "config.yaml"), *(["--output", str(out)] if import_weights else ["--check"])]
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if proc.returncode != 0:
+            return job, _hf_problems(src, proc)
+        if not import_weights:
+            return job, []
+        print(proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else f"imported {src} -> {final}")
+    else:
+        print(f"checkpoint.load_hf={src}: the import {final} of the same weights for this model is reused")
+    return dataclasses.replace(job, checkpoint=dataclasses.replace(job.checkpoint, load=str(final))), []
+
+
+def _hf_problems(src: str, proc) -> list[Problem]:
+    """import-hf's refusal as problems: a differing model field as that field's own problem, the rest (another
+    architecture, a file it cannot read) as checkpoint.load_hf's."""
+    import ast
+
+    lines = [ln[len("error: "):] for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    if not lines:
+        tail = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        lines = [f"import-hf failed: {tail}"]
+    problems = []
+    for line in lines:
+        m = HF_LINE.match(line)
+        if m:
+            try:
+                value = ast.literal_eval(m[2])
+            except (ValueError, SyntaxError):
+                value = m[2]
+            problems.append(Problem(m[1], value, m[3], m[4]))
+        else:
+            problems.append(Problem("checkpoint.load_hf", src, line, "a model entry of that architecture, or "
+                                    "checkpoint.load_hf=null"))
     return problems
 
 

@@ -103,6 +103,10 @@ def _main(argv: list[str] | None = None) -> int:
     if not errors(problems) and action in RANK_ACTIONS:
         from launcher.actions import launch_preflight  # what render or run would refuse: validate says it too
         problems += launch_preflight(job)
+    if not errors(problems) and action in RANK_ACTIONS and job.checkpoint.load_hf:
+        from launcher.actions import hf_start  # config.json compared (and, to run, imported) before anything runs
+        job, found = hf_start(job, import_weights=action != "validate")
+        problems += found
     report(problems)
     if errors(problems):
         return EXIT_USAGE

@@ -386,6 +386,11 @@ class CheckpointConfig:
     """Start from this checkpoint (an iter_* directory, or a checkpoint dir whose newest complete checkpoint
     is used) even if it belongs to another run or layout (fine-tune, changed TP/PP/DP); this run's own
     checkpoints in dir, once it has some, take precedence."""
+    load_hf: Optional[str] = None
+    """Start from Hugging Face weights (a directory with config.json and safetensors): render/submit/run first
+    compare its config.json with the model entry (one error per differing field) and import it once with
+    ``import-hf`` into output_dir/hf-imports/ (one process on this node, the whole model in memory once; reused
+    while the weights and the model are the same), then load that as checkpoint.load at any layout."""
     verify: str = choice("sizes", CHECKPOINT_VERIFY)
     """Check a checkpoint before loading it: sizes (every file has the size recorded at save) or checksum
     (also its CRC32, spread over the ranks)."""

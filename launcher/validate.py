@@ -989,6 +989,13 @@ def validate_checkpoint(ckpt: CheckpointConfig) -> list[Problem]:
         c.need(str(ckpt.load).strip() != "", "checkpoint.load", ckpt.load,
                "names a checkpoint (an iter_* directory) or a checkpoint dir holding some",
                "checkpoint.load=/lustre/ckpt/run/iter_0001000")
+    if ckpt.load_hf is not None:  # rendering imports it and sets checkpoint.load (launcher/actions.py hf_start)
+        c.need(ckpt.load is None, "checkpoint.load_hf", ckpt.load_hf,
+               f"a run starts from one thing; checkpoint.load={ckpt.load} is set too", "checkpoint.load=null")
+        c.need(bool(str(ckpt.load_hf).strip()) and os.path.isfile(os.path.join(str(ckpt.load_hf), "config.json")),
+               "checkpoint.load_hf", ckpt.load_hf,
+               "names a Hugging Face model directory (config.json and safetensors weights); no config.json there",
+               "checkpoint.load_hf=null")
     return c.problems
 
 

@@ -26,10 +26,13 @@ from typing import List, Optional
 USAGE = {
     "export-hf": "python -m launcher export-hf --checkpoint DIR/iter_N --output OUT [--config BUNDLE/config.yaml] "
                  "[--tokenizer PATH] [--max-shard-size 5GB]",
-    "import-hf": "python -m launcher import-hf --hf HF_DIR --output CKPT_DIR [--spec te|local] [key=value ...]",
+    "import-hf": "python -m launcher import-hf --hf HF_DIR --output CKPT_DIR [--spec te|local] "
+                 "[--config BUNDLE/config.yaml | key=value ...] [--check]",
 }
 FLAGS = {"export-hf": {"--checkpoint", "--output", "--config", "--tokenizer", "--max-shard-size"},
-         "import-hf": {"--hf", "--output", "--spec"}}
+         "import-hf": {"--hf", "--output", "--spec", "--config", "--check"}}
+SWITCHES = {"--check"}
+"""Flags without a value (import-hf --check: compare config.json with the model entry only, write nothing)."""
 REQUIRED = {"export-hf": ("--checkpoint", "--output"), "import-hf": ("--hf", "--output")}
 
 
@@ -47,7 +50,7 @@ def parse(command: str, argv: List[str]) -> tuple:
             name, eq, value = token.partition("=")
             if name not in FLAGS[command]:
                 raise UsageError(f"{command}: unknown flag {name}; flags are {', '.join(sorted(FLAGS[command]))}")
-            value = value if eq else next(it, None)
+            value = "1" if name in SWITCHES and not eq else value if eq else next(it, None)
             if value is None:
                 raise UsageError(f"{command}: {name} needs a value")
             flags[name] = value
@@ -55,7 +58,7 @@ def parse(command: str, argv: List[str]) -> tuple:
             overrides.append(token)
         else:
             raise UsageError(f"{command}: unexpected argument {token!r}; usage: {USAGE[command]}")
-    missing = [f for f in REQUIRED[command] if f not in flags]
+    missing = [f for f in REQUIRED[command] if f not in flags and not (f == "--output" and "--check" in flags)]
     if missing:
         raise UsageError(f"{command}: {', '.join(missing)} is required; usage: {USAGE[command]}")
     return flags, overrides
@@ -112,8 +115,16 @@ def _import(flags: dict, overrides: List[str]) -> int:
         for problem in typos:
             print(problem.line(), file=sys.stderr)
         return 2
+    if "--config" in flags and overrides:
+        raise UsageError(f"import-hf: --config {flags['--config']} is the whole job; drop the key=value overrides "
+                         f"({overrides[0]}, ...) or --config")
     try:
-        job = compose_job(overrides)
+        if "--config" in flags:
+            from launcher.core import load_job
+
+            job = load_job(Path(flags["--config"]))
+        else:
+            job = compose_job(overrides)
     except ConfigError as exc:  # the login CLI's one-line form (launcher/cli.py)
         print(exc.problem.line() if exc.problem is not None else f"error: {exc}", file=sys.stderr)
         return 2
@@ -121,6 +132,11 @@ def _import(flags: dict, overrides: List[str]) -> int:
         spec = flags.get("--spec")
         if spec not in (None, "te", "local"):
             raise UsageError(f"--spec {spec}: the layer spec is te (Transformer Engine) or local; try --spec te")
+        if "--check" in flags:
+            from launcher.hf.importer import check
+
+            check(Path(flags["--hf"]), job)
+            return 0
         import_hf(Path(flags["--hf"]), Path(flags["--output"]), job, spec=spec)
     except ImportRefused as exc:
         for line in exc.lines:

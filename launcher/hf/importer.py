@@ -205,13 +205,11 @@ def sharded_for(chunk, model, te: bool) -> dict:
     return state
 
 
-def import_hf(hf_dir: Path, output: Path, job: JobConfig, log=print, spec: Optional[str] = None) -> Path:
-    """Validate, build, fill, save; returns OUT/iter_0000000. ``spec`` (te | local) names the layer spec the job's
-    ranks will build, which decides a few norms' names; by default the job's own (Transformer Engine on GPUs)."""
+def check(hf_dir: Path, job: JobConfig):
+    """The HF ``config.json`` compared with the job's model entry (ImportRefused: one line per differing field);
+    returns the transformers config. Reads config.json alone: no weights, no model."""
     from transformers import AutoConfig
 
-    start = time.perf_counter()
-    hf_dir, output = Path(hf_dir), Path(output)
     if not (hf_dir / "config.json").is_file():
         raise ImportRefused([f"--hf {hf_dir}: no config.json there (a Hugging Face model directory is needed)"])
     try:
@@ -222,6 +220,15 @@ def import_hf(hf_dir: Path, output: Path, job: JobConfig, log=print, spec: Optio
     problems = arch.compare(cfg, job.model)
     if problems:
         raise ImportRefused(problems)
+    return cfg
+
+
+def import_hf(hf_dir: Path, output: Path, job: JobConfig, log=print, spec: Optional[str] = None) -> Path:
+    """Validate, build, fill, save; returns OUT/iter_0000000. ``spec`` (te | local) names the layer spec the job's
+    ranks will build, which decides a few norms' names; by default the job's own (Transformer Engine on GPUs)."""
+    start = time.perf_counter()
+    hf_dir, output = Path(hf_dir), Path(output)
+    cfg = check(hf_dir, job)
     final = output / "iter_0000000"
     if final.exists():
         raise ImportRefused([f"--output {output}: {final} exists already; choose a new directory"])

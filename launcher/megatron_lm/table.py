@@ -351,6 +351,8 @@ LAUNCHER_ONLY: Dict[str, str] = {
     "checkpoint.save_at_end": "Megatron-LM saves at the end whenever --save is given",
     "checkpoint.keep_last": "Megatron-LM keeps every checkpoint",
     "checkpoint.verify": "launcher checkpoint hygiene (manifest sizes / checksums)",
+    "checkpoint.load_hf": "Megatron-LM reads no Hugging Face weights (Megatron-Bridge converts them); here render "
+                          "imports them with import-hf and checkpoint.load (--load) names the import",
     "logging.wandb_mode": "the WANDB_MODE environment variable (exported with the arguments)",
     **{f"profile.{name}": "profiling: how a run is observed, not what it trains (Megatron-LM's --profile* and "
                           "--record-memory-history are read as ignored)"
