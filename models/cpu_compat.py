@@ -21,7 +21,7 @@ Megatron-FSDP (``parallel.megatron_fsdp``) runs on CPU through the same proxy, w
 its modules (FSDP_MODULES) with two more mappings: ``torch.device('cuda:...')`` -> cpu (mcore_fsdp_adapter.py:156,
 megatron_fsdp.py:232 build the device from ``current_device()``) and ``DeviceMesh.from_group(device_type='cuda')``
 -> a CPU mesh (mcore_fsdp_adapter.py:407-449); ``Tensor.cuda()`` in ``validate_uneven_dtensor``
-(uneven_dtensor.py:187) is the identity. Its gradient reduce divides inside NCCL's PREMUL_SUM unless
+(uneven_dtensor.py:187) is ``.to('cpu')``. Its gradient reduce divides inside NCCL's PREMUL_SUM unless
 ``gradient_reduce_div_fusion`` is off (param_and_grad_buffer.py:4746); gloo has no PREMUL_SUM, so the rank wing
 turns that fusion off on CPU (launcher/rank/optim.py).
 
@@ -250,6 +250,18 @@ def _tensor_cuda_is_identity():
         torch.Tensor.cuda = original
 
 
+@contextlib.contextmanager
+def _tensor_cuda_is_to_cpu():
+    """``Tensor.cuda()`` is ``Tensor.to('cpu')``: the tensor itself on CPU, and for the NCCL emulation
+    (tests/_nccl_emulation.py) a tensor moved to the compute device, as ``.cuda()`` makes it on a GPU."""
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self.to("cpu")
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
 def _wrap(owner: Any, name: str, context: Callable) -> None:
     """Run ``owner.name`` inside ``context()``, keeping staticmethod/classmethod kinds."""
     raw = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
@@ -317,7 +329,7 @@ def apply_fsdp() -> bool:
         if "DeviceMesh" in vars(module):
             module.DeviceMesh = _DeviceMeshOnCpu()
     uneven = importlib.import_module("megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor")
-    _wrap(uneven, "validate_uneven_dtensor", _tensor_cuda_is_identity)
+    _wrap(uneven, "validate_uneven_dtensor", _tensor_cuda_is_to_cpu)
     buffer = importlib.import_module("megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer")
     buffer.validate_uneven_dtensor = uneven.validate_uneven_dtensor  # imported by name before the wrap
     _FSDP_APPLIED = True
