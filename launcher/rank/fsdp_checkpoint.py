@@ -77,8 +77,11 @@ def _state_for_empty_shards(optimizer) -> None:
             if param in inner.state:
                 continue
             if template is None:  # no state on this rank at all yet (before the first step): Adam's fresh shape
-                inner.state[param] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param),
-                                      "exp_avg_sq": torch.zeros_like(param)}
+                # torch.optim.Adam's own rule for "step" (adam.py _init_group: on the host unless capturable or
+                # fused, "special device hosting for step")
+                on_device = group.get("capturable") or group.get("fused")
+                inner.state[param] = {"step": torch.tensor(0.0, device=param.device if on_device else "cpu"),
+                                      "exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
                 continue
             inner.state[param] = {k: (torch.zeros_like(param) if torch.is_tensor(v) and v.dim() > 0 else
                                       v.clone() if torch.is_tensor(v) else v) for k, v in template.items()}
