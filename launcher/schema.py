@@ -253,7 +253,11 @@ class ScheduleConfig:
     """Overlap pipeline send/recv with compute (interleaved only)."""
     record_timeline: bool = False
     """Record what each rank executed in the last training step (wall-clock start/end of every F, B, W, send
-    and recv) into the bundle's timeline/ as a Chrome/Perfetto trace JSON and a PNG (1f1b and zb_h1)."""
+    and recv) into the bundle's timeline/ as a Chrome/Perfetto trace JSON and a PNG (1f1b, zb_h1, zb_v)."""
+    zb_v_costs: Optional[List[float]] = None
+    """zb_v: the relative per-chunk [T_F, T_B, T_W] its op order is generated for (launcher/core/schedules.py
+    schedule_zb_v; ranks and planner use the same order); null means equal costs. ``action=plan`` prints the
+    planner's estimate for the job, and ``action=search`` sets it on its zb_v candidates."""
 
 
 @dataclass

@@ -792,19 +792,21 @@ def zb_v_rules(job: JobConfig, lay: Layout) -> list[tuple]:
     """ZB-V's own layout rules (launcher.core.schedules.schedule_zb_v: two chunks per rank in a V, so rank 0
     holds both the first and the last stage)."""
     p = job.parallel
+    uneven = next((name for name in ("first_stage_layers", "last_stage_layers", "pipeline_model_parallel_layout",
+                                     "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+                   if getattr(p, name) not in (None, False)), None)
     return [
         (p.pipeline > 1 and lay.vpp == 2, "parallel.virtual_pipeline", p.virtual_pipeline,
          "zb_v places exactly two model chunks on each rank (chunk 0 on ranks 0..p-1, chunk 1 back on p-1..0)",
          "parallel.virtual_pipeline=2"),
-        (p.first_stage_layers is None and p.last_stage_layers is None and p.pipeline_model_parallel_layout is None
-         and not (p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split),
-         "parallel.first_stage_layers" if p.first_stage_layers is not None else "parallel.last_stage_layers"
-         if p.last_stage_layers is not None else "parallel.pipeline_model_parallel_layout",
-         p.first_stage_layers or p.last_stage_layers or p.pipeline_model_parallel_layout or True,
+        (uneven is None, f"parallel.{uneven}", getattr(p, uneven) if uneven else None,
          "zb_v splits the layers evenly over its 2 x parallel.pipeline stages (uneven splits assume the "
          "interleaved placement, with the last stage on the last rank; in the V it is on rank 0)",
-         "parallel.first_stage_layers=null parallel.last_stage_layers=null parallel.pipeline_model_parallel_layout=null"
-         " parallel.account_for_embedding_in_pipeline_split=false parallel.account_for_loss_in_pipeline_split=false"),
+         f"parallel.{uneven}={'false' if uneven and uneven.startswith('account') else 'null'}"),
+        (job.schedule.zb_v_costs is None or (len(job.schedule.zb_v_costs) == 3
+                                              and all(c > 0 for c in job.schedule.zb_v_costs)),
+         "schedule.zb_v_costs", job.schedule.zb_v_costs, "three relative per-chunk costs [T_F, T_B, T_W], each > 0",
+         "schedule.zb_v_costs=null (equal costs) or schedule.zb_v_costs=[1,1,1]"),
         # ours, not upstream's: Megatron ties the two copies with an all-reduce over the embedding group (first
         # and last pipeline rank); in the V both are on rank 0, in two chunks, and that sync is not built
         (not job.model.tie_embeddings, "model.tie_embeddings", True, "zb_v puts the embedding and the output "

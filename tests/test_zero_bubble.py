@@ -102,6 +102,9 @@ def test_zb_v_validates_at_vpp_2_with_the_recipes_own_settings(cli):
     assert code == 0, err
     code, _, err = cli("recipe=mixtral", "schedule.kind=zb_v", "action=plan")  # VPP 8
     assert code == 2 and "error: parallel.virtual_pipeline=8: zb_v places exactly two" in err
+    code, _, err = cli("schedule.kind=zb_v", "parallel.virtual_pipeline=2", "schedule.zb_v_costs=[1,0]",
+                       "action=validate")
+    assert code == 2 and "error: schedule.zb_v_costs=[1.0, 0.0]: three relative" in err, err
     code, _, err = cli("schedule.kind=zb_v", "parallel.virtual_pipeline=2", "model.tie_embeddings=true",
                        "action=validate")
     lines = [line for line in err.splitlines() if line.startswith("error:")]
@@ -492,13 +495,14 @@ def zb_v_and_1f1b_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zbv")
     ref = train(tmp, "1f1b", 2, ZB_V_TRAIN + ["schedule.kind=1f1b"])
     v = train(tmp, "zb_v", 2, ZB_V_TRAIN + ["schedule.kind=zb_v", "parallel.virtual_pipeline=2",
-                                             "schedule.record_timeline=true"])
+                                             "schedule.record_timeline=true", "schedule.zb_v_costs=[0.77,1,0.49]"])
     return tmp, ref, v
 
 
 def test_zb_v_trains_with_1f1b_losses_and_runs_the_simulated_order(zb_v_and_1f1b_runs):
     """Six steps (bitwise parity holds or fails from step 1; 1e-6 relative allowed: the clip norm's grouping),
-    evaluation through the forward-only V, and the executed order is the planner's (schedule_zb_v)."""
+    evaluation through the forward-only V, and the executed order is the planner's: schedule_zb_v generated
+    for the job's schedule.zb_v_costs, which both read."""
     from launcher.core.schedules import build_schedule
 
     _, ref, v = zb_v_and_1f1b_runs
@@ -511,7 +515,8 @@ def test_zb_v_trains_with_1f1b_losses_and_runs_the_simulated_order(zb_v_and_1f1b
     kind, executed = _executed_orders(v)
     m = sum(k == "F" for k, _, _ in executed[0]) // 2
     assert kind == "zb_v" and executed == [[(o.kind, o.microbatch, o.chunk) for o in ops]
-                                           for ops in build_schedule("zb_v", 2, m)]
+                                           for ops in build_schedule("zb_v", 2, m, costs=(0.77, 1, 0.49))]
+    assert executed != [[(o.kind, o.microbatch, o.chunk) for o in ops] for ops in build_schedule("zb_v", 2, m)]
 
 
 def test_zb_v_checkpoints_load_under_1f1b_and_back(zb_v_and_1f1b_runs):

@@ -169,7 +169,9 @@ def _zb_v(p: int, m: int, costs: tuple) -> tuple:
             else:
                 for c in (1, 0):
                     mb = next_f[r][c]
-                    if mb < m and held[r] < limit and ready("F", r, c, mb):
+                    # a chunk-0 F leaves one slot free for a chunk-1 F: the V then always drains (one microbatch
+                    # at a time through chunk 1, each W freeing its slot) and the list never gets stuck
+                    if mb < m and held[r] < limit - (1 - c) and ready("F", r, c, mb):
                         choice = Op("F", mb, c)
                         next_f[r][c] += 1
                         held[r] += 1

@@ -129,6 +129,7 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
     "schedule.batch_p2p_comm": _tc("batch_p2p_comm", same=False),
     "schedule.overlap_p2p_comm": _tc("overlap_p2p_comm"),
     "schedule.record_timeline": _w(LOOP, "timeline recorder"),
+    "schedule.zb_v_costs": _w(LOOP, "zb_v op order (launcher.core.schedules.schedule_zb_v costs)"),
     # ---- precision
     "precision.dtype": _tc("params_dtype", "bf16", "fp16", same=False) + _w(OPT, "params_dtype", "bf16", "fp16", same=False),
     "precision.fp8": _tc("fp8_recipe", same=False) + _w(UB, "use_fp8", same=False) + _w(OPT, "fp8_recipe"),

@@ -694,6 +694,9 @@ def _export_schedule(job: JobConfig, lay, missing: List[str]) -> List[str]:
     s, out = job.schedule, []
     if s.kind == "zb_h1":
         missing.append("schedule.kind=zb_h1 (Megatron-LM has no zero-bubble schedule; exported as 1f1b)")
+    if s.kind == "zb_v":
+        missing.append("schedule.kind=zb_v (Megatron-LM has no zero-bubble schedule; exported as interleaved with "
+                       "two chunks per rank: the same layers per chunk, placed interleaved instead of in a V)")
     layout = job.parallel.pipeline_model_parallel_layout
     if layout:
         out += ["--pipeline-model-parallel-layout", layout]

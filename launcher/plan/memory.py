@@ -365,9 +365,9 @@ def zb_h1_states(p: int, m: int) -> tuple[tuple[tuple[int, int], ...], ...]:
 
 
 @functools.lru_cache(maxsize=256)
-def zb_v_states(p: int, m: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+def zb_v_states(p: int, m: int, costs: tuple = (1.0, 1.0, 1.0)) -> tuple[tuple[tuple[int, int], ...], ...]:
     """``zb_h1_states`` for ``schedule_zb_v``: (chunk-microbatches in flight, chunk-microbatches with W pending)."""
-    return tuple(tuple(sorted(set(held_after_each_op(ops)))) for ops in schedule_zb_v(p, m))
+    return tuple(tuple(sorted(set(held_after_each_op(ops)))) for ops in schedule_zb_v(p, m, costs))
 
 
 def zb_peak_state(states, act_bytes: float, wgrad_bytes: float, while_in_flight: float = 0.0) -> tuple[int, int]:
@@ -584,7 +584,8 @@ def stage_memory(job: JobConfig, lay: Layout, stage: int, cache: dict | None = N
             cache[("wgrad", last, n_moe, n_layers)] = stage_wgrad_bytes(job, lay, stage)
         w_mb = cache[("wgrad", last, n_moe, n_layers)]
         if job.schedule.kind == "zb_v":  # states count chunk-microbatches, each half of the rank's layers
-            states = tuple((f / 2, w / 2) for f, w in zb_v_states(p, max(1, lay.microbatches))[stage])
+            costs = tuple(job.schedule.zb_v_costs or (1.0, 1.0, 1.0))
+            states = tuple((f / 2, w / 2) for f, w in zb_v_states(p, max(1, lay.microbatches), costs)[stage])
         else:
             states = zb_h1_states(p, max(1, lay.microbatches))[stage]
         in_flight, n_pending = zb_peak_state(states, per_mb, w_mb, logits)

@@ -15,7 +15,7 @@ from launcher.core import Layout, derive
 from launcher.plan import layout_errors
 from launcher.core.flops import query_groups
 from launcher.plan.memory import GB, memory_per_stage
-from launcher.plan.timing import step_time, throughput
+from launcher.plan.timing import step_time, throughput, zb_v_costs_estimate
 from launcher.schema import JobConfig
 from launcher.validate import validate, zb_h1_rules
 
@@ -255,6 +255,10 @@ def _batch_and_recompute_for(job, fixed, kind, tp, cp, pp, vp, ep, split, fsdp=F
             extra = [f"train.recompute_modules=[{','.join(mods)}]"]
             if job.model.num_experts:
                 extra.append(f"parallel.moe_a2a_overlap={'true' if a2a else 'false'}")
+            if kind == "zb_v":  # the V's order generated for this candidate's own chunk costs
+                costs = zb_v_costs_estimate(cand, lay)
+                cand = _with(cand, schedule=dict(zb_v_costs=costs))
+                extra.append(f"schedule.zb_v_costs=[{','.join(f'{c:g}' for c in costs)}]")
             yield layout + [f"train.micro_batch_size={mbs}", f"train.recompute={rec}"] + extra, cand, lay
 
 

@@ -130,14 +130,11 @@ def _ready_time(op: Op, k: int, r: int, n_virtual: int, done: dict, t_comm: floa
 
 
 def simulate_kind(kind: str, p: int, m: int, t_f, t_b, t_w, v: int = 1, t_comm: float = 0.0,
-                  group: int | None = None) -> SimResult:
+                  group: int | None = None, costs: Sequence[float] | None = None) -> SimResult:
     """Build and replay schedule ``kind``; t_f/t_b/t_w are per microbatch per whole stage (divided by v
     for each model chunk of the interleaved schedule)."""
     vv = v if kind == "interleaved" else 2 if kind == "zb_v" else 1
     scale = (lambda x: [c / vv for c in x]) if isinstance(t_f, (list, tuple)) else (lambda x: x / vv)
-    costs = (1.0, 1.0, 1.0)
-    if kind == "zb_v":  # the order is generated for the mean stage's costs (rounded: one order per ratio)
-        mean = [sum(x) / len(x) if isinstance(x, (list, tuple)) else x for x in (t_f, t_b, t_w)]
-        costs = tuple(round(c / max(mean), 2) or 0.01 for c in mean)
-    return simulate(build_schedule(kind, p, m, vv, group, costs), scale(t_f), scale(t_b), scale(t_w), t_comm,
-                    placement=kind)
+    # zb_v: the order the ranks run, generated for schedule.zb_v_costs (``costs``; None: equal costs)
+    order = build_schedule(kind, p, m, vv, group, tuple(costs) if costs else (1.0, 1.0, 1.0))
+    return simulate(order, scale(t_f), scale(t_b), scale(t_w), t_comm, placement=kind)

@@ -447,20 +447,29 @@ def _pipeline(job: JobConfig, lay: Layout, costs: list[StageCosts], t_comm: floa
     if not exact or p == 1:
         return _closed_form(kind, p, v, m, fs, bs, ws, t_comm)
     group = lay.microbatch_group
+    costs_v = job.schedule.zb_v_costs
     unit = group if kind == "interleaved" else p if kind == "zb_v" else 1  # zb_v: steady per p microbatches
     cap = max(3 * p, 2 * unit)
     cap = -(-cap // unit) * unit
     if m <= cap + unit:
-        res = simulate_kind(kind, p, m, fs, bs, ws, v=v, t_comm=t_comm, group=group)
+        res = simulate_kind(kind, p, m, fs, bs, ws, v=v, t_comm=t_comm, group=group, costs=costs_v)
         return res.makespan, res.bubble, res.bubble_fraction
-    r1 = simulate_kind(kind, p, cap, fs, bs, ws, v=v, t_comm=t_comm, group=group)
-    r2 = simulate_kind(kind, p, cap + unit, fs, bs, ws, v=v, t_comm=t_comm, group=group)
+    r1 = simulate_kind(kind, p, cap, fs, bs, ws, v=v, t_comm=t_comm, group=group, costs=costs_v)
+    r2 = simulate_kind(kind, p, cap + unit, fs, bs, ws, v=v, t_comm=t_comm, group=group, costs=costs_v)
     per_mb = (r2.makespan - r1.makespan) / unit
     makespan = r2.makespan + (m - cap - unit) * per_mb
     busy = m * max(f + b + w for f, b, w in zip(fs, bs, ws))
     bubble = max(0.0, makespan - busy)
     total_busy = m * sum(f + b + w for f, b, w in zip(fs, bs, ws))
     return makespan, bubble, 1.0 - total_busy / (p * makespan)
+
+
+def zb_v_costs_estimate(job: JobConfig, lay: Layout | None = None) -> list[float]:
+    """The planner's relative per-chunk [T_F, T_B, T_W] for this job (mean stage, largest = 1, two decimals):
+    what schedule.zb_v_costs should be for a ZB-V order tuned to it (the search sets it on zb_v candidates)."""
+    costs = _all_stage_costs(job, lay or derive(job))
+    mean = [sum(getattr(c, k) for c in costs) / len(costs) for k in "fbw"]
+    return [max(0.01, round(x / max(mean), 2)) for x in mean]
 
 
 def step_time(job: JobConfig, lay: Layout | None = None, exact: bool = True) -> StepTime:

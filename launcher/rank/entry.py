@@ -143,7 +143,7 @@ def _build_and_train(bundle, console, job, layout, ckpt_dir, identity, lock, att
     optim.hook_model_config(model, optimizer, parallel=job.parallel)
     lp = loop.Loop(model=model, optimizer=optimizer, scheduler=scheduler, train=tr, seq_length=job.model.seq_length,
                    num_microbatches=layout.microbatches, kind=job.schedule.kind, dp_size=layout.dp,
-                   record_timeline=job.schedule.record_timeline)
+                   record_timeline=job.schedule.record_timeline, zb_v_costs=job.schedule.zb_v_costs)
     return _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp, ckpt_dir, identity, lock,
                          attempt)
 

@@ -55,12 +55,14 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     return model(*inputs, labels=batch["labels"], loss_mask=batch["loss_mask"]), loss_func
 
 
-def schedule_func(kind: str) -> Callable:
+def schedule_func(kind: str, zb_v_costs=None) -> Callable:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if kind in ("zb_h1", "zb_v"):  # no upstream zero-bubble schedule: ours, on Megatron's p2p and step functions
         from launcher.rank import zero_bubble
 
+        if kind == "zb_v" and zb_v_costs:  # schedule.zb_v_costs: the order generated for those chunk costs
+            return partial(zero_bubble.forward_backward_zb_v, costs=tuple(zb_v_costs))
         return getattr(zero_bubble, f"forward_backward_{kind}")
     if kind not in ("1f1b", "interleaved"):
         raise NotImplementedError(f"schedule.kind={kind!r} is not available on the rank side; "
@@ -164,10 +166,10 @@ class Loop:
     """Step loop state: what a checkpoint restores (step, consumed samples) and the stop flag."""
 
     def __init__(self, *, model, optimizer, scheduler, train, seq_length: int, num_microbatches: int,
-                 kind: str, dp_size: int, record_timeline: bool = False):
+                 kind: str, dp_size: int, record_timeline: bool = False, zb_v_costs=None):
         self.model, self.optimizer, self.scheduler, self.train = model, optimizer, scheduler, train
         self.seq_length, self.num_microbatches, self.dp_size = seq_length, num_microbatches, dp_size
-        self.kind, self.fwd_bwd = kind, schedule_func(kind)
+        self.kind, self.fwd_bwd = kind, schedule_func(kind, zb_v_costs)
         self.recorder = None  # schedule.record_timeline: spans of the last training step (zero_bubble.Recorder)
         if record_timeline:
             from launcher.rank.zero_bubble import Recorder

@@ -30,6 +30,7 @@ import contextlib
 import copy
 import re
 import time
+from functools import partial
 from typing import Callable, List, Optional
 
 import torch
@@ -139,11 +140,12 @@ def forward_backward_zb_v(*, forward_step_func, data_iterator, model, num_microb
                           micro_batch_size: int, decoder_seq_length: Optional[int] = None,
                           forward_only: bool = False, collect_non_loss_data: bool = False,
                           first_val_step: Optional[bool] = None, recorder: Optional[Recorder] = None,
-                          p2p_communicator=None, pg_collection=None):
-    """The same interface, running ZB-V (``launcher.core.schedules.schedule_zb_v``) over this rank's two model
-    chunks (chunk 0: stage r, chunk 1: stage 2p - 1 - r; ``models.builder`` builds them so). ``forward_only``
-    runs the F ops of the same order under no_grad (Megatron has no schedule for a V)."""
-    return _run("zb_v", schedule_zb_v, forward_step_func, data_iterator, model, num_microbatches, seq_length,
+                          p2p_communicator=None, pg_collection=None, costs: tuple = (1.0, 1.0, 1.0)):
+    """The same interface, running ZB-V (``launcher.core.schedules.schedule_zb_v`` for chunk ``costs``,
+    schedule.zb_v_costs) over this rank's two model chunks (chunk 0: stage r, chunk 1: stage 2p - 1 - r;
+    ``models.builder`` builds them so). ``forward_only`` runs the F ops of the same order under no_grad
+    (Megatron has no schedule for a V)."""
+    return _run("zb_v", partial(schedule_zb_v, costs=costs), forward_step_func, data_iterator, model, num_microbatches, seq_length,
                 micro_batch_size, decoder_seq_length, forward_only, collect_non_loss_data, first_val_step,
                 recorder, p2p_communicator, pg_collection)
 

@@ -1,0 +1,90 @@
+"""torchrun worker of benchmarks/zbv_bench.py: the same job built twice in the same ranks with two chunks per rank
+(Megatron's interleaved 1F1B and our ZB-V, same weights and data), trained in alternating steps so both see the
+same machine load, each step recorded and timed. Megatron's interleaved schedule is recorded from outside (its
+backward_step and our forward step function timed, as for 1F1B): span lengths, not chunk labels, are what counts.
+
+Usage: torchrun --nproc_per_node=P benchmarks/_zbv_bench_worker.py OUT.json STEPS override [override ...]
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def build(job, layout, kind: str, cache: str):
+    from megatron.core import parallel_state as ps
+
+    from launcher.rank import data, loop, optim
+    from launcher.rank import zero_bubble as zb
+    from models import build_model
+
+    tr = job.train
+    schedule = dataclasses.replace(job.schedule, kind=kind, overlap_p2p_comm=False, batch_p2p_comm=True)
+    chunks = build_model(model=job.model, parallel=job.parallel, precision=job.precision, layout=layout,
+                         schedule=schedule, seed=tr.seed)
+    model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision)
+    optimizer = optim.build_optimizer(model, train=tr, parallel=job.parallel, precision=job.precision)
+    scheduler = optim.build_scheduler(optimizer, train=tr, steps=layout.steps)
+    optim.hook_model_config(model, optimizer, parallel=job.parallel)
+    lp = loop.Loop(model=model, optimizer=optimizer, scheduler=scheduler, train=tr, seq_length=job.model.seq_length,
+                   num_microbatches=layout.microbatches, kind=kind, dp_size=layout.dp, record_timeline=True,
+                   zb_v_costs=job.schedule.zb_v_costs)
+    if kind == "interleaved":  # Loop records 1f1b/zb only: time Megatron's interleaved the way it times 1F1B
+
+        @contextlib.contextmanager
+        def recording():
+            lp.recorder.start_step()
+            with zb.recording_megatron_1f1b(lp.recorder):
+                yield lp.fwd_bwd, zb.recorded_forward(loop.forward_step, lp.recorder)
+
+        lp._recording = recording
+    iters, _ = data.build_train_valid_iterators(
+        data=job.data, model=job.model, train=tr, steps=layout.steps, consumed_samples=0,
+        dp_rank=ps.get_data_parallel_rank(), dp_size=layout.dp, num_chunks=len(model),
+        reads=data.chunks_reading_data(len(model), kind), cache_dir=cache)
+    return lp, iters
+
+
+def main() -> int:
+    out, steps, overrides = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from launcher.config import compose_job
+    from launcher.core import derive
+    from launcher.rank import setup
+    from launcher.rank.loop import reduce_report
+
+    job = compose_job(overrides)
+    layout = derive(job)
+    setup.init_distributed(cluster=job.cluster, layout=layout, seed=job.train.seed)
+    runs = {kind: build(job, layout, kind, str(out.parent / "cache")) for kind in ("interleaved", "zb_v")}
+    record = {kind: {"ms": [], "loss": [], "steps": []} for kind in runs}
+    for _ in range(steps):
+        for kind, (lp, iters) in runs.items():  # alternate: interleaved step, zb_v step, ...
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            res = lp.train_step(iters)
+            loss, _ = reduce_report(res["local_loss"], False, kind)
+            record[kind]["ms"].append((time.perf_counter() - start) * 1e3)
+            record[kind]["loss"].append(loss)
+            record[kind]["steps"].append(list(lp.recorder.spans))
+    mine = {"pp": ps.get_pipeline_model_parallel_rank(), "record": record}
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    if torch.distributed.get_rank() == 0:
+        out.write_text(json.dumps(sorted(everyone, key=lambda r: r["pp"])))
+    setup.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

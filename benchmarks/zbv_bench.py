@@ -1,0 +1,95 @@
+"""ZB-V vs Megatron's interleaved 1F1B, two chunks per rank, PP=4, measured on this machine: idle fraction and step
+time, the same run, alternating steps, medians (as benchmarks/zb_bench.py does for ZB-H1 vs 1F1B).
+
+PP=4 on 4 processes (torchrun, gloo), one thread each; 8 layers (one per chunk), hidden 1024, FFN
+4096, sequence 128, a 64-token vocabulary so no stage is made slower by the output layer (balanced shapes, as in the
+ZB-H1 benchmark), 8 microbatches. ZB-V's order is generated for the chunk costs the first measured steps show
+(schedule.zb_v_costs, passed as --costs; default equal). Both schedules are built in the same ranks, same weights
+and data, trained in alternating steps; every step recorded.
+
+Caveat: 4 ranks on a machine with fewer cores share them; a descheduled rank inside an op counts as busy, so the
+measured idle fractions understate the bubble of both schedules (their ratio is still the comparison asked for).
+
+    .venv/bin/python benchmarks/zbv_bench.py [--steps 8] [--costs 1,1,1]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+P, MICROBATCHES = 4, 8
+JOB = ["data=mock", "schedule.kind=zb_v", "parallel.tensor=1", f"parallel.pipeline={P}",
+       "parallel.virtual_pipeline=2", f"cluster.gpus_per_node={P}", "model.num_layers=8", "model.hidden_size=1024",
+       "model.ffn_hidden_size=4096", "model.num_attention_heads=16", "model.num_query_groups=16",
+       "model.seq_length=128", "model.vocab_size=64", "model.make_vocab_size_divisible_by=64",
+       "train.micro_batch_size=1", f"train.global_batch_size={MICROBATCHES}", "train.eval_interval=0",
+       "logging.tensorboard=false", "checkpoint.save_at_end=false"]
+
+
+def run(steps: int, work: Path, costs: str) -> dict:
+    out = work / "record.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={P}", "--standalone",
+           str(ROOT / "benchmarks" / "_zbv_bench_worker.py"), str(out), str(steps), *JOB,
+           f"train.train_steps={steps}", f"schedule.zb_v_costs=[{costs}]"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+    if proc.returncode:
+        raise SystemExit(f"benchmark failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    ranks = json.loads(out.read_text())
+    res = {}
+    for kind in ("interleaved", "zb_v"):
+        per_step = [[[tuple(s) for s in r["record"][kind]["steps"][i]] for r in ranks] for i in range(steps)]
+        res[kind] = {"ms": ranks[0]["record"][kind]["ms"], "loss": ranks[0]["record"][kind]["loss"],
+                     "steps": per_step[1:]}
+    return res
+
+
+def median_span(steps, kind: str) -> float:
+    return statistics.median(e - s for step in steps for tl in step for k, _, _, s, e in tl if k == kind)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--costs", default="1,1,1", help="schedule.zb_v_costs: relative chunk T_F,T_B,T_W")
+    args = parser.parse_args(argv)
+    from launcher.core import timeline
+
+    load = Path("/proc/loadavg").read_text().split()[:3]
+    with tempfile.TemporaryDirectory() as tmp:
+        res = run(args.steps, Path(tmp), args.costs)
+    print(f"machine load average before {' '.join(load)}, after {' '.join(Path('/proc/loadavg').read_text().split()[:3])}"
+          f" (cores: {os.cpu_count()}, ranks: {P})")
+    zb = res["zb_v"]["steps"]
+    t_f, t_b, t_w = median_span(zb, "F"), median_span(zb, "B"), median_span(zb, "W")
+    print(f"PP={P}, 2 chunks per rank, {MICROBATCHES} microbatches, {args.steps} steps (medians over the steps after "
+          f"the first); zb_v order for chunk costs [{args.costs}]; measured chunk T_F {t_f * 1e3:.1f} ms, T_B "
+          f"{t_b * 1e3:.1f} ms, T_W {t_w * 1e3:.1f} ms (ratio {t_f / max(t_f, t_b, t_w):.2f},"
+          f"{t_b / max(t_f, t_b, t_w):.2f},{t_w / max(t_f, t_b, t_w):.2f})")
+    print(f"{'schedule':12} {'step ms':>9} {'idle fraction':>14}")
+    for kind, r in res.items():
+        r["step_ms"] = statistics.median(r["ms"][1:])
+        r["idle"] = statistics.median(timeline.idle_fraction(step) for step in r["steps"])
+        print(f"{kind:12} {r['step_ms']:9.1f} {r['idle']:14.3f}")
+    a, b = res["interleaved"], res["zb_v"]
+    paired = statistics.median(z / o for z, o in zip(b["ms"][1:], a["ms"][1:]))
+    paired_idle = statistics.median(timeline.idle_fraction(z) / timeline.idle_fraction(o)
+                                    for z, o in zip(b["steps"], a["steps"]))
+    print(f"zb_v / interleaved: idle fraction {b['idle'] / a['idle']:.3f}, step time {b['step_ms'] / a['step_ms']:.3f}; "
+          f"paired (median of per-pair ratios): idle {paired_idle:.3f}, step time {paired:.3f}")
+    same = all(abs(x - y) <= 1e-6 * abs(x) for x, y in zip(a["loss"], b["loss"]))
+    print(f"losses equal (rel 1e-6): {same}; interleaved {a['loss'][-1]:.6f} zb_v {b['loss'][-1]:.6f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
