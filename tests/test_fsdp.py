@@ -77,13 +77,70 @@ def test_fsdp_killed_after_checkpoint_resumes_with_the_same_losses(tmp_path, fsd
         assert resumed.steps[step]["lr"] == pytest.approx(fsdp_dp2.steps[step]["lr"], rel=1e-9)
 
 
-def test_a_ddp_job_refuses_an_fsdp_dtensor_checkpoint_with_one_line(tmp_path, fsdp_dp2):
-    saved = fsdp_dp2.bundle / "checkpoints" / f"iter_{K:07d}"
-    bundle = write_bundle(tmp_path / "ddp", TINY + layout() + DIST_OPT + SAVES + [f"checkpoint.load={saved}"], 2)
+def test_a_checkpoint_moves_from_fsdp_to_ddp_and_back_with_the_same_losses(tmp_path, ddp_dp2, fsdp_dp2):
+    """FSDP's step-3 fsdp_dtensor checkpoint continues without FSDP (the DDP job converts it in memory on its ranks,
+    launcher/rank/checkpoint_convert.py) and saves torch_dist every step; its step-4 checkpoint continues with FSDP
+    again. Every continued loss and learning rate is the uninterrupted runs' (1e-6; the DDP leg bitwise DDP's), so
+    weights, Adam moments and steps, LR schedule and counters all crossed both ways (measured: the FSDP leg also gave
+    DDP's losses bitwise; uninterrupted FSDP and DDP differ by 4e-8 at step 6)."""
+    fsdp_ckpt = fsdp_dp2.bundle / "checkpoints" / f"iter_{K:07d}"
+    to_ddp = train(tmp_path, "to_ddp", 2, TINY + layout() + DIST_OPT + [
+        f"train.train_steps={STEPS}", "checkpoint.save_interval=1", "checkpoint.optimizer_format=fully_reshardable",
+        f"checkpoint.load={fsdp_ckpt}"])
+    assert f"resumed from {fsdp_ckpt} at step {K}" in to_ddp.stdout
+    ddp_ckpt = to_ddp.bundle / "checkpoints" / f"iter_{K + 1:07d}"
+    assert json.loads((ddp_ckpt / "launcher.json").read_text())["format"] == "torch_dist"
+    back = train(tmp_path, "back_to_fsdp", 2, TINY + layout() + DIST_OPT + FSDP + [
+        f"train.train_steps={STEPS}", f"checkpoint.load={ddp_ckpt}"])
+    assert f"resumed from {ddp_ckpt} at step {K + 1}" in back.stdout
+    assert sorted(to_ddp.steps) == list(range(K + 1, STEPS + 1)) and sorted(back.steps) == [K + 2, STEPS]
+    # the DDP job continues from converted state exactly as DDP from its own: bitwise
+    assert {s: to_ddp.losses()[s] for s in to_ddp.steps} == {s: ddp_dp2.losses()[s] for s in to_ddp.steps}
+    for run, name in ((to_ddp, "fsdp -> ddp"), (back, "fsdp -> ddp -> fsdp")):
+        for step, got in run.steps.items():
+            for ref in (ddp_dp2, fsdp_dp2):
+                assert got["loss"] == pytest.approx(ref.losses()[step], rel=RTOL), (name, step)
+                assert got["lr"] == pytest.approx(ref.steps[step]["lr"], rel=1e-9), (name, step)
+    assert (fsdp_ckpt / "launcher.json").is_file()  # the source was only read
+
+
+def test_an_fsdp_job_refuses_a_dp_reshardable_checkpoint_with_one_line(tmp_path, ddp_dp2):
+    saved = ddp_dp2.bundle / "checkpoints" / f"iter_{K:07d}"
+    bundle = write_bundle(tmp_path / "fsdp", TINY + layout() + DIST_OPT + SAVES + FSDP + [f"checkpoint.load={saved}"],
+                          2)
     proc = run_train(bundle, 2)
     assert proc.returncode != 0
-    assert (f"checkpoint {saved} is in the fsdp_dtensor format and this run reads torch_dist (the only one Megatron "
-            "DDP reads here); continue it with parallel.megatron_fsdp=true") in proc.stdout, proc.stdout[-3000:]
+    assert (f"checkpoint {saved} is in the torch_dist format with checkpoint.optimizer_format=dp_reshardable: the "
+            "distributed optimizer's state is each DP rank's flat buffer slice there, which cannot be converted to "
+            "fsdp_dtensor; continue it with parallel.megatron_fsdp=false, and save with "
+            "checkpoint.optimizer_format=fully_reshardable to get a checkpoint that converts") in proc.stdout, \
+        proc.stdout[-3000:]
+    assert (saved / "launcher.json").is_file() and not list((bundle / "checkpoints").glob("iter_*"))
+
+
+CONVERT_REFUSED = [  # (saved format, manifest identity/fields, this job, the part of the line that names the rule)
+    ("fsdp_dtensor", {"model.num_experts": 8}, {}, "model.num_experts=null only (8 there)"),
+    ("torch_dist", {"parallel.distributed_optimizer": True}, {"precision.dtype": "bf16"},
+     "precision.dtype=fp32 only ('bf16' here)"),
+    ("fsdp_dtensor", {"rng_layout": [1, 2, 2]}, {}, "parallel.tensor=1 on the Megatron-FSDP side only (TP=2 there)"),
+    ("torch_dist", {"parallel.distributed_optimizer": False}, {"parallel.tensor": 2},
+     "parallel.tensor=1 on the Megatron-FSDP side only (TP=2 here)"),
+    ("torch_dist", {"weights_only": True}, {}, "holds weights only (import-hf)"),
+]
+
+
+@pytest.mark.parametrize("saved,theirs,ours,rule", CONVERT_REFUSED)
+def test_conversion_refuses_what_it_does_not_convert_with_one_line(saved, theirs, ours, rule):
+    from launcher.rank.checkpoint_convert import refusal
+
+    base = {"precision.dtype": "fp32", "model.num_experts": None, "parallel.tensor": 1,
+            "parallel.distributed_optimizer": True}
+    manifest = {"identity": {**base, **{k: v for k, v in theirs.items() if "." in k}},
+                "optimizer_format": "fully_reshardable", **{k: v for k, v in theirs.items() if "." not in k}}
+    line = refusal("CKPT", manifest, saved, {**base, **ours})
+    back = "parallel.megatron_fsdp=true" if saved == "fsdp_dtensor" else "parallel.megatron_fsdp=false"
+    assert line and "\n" not in line and rule in line and f"continue it with {back}" in line, line
+    assert refusal("CKPT", {"identity": base, "optimizer_format": "fully_reshardable"}, saved, base) is None
 
 
 MEMORY_JOBS = [

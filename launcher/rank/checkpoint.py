@@ -37,7 +37,7 @@ import torch
 
 from launcher.core import dirlock
 from launcher.core.weights import weights_of
-from launcher.rank import fsdp_checkpoint
+from launcher.rank import checkpoint_convert, fsdp_checkpoint
 from models.backend import compute_device
 
 LATEST = "latest"
@@ -719,8 +719,11 @@ def resume(ckpt_dir: Path, *, identity: dict, load_from: Optional[str], checksum
         opt_fmt = manifest.get("optimizer_format", DEFAULT_OPTIMIZER_FORMAT)
         saved_dp = (manifest.get("rng_layout") or [None] * 3)[2]
         saved_fmt = manifest.get("format") or (fsdp_checkpoint.FORMAT if _is_dcp_only(path) else TORCH_DIST)
-        if error is None and saved_fmt != fmt:  # the same job cannot read it: nothing to fall back to
-            raise CheckpointError(format_mismatch(path, saved_fmt, fmt))
+        if error is None and saved_fmt != fmt:  # converted on the ranks where it can be (checkpoint_convert)
+            refused = checkpoint_convert.refusal(path, manifest, saved_fmt, identity)
+            if refused:  # the same job cannot read it: nothing to fall back to
+                raise CheckpointError(refused)
+            opt_fmt = "fully_reshardable"  # the per-parameter torch_dist template the converted state fills
         if (error is None and distributed_optimizer and fmt == TORCH_DIST and opt_fmt == "dp_reshardable"
                 and saved_dp not in (None, rng_layout()[2])):
             error = (f"its distributed-optimizer state was saved with checkpoint.optimizer_format=dp_reshardable at "
@@ -733,7 +736,7 @@ def resume(ckpt_dir: Path, *, identity: dict, load_from: Optional[str], checksum
             try:
                 step, consumed = load(path, model=model, optimizer=optimizer, scheduler=scheduler,
                                       with_rng=with_rng, optimizer_format=opt_fmt, weights_only=weights_only,
-                                      fmt=fmt)
+                                      fmt=fmt, saved_fmt=saved_fmt)
             except BaseException as exc:  # noqa: BLE001 - any load failure means: try the previous checkpoint
                 # (torch.distributed.checkpoint's CheckpointException is a BaseException: caught by `except
                 # Exception`, the rank whose shard was bad died while the others waited for it)
@@ -762,14 +765,6 @@ def _is_dcp_only(path: Path) -> bool:
     """A torch.distributed.checkpoint directory that dist_checkpointing did not write (no metadata.json): how an
     fsdp_dtensor checkpoint without our manifest (Megatron-LM's) looks."""
     return (Path(path) / ".metadata").is_file() and not (Path(path) / "metadata.json").is_file()
-
-
-def format_mismatch(path: Path, saved: str, fmt: str) -> str:
-    """The one line for a checkpoint in the other format (torch_dist <-> fsdp_dtensor)."""
-    switch = "parallel.megatron_fsdp=true" if saved == fsdp_checkpoint.FORMAT else "parallel.megatron_fsdp=false"
-    writer = "Megatron-FSDP" if fmt == fsdp_checkpoint.FORMAT else "Megatron DDP"
-    return (f"checkpoint {path} is in the {saved} format and this run reads {fmt} (the only one {writer} reads "
-            f"here); continue it with {switch} (converting between the two formats is not implemented yet)")
 
 
 class _MissingIsNone(dict):
@@ -827,7 +822,8 @@ def _continue_hint(manifest: dict, identity: dict) -> str:
 
 
 def load(path: Path, *, model, optimizer, scheduler, with_rng: bool = True,
-         optimizer_format: str = DEFAULT_OPTIMIZER_FORMAT, weights_only: bool = False, fmt: str = TORCH_DIST) -> tuple:
+         optimizer_format: str = DEFAULT_OPTIMIZER_FORMAT, weights_only: bool = False, fmt: str = TORCH_DIST,
+         saved_fmt: Optional[str] = None) -> tuple:
     """Load a checkpoint into model/optimizer/scheduler/RNG; returns (step, consumed_samples). A weights-only
     checkpoint (``import-hf``) loads the model's weights alone and starts at step 0 (Megatron-LM's --finetune with
     --no-load-optim --no-load-rng): the optimizer's fp32 main parameters are copied from the loaded weights."""
@@ -842,9 +838,12 @@ def load(path: Path, *, model, optimizer, scheduler, with_rng: bool = True,
         if hasattr(optimizer, "reload_model_params"):
             optimizer.reload_model_params()
         return 0, 0
+    converted = None  # a checkpoint of the other format (saved_fmt), read whole and converted on this rank
+    if saved_fmt not in (None, fmt):
+        converted = checkpoint_convert.read(path, saved_fmt, model)
     if fmt == fsdp_checkpoint.FORMAT:
         step, consumed, snapshot = fsdp_checkpoint.load(path, model=model, optimizer=optimizer, scheduler=scheduler,
-                                                        with_rng=with_rng)
+                                                        with_rng=with_rng, converted=converted)
         if snapshot is not None:
             _LOADED_RNG["snapshot"] = snapshot
             _rng_restore(snapshot)
@@ -854,7 +853,8 @@ def load(path: Path, *, model, optimizer, scheduler, with_rng: bool = True,
     template = _sharded_state(model, optimizer, scheduler, 0, 0, is_loading=True, optimizer_format=optimizer_format)
     if not with_rng:  # saved per (PP, TP, DP) rank: another layout has no shard for this rank
         template.pop("rng_state")
-    state = dist_checkpointing.load(template, str(path))
+    state = (dist_checkpointing.load(template, str(path)) if converted is None else
+             checkpoint_convert.torch_dist_state(template, converted, checkpoint_convert.keys_map_of(model)))
     for key, chunk in zip(_model_keys(model), model):
         _unwrap(chunk).load_state_dict(state[key])
     with torch.no_grad(), _cpu_tensors_stay():  # fp32 dist. optimizer: main params are views of the model's

@@ -121,16 +121,22 @@ def save(path: Path, *, model, optimizer, scheduler, step: int, consumed: int) -
     dcp.save(state_dict=state, storage_writer=dcp.FileSystemWriter(str(path)))
 
 
-def load(path: Path, *, model, optimizer, scheduler, with_rng: bool) -> tuple:
+def load(path: Path, *, model, optimizer, scheduler, with_rng: bool, converted=None) -> tuple:
     """Collective: fill model, optimizer, LR schedule (and this rank's RNG streams) from ``path``; returns
-    (step, consumed samples, the RNG snapshot or None). Strict: a tensor missing from the checkpoint fails."""
+    (step, consumed samples, the RNG snapshot or None). Strict: a tensor missing from the checkpoint fails.
+    ``converted``: a torch_dist checkpoint already read (``checkpoint_convert.Canonical``) to fill in instead."""
     import torch.distributed.checkpoint as dcp
 
     raw = state_dict(model, optimizer, scheduler, step=0, consumed=0, is_loading=True)
     if not with_rng:
         raw.pop(_rng_key())
     template = _preprocess(raw, model[0], **_flags(model))
-    dcp.load(state_dict=template, storage_reader=dcp.FileSystemReader(str(path)))
+    if converted is None:
+        dcp.load(state_dict=template, storage_reader=dcp.FileSystemReader(str(path)))
+    else:
+        from launcher.rank.checkpoint_convert import fill_fsdp
+
+        fill_fsdp(template, converted, _rng_key() if with_rng else None)
     model[0].load_state_dict(raw["model"], strict=False)  # the adapter loosens it for gated models itself
     with torch.no_grad():
         optimizer.load_state_dict(raw["optimizer"])
