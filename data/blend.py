@@ -1,11 +1,9 @@
-"""Parse ``data.blend`` and resolve dataset paths. Pure Python: used on the login node and on ranks."""
+"""Parse ``data.blend`` into prefixes and weights. Pure Python: used on the login node and on ranks. (Relative
+paths: ``launcher.core.paths``.)"""
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple
 
-from launcher import ROOT
 from launcher.core.blend import parse_blend as _blend_pairs
 
 
@@ -23,8 +21,3 @@ def parse_blend(blend: Sequence[Any]) -> Tuple[List[str], Optional[List[float]]]
     weighted = len(pairs) != len(items)  # the weighted form has two items per pair, the plain form one
     return [p for _, p in pairs], ([w for w, _ in pairs] if weighted else None)
 
-
-def resolve_path(path: str) -> str:
-    """Absolute path of a dataset prefix or file; relative ones are taken from the repository root."""
-    p = Path(os.path.expanduser(path))
-    return str(p if p.is_absolute() else ROOT / p)

@@ -28,7 +28,8 @@ import socket
 import tempfile
 from typing import Any, List, Optional, Tuple
 
-from data.blend import parse_blend, resolve_path
+from data.blend import parse_blend
+from launcher.core.paths import absolute
 
 
 class DataFilesChanged(Exception):
@@ -45,7 +46,7 @@ def check_files(data: Any) -> None:
         return
     prefixes, _ = parse_blend(data.blend)
     for i, shown in enumerate(prefixes):
-        why = bin_mismatch(resolve_path(shown))
+        why = bin_mismatch(absolute(shown))
         if why:
             raise DataFilesChanged(f"data.blend={shown!r}: {why} (changed since the data pre-flight: truncated, "
                                    "rewritten or removed); restore the files or rebuild them with python -m "
@@ -96,7 +97,7 @@ def gpt_dataset_config(*, data: Any, seq_length: int, seed: int, cache_dir: Opti
         prefixes, weights = parse_blend(data.blend)
         if not prefixes:
             raise ValueError("data.blend is empty; set data.blend=[path/prefix] or data.kind=mock")
-        blend = ([resolve_path(p) for p in prefixes], weights)
+        blend = ([absolute(p) for p in prefixes], weights)
     return GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
@@ -131,7 +132,7 @@ def build_gpt_datasets(*, data: Any, seq_length: int, seed: int, train_samples: 
     check_files(data)
 
     if data.tokenizer:
-        tokenizer = load_tokenizer(resolve_path(data.tokenizer))
+        tokenizer = load_tokenizer(absolute(data.tokenizer))
     elif data.kind == "mock":
         tokenizer = _MockTokenizer(vocab_size or 8192)
     else:

@@ -15,10 +15,14 @@ from typing import Any, List, Optional
 
 import numpy as np
 
-from data.blend import parse_blend, resolve_path
+from data.blend import parse_blend
+from launcher.core.paths import absolute
 from data.index import DTYPES, MAGIC, IndexHeader, read_index_header  # noqa: F401  (re-exported)
+from launcher import ROOT
 from launcher.problems import Problem
 
+SHIPPED = ROOT / "data" / "assets"
+"""The shipped corpus and tokenizer (absolute: a relative path means the directory the command runs in)."""
 SCAN_LIMIT_BYTES = 2 << 30
 """Token files up to this size are scanned completely for the largest id; larger ones are sampled."""
 SAMPLE_BLOCKS = 256
@@ -110,16 +114,16 @@ def preflight(data: Any, *, vocab_size: int, tokens_needed: int) -> List[Problem
     except ValueError as exc:
         return [Problem("data.blend", list(data.blend), str(exc), "data.blend=[0.3,path/a,0.7,path/b]")]
     if not prefixes:
-        return [Problem("data.blend", [], "no dataset prefixes", "data.blend=[data/assets/smoke_text_document] or data.kind=mock")]
-    if data.tokenizer and not os.path.isfile(resolve_path(data.tokenizer)):
+        return [Problem("data.blend", [], "no dataset prefixes", f"data.blend=[{SHIPPED}/smoke_text_document] or data.kind=mock")]
+    if data.tokenizer and not os.path.isfile(absolute(data.tokenizer)):
         problems.append(Problem("data.tokenizer", data.tokenizer, "tokenizer file not found (nothing is downloaded)",
-                                "data.tokenizer=data/assets/tokenizer.json"))
+                                f"data.tokenizer={SHIPPED}/tokenizer.json"))
     if weights is not None:
         _check_weights(weights, problems)
     counts = []
     for i, shown in enumerate(prefixes):
         field = f"data.blend[{2 * i + 1 if weights is not None else i}]"
-        counts.append(_check_prefix(field, resolve_path(shown), shown, vocab_size, problems))
+        counts.append(_check_prefix(field, absolute(shown), shown, vocab_size, problems))
     if any(c is None for c in counts) or tokens_needed <= 0:
         return problems
     _check_epochs(data, prefixes, weights, counts, tokens_needed, problems)

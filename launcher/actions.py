@@ -172,7 +172,9 @@ def hf_start(job: JobConfig, *, import_weights: bool) -> tuple[JobConfig, list[P
 
     src, out = job.checkpoint.load_hf, hf_import_dir(job)
     final = out / "iter_0000000"
-    if not (final / "launcher.json").is_file():
+    from launcher.core.checkpoint_dir import read_manifest
+
+    if read_manifest(final) is None:
         with tempfile.TemporaryDirectory(prefix="load-hf-") as tmp:
             (Path(tmp) / "config.yaml").write_text(job_to_yaml(job))
             cmd = [sys.executable, "-m", "launcher", "import-hf", "--hf", str(src), "--config",
@@ -213,12 +215,9 @@ def _hf_problems(src: str, proc) -> list[Problem]:
 
 
 def _ckpt_dir(job: JobConfig):
-    from pathlib import Path
+    from launcher.core.checkpoint_dir import checkpoint_dir
 
-    if not job.checkpoint.dir:
-        return None
-    path = Path(job.checkpoint.dir)
-    return path if path.is_absolute() else Path.cwd() / path
+    return checkpoint_dir(job.checkpoint.dir, Path()) if job.checkpoint.dir else None
 
 
 def prepare_bundle(job: JobConfig, args):

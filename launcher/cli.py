@@ -92,7 +92,11 @@ def _main(argv: list[str] | None = None) -> int:
         else:
             print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    job, refused = _absolute_paths(job)
     problems = validate(job)
+    if refused:  # a relative path with a container image: said once, as the path rule's line
+        problems = refused + [p for p in problems if (p.field, str(p.value)) not in
+                              {(r.field, r.value) for r in refused}]
     action = resolve_action(job)
     if not errors(problems) and action in RANK_ACTIONS:
         problems += [verified_hint(job, p, problems) for p in rank_side_limits(job)]
@@ -111,6 +115,16 @@ def _main(argv: list[str] | None = None) -> int:
     if errors(problems):
         return EXIT_USAGE
     return run_action(job, action, args)
+
+
+def _absolute_paths(job: JobConfig) -> tuple[JobConfig, list]:
+    """Every relative path of the job made absolute against this directory (launcher/core/paths.py: the one
+    rule); with a container image, relative paths are refused instead."""
+    from launcher.core.paths import container_relative, with_absolute_paths
+    from launcher.problems import Problem
+
+    refused = [Problem(*found) for found in container_relative(job)]
+    return (job if refused else with_absolute_paths(job)), refused
 
 
 def run_action(job: JobConfig, action: str, args: Args) -> int:

@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from launcher import RECIPES_DIR
+from launcher import RECIPES_DIR, ROOT
 from launcher.problems import Problem
 from launcher.core.jobfile import job_to_yaml, load_job  # noqa: F401  (re-exported for login-side callers)
 from launcher.schema import JobConfig, register
@@ -28,12 +28,21 @@ def compose_dict(overrides: Sequence[str] = ()) -> DictConfig:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    register()
+    _register()
     try:
         with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base=None):
             return compose(config_name="config", overrides=list(overrides))
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         raise ConfigError(_one_line(exc), _type_problem(exc, list(overrides))) from None
+
+
+def _register() -> None:
+    """The schema, and ``${checkout:REL}``: REL inside the launcher checkout, absolute (the shipped corpus and
+    tokenizer in recipes/data/shipped.yaml), since a relative path means the directory the command runs in
+    (launcher/core/paths.py)."""
+    register()
+    if not OmegaConf.has_resolver("checkout"):
+        OmegaConf.register_new_resolver("checkout", lambda rel="": str(ROOT / rel))
 
 
 def compose_jobs(many: Sequence[Sequence[str]]) -> list[JobConfig]:
@@ -43,7 +52,7 @@ def compose_jobs(many: Sequence[Sequence[str]]) -> list[JobConfig]:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    register()
+    _register()
     with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base=None):
         try:
             return [to_job(compose(config_name="config", overrides=list(o))) for o in many]

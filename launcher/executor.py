@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.core.signal_lead import checkpoint_bytes
+from launcher.core import checkpoint_dir as cdir
+from launcher.core.paths import absolute
 from launcher.render import Bundle, atomic_write
 
 
@@ -172,9 +173,8 @@ def checkpoint_dir_problem(job):
     takes no file: a Problem, else None. Checked with validation for every action that prepares a run."""
     from launcher.problems import Problem
 
-    target = Path(job.checkpoint.dir) if job.checkpoint.dir else Path(job.output_dir)
-    target = target if target.is_absolute() else Path.cwd() / target
-    why = _takes_no_file(target)
+    target = cdir.checkpoint_dir(job.checkpoint.dir or job.output_dir, Path())
+    why = cdir.write_probe(cdir.nearest_existing(target))
     if why is None:
         return None
     if job.checkpoint.dir:
@@ -183,51 +183,21 @@ def checkpoint_dir_problem(job):
     return Problem("output_dir", job.output_dir, why + " (the bundle and its checkpoints go there)", "output_dir=runs")
 
 
-def _takes_no_file(target: Path):
-    import errno
-    import tempfile
-
-    probe_dir = target
-    while not probe_dir.exists() and probe_dir != probe_dir.parent:
-        probe_dir = probe_dir.parent
-    if not probe_dir.is_dir():
-        return f"{probe_dir} is not a directory"
-    try:
-        with tempfile.NamedTemporaryFile(dir=probe_dir, prefix=".launcher-probe-") as fh:
-            fh.write(b"\0" * 4096)
-            fh.flush()
-            os.fsync(fh.fileno())
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            return f"no space left on device ({probe_dir})"
-        return f"not writable (a test file in {probe_dir}: {exc.strerror or exc})"
-    return None
-
-
 def checkpoint_preflight(job, bundle: Bundle):
     """Login-node check before a local run: the checkpoint dir (or its nearest existing parent) takes a file
-    and has room for one checkpoint (the planner's parameter count x bytes per parameter: weights in their
-    dtype, fp32 main copy and Adam moments). Returns one problem line, or None. Rank 0 checks again before
-    step 1 (a Slurm job's nodes may see other file systems)."""
-    import shutil
-
-    target = Path(job.checkpoint.dir) if job.checkpoint.dir else bundle.path / "checkpoints"
-    target = target if target.is_absolute() else Path.cwd() / target
-    why = _takes_no_file(target)
+    and has room for one checkpoint (the planner's parameter count, launcher/core/checkpoint_dir.py
+    estimated_bytes). Returns one problem line, or None. Rank 0 checks again before step 1 (a Slurm job's
+    nodes may see other file systems)."""
+    target = cdir.checkpoint_dir(job.checkpoint.dir, bundle.path)
+    probe_dir = cdir.nearest_existing(target)
+    why = cdir.write_probe(probe_dir)
     if why:
         return f"checkpoint.dir={target}: {why}"
-    probe_dir = target
-    while not probe_dir.exists() and probe_dir != probe_dir.parent:
-        probe_dir = probe_dir.parent
-    if job.checkpoint.load and not Path(job.checkpoint.load).exists():
+    if job.checkpoint.load and not Path(absolute(job.checkpoint.load)).exists():
         return f"checkpoint.load={job.checkpoint.load} does not exist"
     try:
         params = json.loads((bundle.path / "plan.json").read_text())["params"]["total"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    need = checkpoint_bytes(params, job.precision.dtype)
-    free = shutil.disk_usage(probe_dir).free
-    if free < need:
-        return (f"checkpoint.dir={target}: not enough space for a checkpoint: {free / 1e9:.3g} GB free, one "
-                f"needs about {need / 1e9:.3g} GB ({params:.3g} parameters)")
-    return None
+    full = cdir.space_problem(probe_dir, cdir.estimated_bytes(params, job.precision.dtype))
+    return f"checkpoint.dir={target}: {full} ({params:.3g} parameters)" if full else None

@@ -34,7 +34,9 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from launcher import ROOT
 from launcher.config import job_to_yaml
 from launcher.core import derive
+from launcher.core.checkpoint_dir import checkpoint_dir
 from launcher.core.cuda_env import job_env
+from launcher.core.paths import absolute
 from launcher.core.signal_lead import lead_for_render
 from launcher.schema import JobConfig
 
@@ -139,9 +141,7 @@ def _time_limit_s(job: JobConfig) -> int:
 def signal_lead_of(job: JobConfig, plan: dict | None) -> dict:
     """The --signal lead (launcher/core/signal_lead.py): explicit, or derived from the newest measured save in
     checkpoint.dir and the plan; a derived lead that leaves under 60 s of the time limit is refused."""
-    ckpt_dir = Path(job.checkpoint.dir) if job.checkpoint.dir else None
-    if ckpt_dir is not None and not ckpt_dir.is_absolute():
-        ckpt_dir = Path.cwd() / ckpt_dir
+    ckpt_dir = checkpoint_dir(job.checkpoint.dir, Path()) if job.checkpoint.dir else None
     limit = _time_limit_s(job)
     lead = lead_for_render(job, limit, plan, ckpt_dir)
     problem = lead_problem(job, lead, limit)
@@ -184,9 +184,7 @@ def git_revision() -> dict:
 
 def new_bundle_dir(job: JobConfig, now: _dt.datetime | None = None) -> Path:
     """A fresh, not yet existing bundle path: <output_dir>/<name>-<UTC stamp>[-n]."""
-    base = Path(job.output_dir)
-    if not base.is_absolute():
-        base = Path.cwd() / base
+    base = Path(absolute(job.output_dir))
     stamp = (now or _dt.datetime.now(_dt.timezone.utc)).strftime("%Y%m%d-%H%M%S")
     candidate, n = base / f"{job.name}-{stamp}", 1
     while candidate.exists():

@@ -358,13 +358,16 @@ class DataConfig:
     kind: str = choice("indexed", DATA_KINDS)
     """indexed (Megatron .bin/.idx prefixes) or mock (synthetic tokens, for debugging only)."""
     blend: List[Any] = field(default_factory=list)
-    """Dataset prefixes, optionally weighted: [0.3, path/a, 0.7, path/b] or [path/a, path/b]."""
+    """Dataset prefixes, optionally weighted: [0.3, path/a, 0.7, path/b] or [path/a, path/b]. A relative prefix is
+    relative to the directory python -m launcher runs in; the bundle's config.yaml holds every path of the job
+    absolute, so the ranks never resolve one against their own working directory (launcher/core/paths.py; with
+    cluster.container_image relative paths are refused)."""
     split: str = "969,30,1"
     """Train/valid/test split of each dataset, as relative weights."""
     tokenizer: Optional[str] = None
-    """Path to a Hugging Face tokenizer.json (nothing is downloaded)."""
+    """Path to a Hugging Face tokenizer.json (nothing is downloaded); relative: see blend."""
     cache_dir: Optional[str] = None
-    """Where dataset index caches go; null means inside the run bundle (node-local safe)."""
+    """Where dataset index caches go; null means inside the run bundle (node-local safe); relative: see blend."""
     num_workers: int = 1
     """DataLoader worker processes per rank for training batches (0: assemble them in the rank itself)."""
 
@@ -374,7 +377,8 @@ class CheckpointConfig:
     """Distributed checkpointing (megatron.core.dist_checkpointing)."""
 
     dir: Optional[str] = None
-    """Checkpoint directory; null means <bundle>/checkpoints. A run resumes from its latest checkpoint."""
+    """Checkpoint directory; null means <bundle>/checkpoints. A run resumes from its latest checkpoint. A relative
+    path is relative to the directory python -m launcher runs in (data.blend says more)."""
     save_interval: int = 0
     """Save every n steps (0: only at the end)."""
     save_at_end: bool = True
@@ -389,12 +393,13 @@ class CheckpointConfig:
     load: Optional[str] = None
     """Start from this checkpoint (an iter_* directory, or a checkpoint dir whose newest complete checkpoint
     is used) even if it belongs to another run or layout (fine-tune, changed TP/PP/DP); this run's own
-    checkpoints in dir, once it has some, take precedence."""
+    checkpoints in dir, once it has some, take precedence. Relative: as checkpoint.dir."""
     load_hf: Optional[str] = None
     """Start from Hugging Face weights (a directory with config.json and safetensors): render/submit/run first
     compare its config.json with the model entry (one error per differing field) and import it once with
     ``import-hf`` into output_dir/hf-imports/ (one process on this node, the whole model in memory once; reused
-    while the weights and the model are the same), then load that as checkpoint.load at any layout."""
+    while the weights and the model are the same), then load that as checkpoint.load at any layout. Relative: as
+    checkpoint.dir."""
     verify: str = choice("sizes", CHECKPOINT_VERIFY)
     """Check a checkpoint before loading it: sizes (every file has the size recorded at save) or checksum
     (also its CRC32, spread over the ranks)."""
@@ -552,7 +557,8 @@ class JobConfig:
     nodes: int = 1
     """Number of nodes (top-level shorthand)."""
     output_dir: str = "runs"
-    """Where run bundles are created, one new directory per run."""
+    """Where run bundles are created, one new directory per run. A relative path is relative to the directory
+    python -m launcher runs in (data.blend says more)."""
     force: bool = False
     """Render/submit even if the planner predicts out-of-memory."""
     model: ModelConfig = field(default_factory=ModelConfig)

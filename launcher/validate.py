@@ -1006,14 +1006,13 @@ def validate_loaded_weights(job: JobConfig) -> list[Problem]:
     shape its tensors (launcher/hf/importer.py WEIGHT_FIELDS); each one this job's model sets differently is one
     problem here, before any rank starts (the ranks check the same, launcher/rank/checkpoint.py weights_mismatch).
     A path this node cannot read is left to the ranks."""
-    import json
+    from launcher.core.checkpoint_dir import read_manifest
 
     if not job.checkpoint.load:
         return []
-    try:
-        with open(os.path.join(str(job.checkpoint.load), "launcher.json")) as fh:
-            recorded = json.load(fh).get("weights_of") or {}
-    except (OSError, ValueError, AttributeError):
+    manifest = read_manifest(job.checkpoint.load)
+    recorded = manifest.get("weights_of") if isinstance(manifest, dict) else None
+    if not isinstance(recorded, dict):
         return []
     problems = []
     for key, theirs in sorted(recorded.items()):

@@ -56,7 +56,7 @@ def _sizes(monkeypatch, dp: int, edp: int):
 
 def test_each_rank_counts_its_share_of_each_replicated_shard(monkeypatch):
     _sizes(monkeypatch, dp=4, edp=2)
-    need = checkpoint.checkpoint_bytes([_Model()], distributed_optimizer=False)
+    need = checkpoint.checkpoint_shares([_Model()], distributed_optimizer=False)
     assert need["total"] == round(1000 * 12 / 4 + 400 * 14 / 2)  # world 1 here: this rank's share only
     assert need["busiest_node"] == need["total"] and need["nodes"] == 1
 
@@ -73,7 +73,7 @@ def test_busiest_node_sums_the_ranks_of_each_node(monkeypatch):
         tensor[1:] += torch.tensor(shares[1:], dtype=tensor.dtype)
 
     monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
-    need = checkpoint.checkpoint_bytes([_Model()], distributed_optimizer=True, ranks_per_node=2)
+    need = checkpoint.checkpoint_shares([_Model()], distributed_optimizer=True, ranks_per_node=2)
     assert need == {"total": 65, "busiest_node": 35, "nodes": 2}
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from launcher.config import compose_job
-from launcher.core import signal_lead as sl
+from launcher.core import checkpoint_dir as cd, signal_lead as sl
 from launcher.render import RenderError, signal_lead_of, write_bundle
 
 
@@ -16,7 +16,7 @@ def manifest(ckpt: Path, step: int, seconds, *, complete: bool = True) -> Path:
     path = ckpt / f"iter_{step:07d}"
     path.mkdir(parents=True)
     if complete:
-        (path / "launcher.json").write_text(json.dumps({"step": step, "save_seconds": seconds}))
+        (path / "launcher.json").write_text(json.dumps({"step": step, "files": {}, "save_seconds": seconds}))
     return path
 
 
@@ -32,14 +32,14 @@ def test_derived_lead_has_the_old_default_as_floor_capped_at_a_quarter_of_the_li
 
 
 def test_measured_save_is_the_newest_complete_checkpoints(tmp_path):
-    assert sl.measured_save_s(tmp_path / "none") is None
+    assert cd.measured_save_s(tmp_path / "none") is None
     manifest(tmp_path, 10, 12.5)
     manifest(tmp_path, 20, None)                      # complete but recorded no save time: skipped
     manifest(tmp_path, 30, 99.0, complete=False)      # no manifest: not a checkpoint
     (tmp_path / "iter_0000040.tmp").mkdir()           # a save in progress
-    assert sl.measured_save_s(tmp_path) == (12.5, tmp_path / "iter_0000010")
+    assert cd.measured_save_s(tmp_path) == (12.5, tmp_path / "iter_0000010")
     manifest(tmp_path, 50, 80.0)
-    assert sl.measured_save_s(tmp_path) == (80.0, tmp_path / "iter_0000050")
+    assert cd.measured_save_s(tmp_path) == (80.0, tmp_path / "iter_0000050")
 
 
 PLAN = {"params": {"total": 70e9}, "step": {"step_s": 4.0}}

@@ -21,17 +21,19 @@ rendered once and a requeue reruns the same script:
   measured save time and its slowest recent step. This catches a lead that turned out too short (saves got
   slower since render, or no checkpoint had been measured yet) without waiting for the signal.
 
-Torch-free: imported by the login node (render) and the rank wing.
+The checkpoint's size and save-time estimates and the measured save live with the checkpoint directory
+(``launcher/core/checkpoint_dir.py``). Torch-free: imported by the login node (render) and the rank wing.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
 from collections import deque
 from pathlib import Path
 from typing import Optional
+
+from launcher.core.checkpoint_dir import estimated_save_s, measured_save_s
 
 FLOOR_S = 300
 """The derived lead is at least this (capped at a quarter of the time limit): the fixed default it replaces."""
@@ -44,43 +46,6 @@ LEAD_ENV = "LAUNCHER_SIGNAL_LEAD_S"
 def needed_s(save_s: float, step_s: float, *, factor: float, margin_s: float) -> float:
     """Seconds before the time limit at which a stop must begin: factor x save + one step + margin."""
     return factor * max(save_s, 0.0) + max(step_s, 0.0) + margin_s
-
-
-def checkpoint_bytes(params: float, dtype: str) -> float:
-    """Bytes of one checkpoint with Adam: weights in their dtype (2 bytes, 4 in fp32), an fp32 main copy (none
-    in fp32) and two fp32 moments: 14 bytes per parameter (12 in fp32)."""
-    return params * (12 if dtype == "fp32" else 14)
-
-
-def estimated_save_s(params: float, dtype: str, *, nodes: int, write_gbps: float) -> float:
-    """The planner's save time: checkpoint bytes over the nodes' aggregate write bandwidth. Saves are fully
-    parallel over DP (launcher/rank/checkpoint.py save_strategy, Megatron-LM's default), so every node writes
-    about an even share; the ranks refine this with the busiest node's bytes (``node_save_s``)."""
-    return checkpoint_bytes(params, dtype) / (max(nodes, 1) * write_gbps * 1e9)
-
-
-def node_save_s(node_bytes: float, *, write_gbps: float) -> float:
-    """The ranks' save time before any save was measured: a save ends when the node writing most has written
-    its bytes (``node_bytes``, counted per rank under fully parallel save) at ``cluster.checkpoint_write_gbps``."""
-    return max(node_bytes, 0.0) / (write_gbps * 1e9)
-
-
-def measured_save_s(ckpt_dir: Path) -> Optional[tuple]:
-    """(save seconds, checkpoint path) of the newest complete checkpoint (one with ``launcher.json``) in
-    ``ckpt_dir`` that recorded its save time, or None."""
-    try:
-        dirs = sorted((p for p in Path(ckpt_dir).glob("iter_*") if p.is_dir() and not p.name.endswith(".tmp")),
-                      key=lambda p: p.name, reverse=True)
-    except OSError:
-        return None
-    for path in dirs:
-        try:
-            seconds = json.loads((path / "launcher.json").read_text())["save_seconds"]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0:
-            return float(seconds), path
-    return None
 
 
 def derived_lead_s(*, limit_s: int, save_s: float, step_s: float, factor: float, margin_s: float) -> int:

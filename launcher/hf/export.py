@@ -8,7 +8,6 @@ output layer or one layer's fused QKV / fc1), plus the checkpoint's metadata; ne
 """
 from __future__ import annotations
 
-import json
 import os
 import resource
 import shutil
@@ -19,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from launcher.core.checkpoint_dir import latest_checkpoint, read_manifest
 from launcher.hf import arch, mapping
 from launcher.hf.safetensors_out import ShardWriter, nbytes, plan_shards, shard_name, write_index
 from launcher.schema import ModelConfig
@@ -53,11 +53,10 @@ def job_of_checkpoint(ckpt: Path, config: Optional[Path]) -> tuple:
 
         job = load_job(config)
         return job.model, job.data.tokenizer
-    try:
-        identity = json.loads((ckpt / "launcher.json").read_text())["identity"]
-    except (OSError, ValueError, KeyError):
+    identity = (read_manifest(ckpt) or {}).get("identity")
+    if not isinstance(identity, dict):
         raise ExportError(f"--checkpoint {ckpt}: no launcher.json with the run's config (a checkpoint written by "
-                          "another tool?); pass --config BUNDLE/config.yaml of the run that wrote it") from None
+                          "another tool?); pass --config BUNDLE/config.yaml of the run that wrote it")
     names = {f.name for f in fields(ModelConfig)}
     model = ModelConfig(**{k[len("model."):]: v for k, v in identity.items()
                            if k.startswith("model.") and k[len("model."):] in names})
@@ -68,12 +67,11 @@ def resolve_checkpoint(path: Path) -> Path:
     """An iter_N directory, or a checkpoint dir (its newest complete checkpoint)."""
     if (path / "metadata.json").is_file():
         return path
-    found = sorted((p for p in path.glob("iter_*") if (p / "launcher.json").is_file() and not p.name.endswith(".tmp")),
-                   key=lambda p: p.name)
-    if not found:
+    found = latest_checkpoint(path)
+    if found is None:
         raise ExportError(f"--checkpoint {path}: not a torch_dist checkpoint (no metadata.json) and no complete "
                           "iter_* checkpoint under it; pass DIR/iter_N")
-    return found[-1]
+    return found
 
 
 def _tokenizer_file(path: Optional[str]) -> Optional[Path]:

@@ -1,6 +1,7 @@
 """Distributed checkpoints (megatron.core.dist_checkpointing) you can trust: complete-only, verified, owned.
 
-Layout under the checkpoint dir::
+Layout under the checkpoint dir (where it is, what counts as complete, how big a checkpoint is: the torch-free
+``launcher/core/checkpoint_dir.py``, which the login node reads too)::
 
     iter_0000010/        a complete checkpoint: dist_checkpointing files + launcher.json (written last)
     latest               text file: the name of the newest complete checkpoint (informational; resume scans)
@@ -36,12 +37,13 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from launcher.core import dirlock
+from launcher.core.checkpoint_dir import (MANIFEST, bytes_per_param, complete_checkpoints,  # noqa: F401
+                                          latest_checkpoint, read_manifest, space_problem, write_probe)
 from launcher.core.weights import weights_of
 from launcher.rank import checkpoint_convert, fsdp_checkpoint
 from models.backend import compute_device
 
 LATEST = "latest"
-MANIFEST = "launcher.json"
 LOCK = "LOCK"
 LOCK_STALE_S = 600
 """A lock whose owner is on another host and has not refreshed it for this long is stale (its node died)."""
@@ -119,34 +121,6 @@ def identity_diff(theirs: dict, ours: dict, limit: int = 3) -> str:
 
 
 # ---- listing and verifying ---------------------------------------------------------------------------------
-
-def read_manifest(path: Path) -> Optional[dict]:
-    try:
-        return json.loads((Path(path) / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def complete_checkpoints(ckpt_dir: Path) -> List[Tuple[Path, dict]]:
-    """(path, manifest) of every complete checkpoint under ckpt_dir, newest (highest step) first."""
-    found = []
-    root = Path(ckpt_dir)
-    if not root.is_dir():
-        return found
-    for path in root.glob("iter_*"):
-        if path.name.endswith(".tmp") or not path.is_dir():
-            continue
-        manifest = read_manifest(path)
-        if manifest is not None and isinstance(manifest.get("files"), dict) and "step" in manifest:
-            found.append((path, manifest))
-    return sorted(found, key=lambda pm: int(pm[1]["step"]), reverse=True)
-
-
-def latest_checkpoint(ckpt_dir: Path) -> Optional[Path]:
-    """The newest complete checkpoint (by step; ``latest`` is only a hint written after each save)."""
-    found = complete_checkpoints(ckpt_dir)
-    return found[0][0] if found else None
-
 
 def _crc32(path: Path) -> int:
     crc = 0
@@ -301,8 +275,8 @@ def dir_error(ckpt_dir: Path, exc: BaseException) -> str:
 
 
 def _param_bytes(param) -> int:
-    """One parameter's bytes in a checkpoint: its dtype, two fp32 Adam moments, an fp32 main copy unless fp32."""
-    return param.numel() * (param.element_size() + 8 + (0 if param.dtype == torch.float32 else 4))
+    """One parameter's bytes in a checkpoint (launcher/core/checkpoint_dir.py bytes_per_param)."""
+    return param.numel() * bytes_per_param(param.element_size(), fp32=param.dtype == torch.float32)
 
 
 def _written_here(model) -> float:
@@ -319,8 +293,8 @@ def _written_here(model) -> float:
                      for chunk in model for p in chunk.parameters()))
 
 
-def checkpoint_bytes(model, *, distributed_optimizer: bool, ranks_per_node: Optional[int] = None) -> dict:
-    """About how many bytes one checkpoint takes (collective): ``total`` (every shard once, for the disk check)
+def checkpoint_shares(model, *, distributed_optimizer: bool, ranks_per_node: Optional[int] = None) -> dict:
+    """About how many bytes one checkpoint of this model takes, counted shard by shard (collective): ``total`` (every shard once, for the disk check)
     and ``busiest_node`` (what the node that writes most writes, for the save time). Each rank's share is
     ``_written_here``; one all-reduce of a world-sized vector on the compute device gives every rank all
     shares. torchrun numbers ranks node by node (``ranks_per_node``, default LOCAL_WORLD_SIZE)."""
@@ -354,29 +328,36 @@ def save_strategy():
                                             False)  # ckpt_assume_constant_structure's default
 
 
-_ESTIMATE = {"bytes": 0}
-"""The size of one checkpoint as estimated before step 1 (with its margin), to recognise a full disk later."""
+class CheckpointState:
+    """What one run's checkpoint calls hand on to each other: the size of one checkpoint estimated before step 1
+    (with its margin; ``preflight_dir`` -> ``save``, to recognise a full disk) and the RNG state of the checkpoint
+    loaded last (``load`` -> ``restore_loaded_rng``, just before the first step). The entry makes one per run."""
+
+    def __init__(self):
+        self.need_bytes = 0
+        self.loaded_rng = None
+
+    def restore_loaded_rng(self) -> None:
+        """Re-apply the RNG state of the checkpoint loaded last, as the very last thing before the first step:
+        whatever ran after the load (the CPU-share benchmark, data set-up) may have drawn from the generators,
+        which the uninterrupted run did before step 1 instead (a dropout resume then diverged)."""
+        if self.loaded_rng is not None:
+            snapshot, self.loaded_rng = self.loaded_rng, None
+            _rng_restore(snapshot)
 
 
-def preflight_dir(ckpt_dir: Path, need_bytes: int) -> None:
-    """Collective, before step 1: rank 0 writes and removes a probe file in ckpt_dir and checks free space
-    for one more checkpoint (disk full or read-only fails now, not at the first save hours later)."""
+def preflight_dir(ckpt_dir: Path, need_bytes: int, run_state: Optional[CheckpointState] = None) -> None:
+    """Collective, before step 1: rank 0 creates ckpt_dir, writes and removes a probe file in it and checks free
+    space for one more checkpoint (disk full or read-only fails now, not at the first save hours later)."""
     message = None
     if _rank() == 0:
+        need_bytes = int(need_bytes * 1.2)  # the estimate was 7% under a real TINY checkpoint (3.57 MB)
+        if run_state is not None:
+            run_state.need_bytes = need_bytes
         try:
             ckpt_dir.mkdir(parents=True, exist_ok=True)
-            probe = ckpt_dir / f".write-probe-{os.getpid()}"
-            with open(probe, "wb") as fh:
-                fh.write(b"\0" * 4096)
-                fh.flush()
-                os.fsync(fh.fileno())
-            probe.unlink()
-            free = shutil.disk_usage(ckpt_dir).free
-            need_bytes = int(need_bytes * 1.2)  # the estimate was 7% under a real TINY checkpoint (3.57 MB)
-            _ESTIMATE["bytes"] = need_bytes
-            if free < need_bytes:
-                message = (f"checkpoint.dir={ckpt_dir}: not enough space for a checkpoint: {free / 1e9:.3g} GB "
-                           f"free, one needs about {need_bytes / 1e9:.3g} GB")
+            why = write_probe(ckpt_dir) or space_problem(ckpt_dir, need_bytes)
+            message = f"checkpoint.dir={ckpt_dir}: {why}" if why else None
         except OSError as exc:
             message = dir_error(ckpt_dir, exc)
     agree_or_raise(message)
@@ -481,7 +462,8 @@ def _own_crcs(tmp: Path, checksum: bool) -> dict:
 
 def save(ckpt_dir: Path, *, model, optimizer, scheduler, step: int, consumed: int, keep_last=None,
          identity: Optional[dict] = None, checksum: bool = False,
-         optimizer_format: str = DEFAULT_OPTIMIZER_FORMAT, fmt: str = TORCH_DIST) -> Path:
+         optimizer_format: str = DEFAULT_OPTIMIZER_FORMAT, fmt: str = TORCH_DIST,
+         run_state: Optional[CheckpointState] = None) -> Path:
     """Save collectively (every rank calls), then publish atomically from rank 0; returns the checkpoint.
     ``fmt``: torch_dist (dist_checkpointing) or fsdp_dtensor (Megatron-FSDP: launcher/rank/fsdp_checkpoint.py).
 
@@ -524,9 +506,10 @@ def save(ckpt_dir: Path, *, model, optimizer, scheduler, step: int, consumed: in
         # A full disk shows up as an opaque worker error ("unexpected pos ..."): judge by the free space.
         message, crcs = f"saving {final} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}", {}
         free = shutil.disk_usage(ckpt_dir).free if rank == 0 else None
-        if _mentions_enospc(exc) or (free is not None and free < max(_ESTIMATE["bytes"], 1 << 20)):
+        need = run_state.need_bytes if run_state is not None else 0
+        if _mentions_enospc(exc) or (free is not None and free < max(need, 1 << 20)):
             message = (f"saving {final} failed: no space left on device in checkpoint.dir={ckpt_dir} "
-                       f"({free / 1e9:.3g} GB free, a checkpoint needs about {_ESTIMATE['bytes'] / 1e9:.3g} GB)")
+                       f"({free / 1e9:.3g} GB free, a checkpoint needs about {need / 1e9:.3g} GB)")
     all_crcs = _gather(crcs)
     if message is None and rank == 0:
         try:
@@ -692,9 +675,10 @@ def _plan_resume(ckpt_dir: Path, identity: dict, load_from: Optional[str]) -> di
 
 
 def resume(ckpt_dir: Path, *, identity: dict, load_from: Optional[str], checksum: bool, model, optimizer,
-           scheduler, warn: Callable[[str], None], distributed_optimizer: bool = False, fmt: str = TORCH_DIST
-           ) -> Tuple[int, int, Optional[Path]]:
+           scheduler, warn: Callable[[str], None], distributed_optimizer: bool = False, fmt: str = TORCH_DIST,
+           run_state: Optional[CheckpointState] = None) -> Tuple[int, int, Optional[Path]]:
     """Collective: load the newest loadable checkpoint; returns (step, consumed samples, its path or None).
+    The loaded RNG state is kept in ``run_state`` for ``CheckpointState.restore_loaded_rng``.
 
     Each candidate is verified (every rank checks its share of the files), then loaded by all ranks; a failure
     anywhere makes every rank warn and try the previous one. Existing checkpoints of which none loads stop the
@@ -736,7 +720,7 @@ def resume(ckpt_dir: Path, *, identity: dict, load_from: Optional[str], checksum
             try:
                 step, consumed = load(path, model=model, optimizer=optimizer, scheduler=scheduler,
                                       with_rng=with_rng, optimizer_format=opt_fmt, weights_only=weights_only,
-                                      fmt=fmt, saved_fmt=saved_fmt)
+                                      fmt=fmt, saved_fmt=saved_fmt, run_state=run_state)
             except BaseException as exc:  # noqa: BLE001 - any load failure means: try the previous checkpoint
                 # (torch.distributed.checkpoint's CheckpointException is a BaseException: caught by `except
                 # Exception`, the rank whose shard was bad died while the others waited for it)
@@ -823,7 +807,7 @@ def _continue_hint(manifest: dict, identity: dict) -> str:
 
 def load(path: Path, *, model, optimizer, scheduler, with_rng: bool = True,
          optimizer_format: str = DEFAULT_OPTIMIZER_FORMAT, weights_only: bool = False, fmt: str = TORCH_DIST,
-         saved_fmt: Optional[str] = None) -> tuple:
+         saved_fmt: Optional[str] = None, run_state: Optional[CheckpointState] = None) -> tuple:
     """Load a checkpoint into model/optimizer/scheduler/RNG; returns (step, consumed_samples). A weights-only
     checkpoint (``import-hf``) loads the model's weights alone and starts at step 0 (Megatron-LM's --finetune with
     --no-load-optim --no-load-rng): the optimizer's fp32 main parameters are copied from the loaded weights."""
@@ -845,7 +829,8 @@ def load(path: Path, *, model, optimizer, scheduler, with_rng: bool = True,
         step, consumed, snapshot = fsdp_checkpoint.load(path, model=model, optimizer=optimizer, scheduler=scheduler,
                                                         with_rng=with_rng, converted=converted)
         if snapshot is not None:
-            _LOADED_RNG["snapshot"] = snapshot
+            if run_state is not None:
+                run_state.loaded_rng = snapshot
             _rng_restore(snapshot)
         return step, consumed
     _materialize_optimizer_state(optimizer)
@@ -867,17 +852,8 @@ def load(path: Path, *, model, optimizer, scheduler, with_rng: bool = True,
     scheduler.load_state_dict(state["scheduler"])
     if with_rng:
         rng = state["rng_state"]
-        _LOADED_RNG["snapshot"] = (rng["cpu"], rng["tracker"], rng.get("cuda") if torch.cuda.is_available() else None)
-        _rng_restore(_LOADED_RNG["snapshot"])
+        snapshot = (rng["cpu"], rng["tracker"], rng.get("cuda") if torch.cuda.is_available() else None)
+        if run_state is not None:
+            run_state.loaded_rng = snapshot
+        _rng_restore(snapshot)
     return int(state["step"]), int(state["consumed_samples"])
-
-
-_LOADED_RNG: dict = {}
-
-
-def restore_loaded_rng() -> None:
-    """Re-apply the RNG state of the checkpoint loaded last, as the very last thing before the first step:
-    whatever ran after the load (the CPU-share benchmark, data set-up) may have drawn from the generators,
-    which the uninterrupted run did before step 1 instead (a dropout resume then diverged)."""
-    if "snapshot" in _LOADED_RNG:
-        _rng_restore(_LOADED_RNG.pop("snapshot"))

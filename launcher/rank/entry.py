@@ -86,6 +86,7 @@ class RunRefused(Exception):
 
 def train(bundle: Path, console) -> int:
     from launcher.core import derive, load_job
+    from launcher.core.checkpoint_dir import checkpoint_dir
     from data.datasets import DataFilesChanged
     from launcher.rank import checkpoint as ckpt, elastic, profiling, progress, setup
 
@@ -103,7 +104,7 @@ def train(bundle: Path, console) -> int:
     # The checkpoint dir's lock before anything expensive: a second run on the same dir stops in seconds, not
     # after building its model.
     ckpt.check_options(job.checkpoint)
-    ckpt_dir = Path(job.checkpoint.dir) if job.checkpoint.dir else bundle / "checkpoints"
+    ckpt_dir = checkpoint_dir(job.checkpoint.dir, bundle)
     identity = ckpt.run_identity(job)
     lock = ckpt.DirLock(ckpt_dir, bundle=bundle, run=ckpt.run_hash(identity))
     try:
@@ -160,7 +161,7 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
 
     tr, rank = job.train, torch.distributed.get_rank()
     checksum = job.checkpoint.verify == "checksum"
-    latest = None
+    latest, carried = None, ckpt.CheckpointState()  # the size estimate and the loaded RNG, from call to call
     if not job.checkpoint.resume:
         moved = ckpt.start_fresh(ckpt_dir, identity)
         if moved:
@@ -171,14 +172,14 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
                                                    checksum=checksum, model=model, optimizer=optimizer,
                                                    scheduler=scheduler, warn=console.line,
                                                    distributed_optimizer=job.parallel.distributed_optimizer,
-                                                   fmt=checkpoint_format(job))
+                                                   fmt=checkpoint_format(job), run_state=carried)
         if latest is not None:
             console.line(f"resumed from {latest} at step {lp.step} ({lp.consumed} samples consumed)")
     saved_at = lp.step
     attempt.update(resumed=lp.step, reached=lp.step)
     progress.STEP[0] = lp.step
-    need = ckpt.checkpoint_bytes(model, distributed_optimizer=job.parallel.distributed_optimizer)
-    ckpt.preflight_dir(ckpt_dir, need["total"])
+    need = ckpt.checkpoint_shares(model, distributed_optimizer=job.parallel.distributed_optimizer)
+    ckpt.preflight_dir(ckpt_dir, need["total"], run_state=carried)
     guard = _stop_guard(job, latest, need["busiest_node"], console)
     train_iters, valid_iters = data.build_train_valid_iterators(
         data=job.data, model=job.model, train=tr, steps=layout.steps, consumed_samples=lp.consumed,
@@ -197,7 +198,7 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
         path = ckpt.save(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler, step=lp.step,
                          consumed=lp.consumed, keep_last=job.checkpoint.keep_last, identity=identity,
                          checksum=checksum, optimizer_format=job.checkpoint.optimizer_format,
-                         fmt=checkpoint_format(job))
+                         fmt=checkpoint_format(job), run_state=carried)
         console.line(f"saved checkpoint {path}")
         attempt.update(saved=lp.step)
         took = time.perf_counter() - started
@@ -220,7 +221,7 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
         progress.STEP[0] = lp.step
         attempt.update(reached=lp.step)
 
-    ckpt.restore_loaded_rng()  # exactly the saved RNG state at the first step (dropout resumes exactly)
+    carried.restore_loaded_rng()  # exactly the saved RNG state at the first step (dropout resumes exactly)
     profiler = profiling.StepProfiler.for_job(job, bundle, rank, note=lambda text: console.line(text, all_ranks=True))
     try:
         why = lp.run(iterators=train_iters, valid_iters=valid_iters, steps=layout.steps, on_step=on_step,
@@ -261,12 +262,11 @@ def _stop_guard(job, resumed, node_bytes: int, console):
     """Stop in time for the Slurm time limit on every attempt (launcher/core/signal_lead.py): the job's end
     time from job.sbatch, this run's save time (the resumed checkpoint's measured one, else the estimate: the
     bytes the busiest node writes under fully parallel save over one node's write bandwidth)."""
-    from launcher.core import signal_lead
-    from launcher.rank import checkpoint as ckpt
+    from launcher.core import checkpoint_dir as cdir, signal_lead
 
-    measured = (ckpt.read_manifest(Path(resumed)) or {}).get("save_seconds") if resumed is not None else None
+    measured = (cdir.read_manifest(Path(resumed)) or {}).get("save_seconds") if resumed is not None else None
     save_s = (float(measured) if isinstance(measured, (int, float)) else
-              signal_lead.node_save_s(node_bytes, write_gbps=job.cluster.checkpoint_write_gbps))
+              cdir.node_save_s(node_bytes, write_gbps=job.cluster.checkpoint_write_gbps))
     guard = signal_lead.StopGuard(signal_lead.job_end_from_env(), save_s=save_s, factor=job.slurm.signal_save_factor,
                                   margin_s=job.slurm.signal_margin_s)
     if guard.job_end is not None:
