@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from launcher.core.checkpoint_dir import MANIFEST
 from launcher.core.layout import uses_transformer_engine
 from launcher.core.weights import WEIGHT_FIELDS  # one home: the model fields that shape a checkpoint's tensors
 from launcher.hf import arch, mapping
@@ -252,7 +253,7 @@ def import_hf(hf_dir: Path, output: Path, job: JobConfig, log=print, spec: Optio
                     "padded_vocab": int(chunk.embedding.word_embeddings.weight.shape[0]),
                     "dtype": job.precision.dtype, "spec": "te" if te else "local", "files": files,
                     "saved_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-        (tmp / "launcher.json").write_text(json.dumps(manifest, indent=1, default=str) + "\n")
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str) + "\n")  # last: it makes a checkpoint
         os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
