@@ -519,17 +519,6 @@ RANK_ACTIONS = ("validate", "render", "submit", "run")
 def rank_side_limits(job: JobConfig) -> list[Problem]:
     """What this launcher's ranks cannot run yet although Megatron-Core, the planner and the Megatron-LM export
     can; reported with validation for RANK_ACTIONS only, so such a job still plans, searches and exports."""
-    if job.parallel.megatron_fsdp and job.model.num_experts:
-        # measured on CPU ranks (tiny model, 4 experts top-2, EP2, distributed optimizer): Megatron-FSDP trained
-        # 6.7710 at step 3 where Megatron DDP (= one process, tests/test_train_parity.py) trained 6.7725. After one
-        # backward, the gradients of layers 2-3 and of every expert equal DDP's, but those of layers 0-1 (attention,
-        # router, shared experts) and of the embedding are not (sums of squares 1.5-2.4x DDP's, e.g. layer 0's QKV
-        # 0.0062 vs 0.0030): something adds to them below layer 2
-        # (not traced further; the CPU bridges' null streams are a suspect as much as Megatron-FSDP itself)
-        return [Problem("parallel.megatron_fsdp", True,
-                        "Megatron-FSDP with MoE experts does not train like Megatron DDP on this launcher's ranks yet "
-                        "(EP2 on CPU: 2e-4 relative off its losses from step 3); dense models only",
-                        "parallel.megatron_fsdp=false")]
     return []
 
 

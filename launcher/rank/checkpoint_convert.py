@@ -26,8 +26,8 @@ never recomputed, so weights and Adam state convert bit for bit.
 
 What cannot convert (``refusal``): ``checkpoint.optimizer_format=dp_reshardable`` (the default) stores the
 distributed optimizer's state as each DP rank's flat slice of its gradient buffer, whose layout depends on the
-bucket and padding of that run: no per-parameter tensor to map; MoE experts (their own key layouts; and FSDP with
-experts is refused for the ranks anyway); tensor parallelism on the fsdp_dtensor side (the gated-fc1 split of
+bucket and padding of that run: no per-parameter tensor to map; MoE experts (their own key layouts: torch_dist's
+expert axis, fsdp_dtensor's ``handle_experts_in_state_dict``; not written here); tensor parallelism on the fsdp_dtensor side (the gated-fc1 split of
 TP-sharded DTensors was not verified here); precisions other than fp32 (Megatron-FSDP's fp32 main weights of a
 bf16 model were not verified to be in its checkpoint).
 """

@@ -81,10 +81,43 @@ def wrap_ddp(chunks: List[torch.nn.Module], *, parallel: ParallelConfig,
             from models import cpu_compat
 
             cpu_compat.apply_fsdp()
-        return [FullyShardedDataParallel(config=model_config, ddp_config=config, module=chunk) for chunk in chunks]
+        wrapped = [FullyShardedDataParallel(config=model_config, ddp_config=config, module=chunk) for chunk in chunks]
+        for chunk in wrapped:
+            scale_unsharded_grads_once(chunk.module)
+        return wrapped
     return [DistributedDataParallel(config=model_config, ddp_config=config, module=chunk,
                                     disable_bucketing=i > 0)  # only the first chunk overlaps (Megatron)
             for i, chunk in enumerate(chunks)]
+
+
+def scale_unsharded_grads_once(fsdp) -> list:
+    """Upstream bug (Megatron-FSDP in megatron-core 0.19.2, unchanged on Megatron-LM main of 2026-08): with sharding
+    ``optim_grads_params`` gradients are reduced after every microbatch's backward, and a gradient buffer whose
+    data-parallel group has one rank is not sharded (``is_data_distributed=... and group.size() > 1``,
+    param_and_grad_buffer.py) but accumulates the microbatches in place; each reduction first scales the *whole*
+    buffer by its factor (``gradient_reduce_preprocessing``: ``mul_``, or NCCL's PREMUL_SUM on a GPU). That is the
+    expert buffer when EP takes all of DP (expert-DP 1, factor 1/DP): microbatch i of n ends up scaled (1/DP)^(n-i+1)
+    instead of 1/DP. Measured on CPU (EP2 DP2, 2 microbatches): dense gradients equal Megatron DDP's, every expert's
+    sum of squares 0.58-0.67x DDP's (0.25 g1 + 0.5 g2 instead of 0.5 (g1 + g2)); with 1 microbatch all equal.
+    Here those buffers reduce unscaled and are scaled once, after the last reduction, before the optimizer reads
+    them. Returns the (buffer, factor) pairs changed."""
+    changed = []
+    for group in fsdp.param_and_grad_buffer.parameter_groups:
+        gbuf = group.main_grad_buffer
+        if (gbuf is None or gbuf.is_data_distributed or getattr(group, "hfsdp_helper_gbuf", None) is not None
+                or gbuf.gradient_scaling_factor in (None, 1.0)):
+            continue
+        changed.append((gbuf, gbuf.gradient_scaling_factor))
+        gbuf.gradient_scaling_factor = None
+    if changed:
+        attach = fsdp.attach_grad_to_optimizer_state  # once per step, after all reductions (finish_grad_sync)
+
+        def scale_then_attach():
+            for gbuf, factor in changed:
+                gbuf.data.mul_(factor)
+            attach()
+        fsdp.attach_grad_to_optimizer_state = scale_then_attach
+    return changed
 
 
 def optimizer_config(*, train: TrainConfig, parallel: ParallelConfig, precision: PrecisionConfig, on_gpu: bool):
