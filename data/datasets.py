@@ -28,7 +28,7 @@ import socket
 import tempfile
 from typing import Any, List, Optional, Tuple
 
-from data.blend import parse_blend
+from launcher.core.blend import prefixes_and_weights
 from launcher.core.paths import absolute
 
 
@@ -44,7 +44,7 @@ def check_files(data: Any) -> None:
 
     if data.kind == "mock":
         return
-    prefixes, _ = parse_blend(data.blend)
+    prefixes, _ = prefixes_and_weights(data.blend)
     for i, shown in enumerate(prefixes):
         why = bin_mismatch(absolute(shown))
         if why:
@@ -94,7 +94,7 @@ def gpt_dataset_config(*, data: Any, seq_length: int, seed: int, cache_dir: Opti
 
     blend = None
     if data.kind != "mock":
-        prefixes, weights = parse_blend(data.blend)
+        prefixes, weights = prefixes_and_weights(data.blend)
         if not prefixes:
             raise ValueError("data.blend is empty; set data.blend=[path/prefix] or data.kind=mock")
         blend = ([absolute(p) for p in prefixes], weights)

@@ -15,7 +15,7 @@ from typing import Any, List, Optional
 
 import numpy as np
 
-from data.blend import parse_blend
+from launcher.core.blend import prefixes_and_weights
 from launcher.core.paths import absolute
 from data.index import DTYPES, MAGIC, IndexHeader, read_index_header  # noqa: F401  (re-exported)
 from launcher import ROOT
@@ -110,7 +110,7 @@ def preflight(data: Any, *, vocab_size: int, tokens_needed: int) -> List[Problem
         return []
     problems: List[Problem] = []
     try:
-        prefixes, weights = parse_blend(data.blend)
+        prefixes, weights = prefixes_and_weights(data.blend)
     except ValueError as exc:
         return [Problem("data.blend", list(data.blend), str(exc), "data.blend=[0.3,path/a,0.7,path/b]")]
     if not prefixes:

@@ -162,7 +162,7 @@ def run_task(manifest_path: str, index: Optional[int], *, light_import: bool = F
     """Tokenise one shard (array task ``index``, default $SLURM_ARRAY_TASK_ID); skips a completed shard.
     ``light_import`` only from the command's own process (``python -m data.preprocess --manifest``): it leaves
     ``megatron.core`` as a bare namespace package, which breaks any later full use of Megatron in that process."""
-    from data.preprocess import preprocess
+    from data.corpus import preprocess
 
     manifest = json.loads(Path(manifest_path).read_text())
     if index is None:

@@ -21,13 +21,13 @@ import torch.nn.functional as F
 from launcher.core import Layout, derive
 from launcher.schema import JobConfig, ModelConfig, ParallelConfig, PrecisionConfig, ScheduleConfig
 from models import backend
+from models.seeds import layer_seed
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """schema.DTYPES -> torch dtype (a test checks the keys are exactly the schema's)."""
 ACTIVATIONS = {"swiglu": (F.silu, True), "gelu": (F.gelu, False),
                "squared_relu": (lambda x: torch.pow(F.relu(x), 2), False)}
 """schema.ACTIVATIONS -> (activation_func, gated_linear_unit)."""
-_LAYER_SEED_STRIDE = 1000003  # a prime, so (seed, layer) pairs do not collide for realistic sizes
 
 
 def layout_of(*, model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig,
@@ -213,7 +213,7 @@ def seeded_layer_class(seed: int):
             pgs = kwargs.get("pg_collection")  # Megatron's own source of the rank (ZB-V mirrors it for chunk 1)
             offset = get_transformer_layer_offset(config, kwargs.get("vp_stage"), pgs.pp.rank() if pgs is not None
                                                   else parallel_state.get_pipeline_model_parallel_rank())
-            torch.manual_seed(seed * _LAYER_SEED_STRIDE + layer_number + offset)
+            torch.manual_seed(layer_seed(seed, layer_number + offset))
             super().__init__(config, submodules, layer_number, *args, **kwargs)
 
     return SeededTransformerLayer

@@ -107,12 +107,12 @@ def _seed_mtp_layers(spec, config, seed: int):
 def _seeded_mtp_layer_class(seed: int, num_layers: int):
     from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
 
-    from models.builder import _LAYER_SEED_STRIDE  # the decoder's stride: MTP depth k follows layer L
+    from models.seeds import layer_seed  # the decoder's rule: MTP depth k follows layer L
 
     class SeededMultiTokenPredictionLayer(MultiTokenPredictionLayer):
         def __init__(self, config, submodules, layer_number: int = 1, *args, **kwargs):
             # layer_number is the MTP depth (1-based); global position after the decoder's num_layers
-            torch.manual_seed(seed * _LAYER_SEED_STRIDE + num_layers + layer_number)
+            torch.manual_seed(layer_seed(seed, num_layers + layer_number))
             super().__init__(config, submodules, layer_number, *args, **kwargs)
 
     return SeededMultiTokenPredictionLayer

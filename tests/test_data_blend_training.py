@@ -15,7 +15,7 @@ import numpy as np
 
 from data import slurm_array
 from data.preprocess import expand_inputs
-from data.testing import TOKENIZER, real_texts, write_jsonl
+from _data_text import TOKENIZER, real_texts, write_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = {"tokenizer": str(TOKENIZER), "append_eod": True, "json_key": "text", "eod_token": None,

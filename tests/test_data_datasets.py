@@ -100,7 +100,7 @@ def test_nothing_reaches_for_the_network(tmp_path, monkeypatch):
 
     from data.datasets import build_gpt_datasets
     from data.preprocess import preprocess
-    from data.testing import TOKENIZER, real_texts, write_jsonl
+    from _data_text import TOKENIZER, real_texts, write_jsonl
     from data.tokenizer import batch_encoder, load_tokenizer
 
     tok = load_tokenizer(TOKENIZER)

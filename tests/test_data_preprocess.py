@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from data.testing import EDGE_CASES, TOKENIZER, real_texts, reference_encode, write_jsonl
+from _data_text import EDGE_CASES, TOKENIZER, real_texts, reference_encode, write_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from data import slurm_array
-from data.testing import TOKENIZER, real_texts, write_jsonl
+from _data_text import TOKENIZER, real_texts, write_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = {"tokenizer": str(TOKENIZER), "append_eod": True, "json_key": "text", "eod_token": None,
@@ -75,7 +75,7 @@ def test_render_quotes_values_refuses_unsafe_directives_and_checks_mounts(tmp_pa
 
 
 def test_zst_without_zstandard_is_one_clear_error(tmp_path, monkeypatch):
-    from data import preprocess
+    from data import corpus as preprocess  # the engine: expand_inputs reads _zstandard there
 
     (tmp_path / "a.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd")
     monkeypatch.setattr(preprocess, "_zstandard", lambda: None)

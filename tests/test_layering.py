@@ -1,14 +1,18 @@
 """The two wings, checked statically: every import of every module, at any depth (function bodies too),
 parsed with ``ast`` and followed through the project's own modules, without running any of them.
 
+- Every module of the product folders (``launcher``, ``models``, ``data``) is placed in one wing: shared, login,
+  rank, or a tool of its own.
 - Login-node modules (compose, validate, plan, render, submit) reach no torch, megatron, transformer_engine,
   apex, and none of the rank wing (``launcher.rank``, ``models``, the rank parts of ``data``).
 - The rank wing reaches no login-node module: of the launcher it imports only the schema and the core.
-- The shared core imports only itself, the schema and the standard library / OmegaConf.
+- The shared core reaches only itself, the standard library and the third-party packages of ``SHARED_DEPENDS``.
+- No module imports itself back through others (an import circle), counting imports inside functions.
 """
 from __future__ import annotations
 
 import ast
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -16,16 +20,22 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_AND_TORCH = ("torch", "megatron", "transformer_engine", "apex", "triton")
-SHARED = ("launcher", "launcher.schema", "launcher.core", "data", "data.blend", "data.index")
-"""Read by both wings (data.blend: blend parsing and path resolution, pure Python; data.index: the .idx header,
-numpy)."""
+SHARED = ("launcher", "launcher.schema", "launcher.core", "data", "data.index")
+"""Read by both wings (data.index: the .idx header, numpy)."""
+SHARED_DEPENDS = {"omegaconf": "the bundle's config.yaml (launcher/core/jobfile.py)",
+                  "hydra": "the schema registers in Hydra's ConfigStore (launcher/schema.py)",
+                  "matplotlib": "drawing a timeline (launcher/core/timeline.py draw, imported there only)",
+                  "numpy": "the .idx header (data/index.py)"}
+"""The shared core's third-party dependencies, each with why; everything else it reaches is the standard library."""
 RANK = ("launcher.rank", "models", "data.datasets", "data.tokenizer")
 LOGIN = ("launcher.__main__", "launcher.cli", "launcher.actions", "launcher.validate", "launcher.plan",
          "launcher.render", "launcher.executor", "launcher.overrides", "launcher.help", "launcher.config",
          "launcher.problems", "data.preflight", "launcher.megatron_lm", "launcher.catalog")
-TOOLS = ("launcher.hf",)
-"""Commands of their own that need torch on a login node (export-hf/import-hf read and write torch_dist
-checkpoints): ``launcher.__main__`` starts them by module name; no login module reaches them (checked below)."""
+TOOLS = ("launcher.hf", "data.preprocess", "data.corpus", "data.slurm_array", "data.assets")
+"""Commands of their own: export-hf/import-hf need torch on a login node (they read and write torch_dist
+checkpoints; ``launcher.__main__`` starts them by module name), the preprocessor (``python -m data.preprocess``,
+its engine ``data.corpus`` and its Slurm array) and the script that built the shipped assets. No wing reaches them
+(checked below)."""
 
 
 def _modules() -> dict[str, Path]:
@@ -97,9 +107,67 @@ def _wing(module: str) -> str:
     return "unplaced"
 
 
-def test_every_launcher_module_has_a_wing():
-    unplaced = [m for m in MODULES if m.startswith("launcher") and _wing(m) == "unplaced"]
+def test_every_module_has_a_wing():
+    unplaced = [m for m in MODULES if _wing(m) == "unplaced"]
     assert not unplaced, f"place these in a wing in tests/test_layering.py: {unplaced}"
+
+
+def _imports_of(module: str) -> set[str]:
+    """The project modules ``module`` imports (the deepest one each import names; its own packages left out,
+    since a submodule loading its package is no circle)."""
+    own = {module.rsplit(".", i)[0] for i in range(1, module.count(".") + 1)}
+    return {found[-1] for name in direct_imports(module) for found in [_project(name)]
+            if found and found[-1] != module and found[-1] not in own}
+
+
+def import_circles(modules) -> list[list[str]]:
+    """The strongly connected groups of more than one module in the import graph (Tarjan)."""
+    graph = {m: _imports_of(m) for m in modules}
+    index, low, stack, on, circles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_no_import_circles():
+    assert import_circles(MODULES) == []
+
+
+def test_the_circle_check_finds_a_circle(tmp_path, monkeypatch):
+    """Two modules importing each other inside functions (how models.builder and models.mtp did): found."""
+    (tmp_path / "a.py").write_text("def f():\n    from models.fake_b import g\n")
+    (tmp_path / "b.py").write_text("def g():\n    from models.fake_a import f\n")
+    monkeypatch.setitem(MODULES, "models.fake_a", tmp_path / "a.py")
+    monkeypatch.setitem(MODULES, "models.fake_b", tmp_path / "b.py")
+    direct_imports.cache_clear()
+    try:
+        assert import_circles(MODULES) == [["models.fake_a", "models.fake_b"]]
+    finally:
+        direct_imports.cache_clear()
+        reach.cache_clear()
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if _wing(m) == "login"))
@@ -118,6 +186,14 @@ def test_rank_wing_module_reaches_no_login_module(module):
 def test_shared_core_reaches_only_itself_and_no_torch(module):
     bad = sorted(n for n in reach(module) if _in(n, GPU_AND_TORCH) or _in(n, RANK) or _in(n, LOGIN))
     assert not bad, f"{module} reaches {bad}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _wing(m) == "shared"))
+def test_shared_core_reaches_only_its_declared_dependencies(module):
+    tops = {n.split(".")[0] for n in reach(module)}
+    bad = sorted(t for t in tops if t not in sys.stdlib_module_names and t not in ("launcher", "data", "__future__")
+                 and t not in SHARED_DEPENDS)
+    assert not bad, f"{module} reaches {bad}: add it to SHARED_DEPENDS with why, or keep the core free of it"
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if _wing(m) in ("login", "rank", "shared")))

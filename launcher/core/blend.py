@@ -1,4 +1,5 @@
-"""``data.blend`` parsing: one parser for validation (login node) and dataset building (ranks)."""
+"""``data.blend`` parsing: one parser for validation and the data pre-flight (login node) and dataset building
+(ranks). Relative prefixes: ``launcher/core/paths.py``."""
 from __future__ import annotations
 
 
@@ -27,3 +28,15 @@ def parse_blend(blend: list) -> list[tuple[float, str]]:
             raise ValueError("expected weight, prefix pairs")
         pairs.append((float(weight), str(prefix)))
     return pairs
+
+
+def prefixes_and_weights(blend) -> tuple[list[str], list[float] | None]:
+    """``[w, prefix, w, prefix, ...]`` -> (prefixes, weights); ``[prefix, ...]`` -> (prefixes, None): Megatron's
+    blend argument. Raises ValueError naming the rule when the list mixes the two forms."""
+    items = list(blend)
+    try:
+        pairs = parse_blend(items)
+    except ValueError:
+        raise ValueError("blend must be [prefix, ...] or [weight, prefix, weight, prefix, ...]") from None
+    weighted = len(pairs) != len(items)  # the weighted form has two items per pair, the plain form one
+    return [p for _, p in pairs], ([w for w, _ in pairs] if weighted else None)

@@ -1,11 +1,11 @@
-"""Helpers for tests and benchmarks: real text without the network, and a plain reference encoder."""
+"""Test support for the data tests: real text without the network, and a plain reference encoder."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Iterable, List, Optional
 
-ASSETS = Path(__file__).resolve().parent / "assets"
+ASSETS = Path(__file__).resolve().parent.parent / "data" / "assets"
 TOKENIZER = ASSETS / "tokenizer.json"
 SMOKE_PREFIX = ASSETS / "smoke_text_document"
 
@@ -24,7 +24,7 @@ def real_texts(n_docs: int, *, repeat: int = 1) -> List[str]:
     import numpy as np
     from tokenizers import Tokenizer
 
-    from data.preflight import read_index_header
+    from data.index import read_index_header
 
     tok = Tokenizer.from_file(str(TOKENIZER))
     eod = tok.token_to_id("<|endoftext|>")
