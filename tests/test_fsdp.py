@@ -104,6 +104,20 @@ def test_a_checkpoint_moves_from_fsdp_to_ddp_and_back_with_the_same_losses(tmp_p
     assert (fsdp_ckpt / "launcher.json").is_file()  # the source was only read
 
 
+def test_a_bf16_ddp_checkpoint_continues_under_fsdp_from_its_fp32_main_weights(tmp_path):
+    """bf16: torch_dist keeps bf16 weights plus the fp32 main weights (optimizer.state.param), and Megatron-FSDP's
+    checkpoint holds its fp32 main weights as the model entries, so those fill from the fp32 copy (measured: the
+    FSDP continuation gives the DDP run's losses bitwise; FSDP -> DDP in bf16 too, by hand)."""
+    bf16 = TINY + layout() + DIST_OPT + ["precision.dtype=bf16", f"train.train_steps={STEPS}"]
+    ddp = train(tmp_path, "ddp_bf16", 2, bf16 + [f"checkpoint.save_interval={K}",
+                                                  "checkpoint.optimizer_format=fully_reshardable"])
+    saved = ddp.bundle / "checkpoints" / f"iter_{K:07d}"
+    fsdp = train(tmp_path, "to_fsdp_bf16", 2, bf16 + FSDP + [f"checkpoint.load={saved}"])
+    assert sorted(fsdp.steps) == list(range(K + 1, STEPS + 1))
+    for step in fsdp.steps:
+        assert fsdp.losses()[step] == pytest.approx(ddp.losses()[step], rel=RTOL), (step, fsdp.losses(), ddp.losses())
+
+
 def test_an_fsdp_job_refuses_a_dp_reshardable_checkpoint_with_one_line(tmp_path, ddp_dp2):
     saved = ddp_dp2.bundle / "checkpoints" / f"iter_{K:07d}"
     bundle = write_bundle(tmp_path / "fsdp", TINY + layout() + DIST_OPT + SAVES + FSDP + [f"checkpoint.load={saved}"],
@@ -120,8 +134,8 @@ def test_an_fsdp_job_refuses_a_dp_reshardable_checkpoint_with_one_line(tmp_path,
 
 CONVERT_REFUSED = [  # (saved format, manifest identity/fields, this job, the part of the line that names the rule)
     ("fsdp_dtensor", {"model.num_experts": 8}, {}, "model.num_experts=null only (8 there)"),
-    ("torch_dist", {"parallel.distributed_optimizer": True}, {"precision.dtype": "bf16"},
-     "precision.dtype=fp32 only ('bf16' here)"),
+    ("torch_dist", {"parallel.distributed_optimizer": True}, {"precision.dtype": "fp16"},
+     "precision.dtype=fp32|bf16 only ('fp16' here)"),
     ("fsdp_dtensor", {"rng_layout": [1, 2, 2]}, {}, "parallel.tensor=1 on the Megatron-FSDP side only (TP=2 there)"),
     ("torch_dist", {"parallel.distributed_optimizer": False}, {"parallel.tensor": 2},
      "parallel.tensor=1 on the Megatron-FSDP side only (TP=2 here)"),

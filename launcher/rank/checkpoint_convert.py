@@ -27,9 +27,10 @@ never recomputed, so weights and Adam state convert bit for bit.
 What cannot convert (``refusal``): ``checkpoint.optimizer_format=dp_reshardable`` (the default) stores the
 distributed optimizer's state as each DP rank's flat slice of its gradient buffer, whose layout depends on the
 bucket and padding of that run: no per-parameter tensor to map; MoE experts (their own key layouts: torch_dist's
-expert axis, fsdp_dtensor's ``handle_experts_in_state_dict``; not written here); tensor parallelism on the fsdp_dtensor side (the gated-fc1 split of
-TP-sharded DTensors was not verified here); precisions other than fp32 (Megatron-FSDP's fp32 main weights of a
-bf16 model were not verified to be in its checkpoint).
+expert axis, fsdp_dtensor's ``handle_experts_in_state_dict``; not written here); tensor parallelism on the
+fsdp_dtensor side (the gated-fc1 split of TP-sharded DTensors was not verified here); fp16 (its loss scaler is not mapped). In bf16, torch_dist holds bf16
+weights plus the fp32 main weights (``optimizer.state.param``) and fsdp_dtensor holds the fp32 main weights as its
+model entries: the fp32 copy is what crosses, each side casts its compute weights from it.
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def refusal(path, manifest: dict, saved: str, identity: dict) -> Optional[str]:
                 f"{back}, and save with checkpoint.optimizer_format=fully_reshardable to get a checkpoint that "
                 "converts")
     for key, ok, alt in (("model.num_experts", lambda v: not v, "null"),
-                         ("precision.dtype", lambda v: v == "fp32", "fp32")):
+                         ("precision.dtype", lambda v: v in ("fp32", "bf16"), "fp32|bf16")):
         for where, value in (("there", theirs.get(key)), ("here", identity.get(key))):
             if not ok(value):
                 return (f"{head}: converting it to {FSDP if saved == TORCH_DIST else TORCH_DIST} is implemented for "
@@ -324,9 +325,11 @@ def fill_fsdp(template: dict, can: Canonical, rng_key: Optional[str]) -> None:
     """Fill an fsdp_dtensor load template (``fsdp_checkpoint`` after preprocessing) in place from ``can``."""
     from torch.distributed.tensor import DTensor
 
-    for key, value in template["model"].items():
+    for key, value in template["model"].items():  # Megatron-FSDP's model entries are its fp32 main weights
         if isinstance(value, DTensor):
-            _copy_into(value, _full(can.model, key[len("module."):], "weight"), key)
+            name = key[len("module."):]
+            source = can.main if name in can.main or name[:-2] in can.main else can.model
+            _copy_into(value, _full(source, name, "weight"), key)
     for key, entry in template.get("optimizer", {}).get("state", {}).items():
         name = key[len("module.module."):]
         for moment in MOMENTS:
