@@ -28,9 +28,10 @@ What cannot convert (``refusal``): ``checkpoint.optimizer_format=dp_reshardable`
 distributed optimizer's state as each DP rank's flat slice of its gradient buffer, whose layout depends on the
 bucket and padding of that run: no per-parameter tensor to map; MoE experts (their own key layouts: torch_dist's
 expert axis, fsdp_dtensor's ``handle_experts_in_state_dict``; not written here); tensor parallelism on the
-fsdp_dtensor side (the gated-fc1 split of TP-sharded DTensors was not verified here); fp16 (its loss scaler is not mapped). In bf16, torch_dist holds bf16
-weights plus the fp32 main weights (``optimizer.state.param``) and fsdp_dtensor holds the fp32 main weights as its
-model entries: the fp32 copy is what crosses, each side casts its compute weights from it.
+fsdp_dtensor side (the gated-fc1 split of TP-sharded DTensors was not verified here); fp16 (its loss scaler is not
+mapped). In bf16, torch_dist holds bf16 weights plus the fp32 main weights (``optimizer.state.param``) and
+fsdp_dtensor holds the fp32 main weights as its model entries: the fp32 copy is what crosses, each side casts its
+compute weights from it.
 """
 from __future__ import annotations
 
