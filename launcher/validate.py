@@ -796,6 +796,13 @@ def zb_v_rules(job: JobConfig, lay: Layout) -> list[tuple]:
                                               and all(c > 0 for c in job.schedule.zb_v_costs)),
          "schedule.zb_v_costs", job.schedule.zb_v_costs, "three relative per-chunk costs [T_F, T_B, T_W], each > 0",
          "schedule.zb_v_costs=null (equal costs) or schedule.zb_v_costs=[1,1,1]"),
+        # megatron/core/transformer/multi_token_prediction.py:635 (mtp_on_this_rank, 0.19.2): without a custom
+        # layout the MTP layers go where parallel_state's pipeline rank is the last one, rank p - 1, which in
+        # the V holds the middle stages; the loss (and the data MTP reads) is on rank 0
+        (not job.model.mtp_num_layers, "model.mtp_num_layers", job.model.mtp_num_layers, "zb_v keeps the last "
+         "stage on rank 0, but Megatron-Core places MTP layers on the last pipeline rank (megatron/core/transformer/"
+         "multi_token_prediction.py:635 mtp_on_this_rank reads parallel_state's rank)",
+         "model.mtp_num_layers=0 (or schedule.kind=zb_h1 parallel.virtual_pipeline=null)"),
         # ours, not upstream's: Megatron ties the two copies with an all-reduce over the embedding group (first
         # and last pipeline rank); in the V both are on rank 0, in two chunks, and that sync is not built
         (not job.model.tie_embeddings, "model.tie_embeddings", True, "zb_v puts the embedding and the output "

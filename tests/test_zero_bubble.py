@@ -105,6 +105,9 @@ def test_zb_v_validates_at_vpp_2_with_the_recipes_own_settings(cli):
     code, _, err = cli("schedule.kind=zb_v", "parallel.virtual_pipeline=2", "schedule.zb_v_costs=[1,0]",
                        "action=validate")
     assert code == 2 and "error: schedule.zb_v_costs=[1.0, 0.0]: three relative" in err, err
+    code, _, err = cli("schedule.kind=zb_v", "parallel.virtual_pipeline=2", "model.mtp_num_layers=1",
+                       "action=validate")
+    assert code == 2 and "error: model.mtp_num_layers=1: zb_v" in err and "multi_token_prediction.py:635" in err
     code, _, err = cli("schedule.kind=zb_v", "parallel.virtual_pipeline=2", "model.tie_embeddings=true",
                        "action=validate")
     lines = [line for line in err.splitlines() if line.startswith("error:")]

@@ -9,6 +9,7 @@ executed-timeline test checks that what ran is this order. One definition, read 
 from __future__ import annotations
 
 import functools
+import heapq
 from dataclasses import dataclass
 
 
@@ -136,9 +137,11 @@ def schedule_zb_v(p: int, m: int, costs: tuple = (1.0, 1.0, 1.0)) -> list[list[O
 
 @functools.lru_cache(maxsize=512)
 def _zb_v(p: int, m: int, costs: tuple) -> tuple:
-    limit = 2 * p
+    limit, last, inf = 2 * p, 2 * p - 1, float("inf")
     dur = dict(zip("FBW", costs))
-    done: dict = {}  # (kind, stage, microbatch) -> end time
+    end = {"F": [[inf] * m for _ in range(2 * p)], "B": [[inf] * m for _ in range(2 * p)]}  # [stage][mb] -> end
+    f_end, b_end = end["F"], end["B"]
+    stage = [[stage_of("zb_v", p, r, c) for c in (0, 1)] for r in range(p)]
     out: list[list[Op]] = [[] for _ in range(p)]
     free = [0.0] * p
     held = [0] * p  # chunk-microbatches between F and W
@@ -146,32 +149,28 @@ def _zb_v(p: int, m: int, costs: tuple) -> tuple:
     pending_b: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # (microbatch, chunk) forwarded, no B yet
     pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
     total, count, t = 3 * 2 * m * p, 0, 0.0
+    events: list = []  # end times of the ops run so far (min-heap)
 
-    def ready(kind: str, r: int, c: int, mb: int) -> bool:
-        k = stage_of("zb_v", p, r, c)
-        if kind == "F":
-            key = None if k == 0 else ("F", k - 1, mb)
-        else:
-            key = ("F", k, mb) if k == 2 * p - 1 else ("B", k + 1, mb)
-        return key is None or done.get(key, float("inf")) <= t
+    def b_ready(k: int, mb: int) -> bool:
+        return (f_end[k][mb] if k == last else b_end[k + 1][mb]) <= t
 
     while count < total:
         for r in range(p):
             if free[r] > t:
                 continue
             choice = None
-            bs = sorted((mb, -c) for mb, c in pending_b[r] if ready("B", r, c, mb))
-            if bs:
-                mb, c = bs[0][0], -bs[0][1]
+            b = min(((mb, -c) for mb, c in pending_b[r] if b_ready(stage[r][c], mb)), default=None)
+            if b is not None:
+                mb, c = b[0], -b[1]
                 choice = Op("B", mb, c)
                 pending_b[r].remove((mb, c))
                 pending_w[r].append((mb, c))
             else:
                 for c in (1, 0):
-                    mb = next_f[r][c]
+                    mb, k = next_f[r][c], stage[r][c]
                     # a chunk-0 F leaves one slot free for a chunk-1 F: the V then always drains (one microbatch
                     # at a time through chunk 1, each W freeing its slot) and the list never gets stuck
-                    if mb < m and held[r] < limit - (1 - c) and ready("F", r, c, mb):
+                    if mb < m and held[r] < limit - (1 - c) and (k == 0 or f_end[k - 1][mb] <= t):
                         choice = Op("F", mb, c)
                         next_f[r][c] += 1
                         held[r] += 1
@@ -184,12 +183,15 @@ def _zb_v(p: int, m: int, costs: tuple) -> tuple:
             if choice is not None:
                 out[r].append(choice)
                 free[r] = t + dur[choice.kind]
-                done[(choice.kind, stage_of("zb_v", p, r, choice.chunk), choice.microbatch)] = free[r]
+                if choice.kind != "W":
+                    end[choice.kind][stage[r][choice.chunk]][choice.microbatch] = free[r]
+                heapq.heappush(events, free[r])
                 count += 1
-        later = [x for x in list(free) + list(done.values()) if x > t]
-        if count < total and not later:
+        while events and events[0] <= t:  # the next time anything finishes: a rank frees, an input appears
+            heapq.heappop(events)
+        if count < total and not events:
             raise RuntimeError(f"zb_v list scheduling is stuck for p={p}, m={m}")
-        t = min(later) if later else t
+        t = events[0] if events else t
     return tuple(tuple(ops) for ops in out)
 
 

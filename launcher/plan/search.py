@@ -256,7 +256,7 @@ def _batch_and_recompute_for(job, fixed, kind, tp, cp, pp, vp, ep, split, fsdp=F
             if job.model.num_experts:
                 extra.append(f"parallel.moe_a2a_overlap={'true' if a2a else 'false'}")
             if kind == "zb_v":  # the V's order generated for this candidate's own chunk costs
-                costs = zb_v_costs_estimate(cand, lay)
+                costs = zb_v_costs_estimate(cand, lay, decimals=1)
                 cand = _with(cand, schedule=dict(zb_v_costs=costs))
                 extra.append(f"schedule.zb_v_costs=[{','.join(f'{c:g}' for c in costs)}]")
             yield layout + [f"train.micro_batch_size={mbs}", f"train.recompute={rec}"] + extra, cand, lay
