@@ -26,6 +26,12 @@ from data.corpus import (EmptyInput, _lock_partial, _locked_by_someone, _proc_st
                          _remove_stale_partials, _writable_prefix, expand_inputs, preprocess)
 
 
+_OWN_PROCESS = __name__ == "__main__"
+"""Run as ``python -m data.preprocess``: the light Megatron import (``data/corpus.py`` import_indexed_dataset) pays
+off and harms nothing. Called in-process (``main([...])`` from another program or a test) it would leave
+``megatron.core`` a bare namespace package there, breaking any later use of Megatron in that process."""
+
+
 def _on_sigterm(signum, frame):  # turn SIGTERM into an exception so the partial files are removed
     raise SystemExit(128 + signum)
 
@@ -105,7 +111,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         if args.finalize:
             return slurm_array.finalize(args.manifest)
-        return slurm_array.run_task(args.manifest, args.task_index, light_import=True)
+        return slurm_array.run_task(args.manifest, args.task_index, light_import=_OWN_PROCESS)
     missing = [o for o in ("input", "tokenizer", "output_prefix") if not getattr(args, o)]
     if missing:
         ap.error("the following arguments are required: " + ", ".join("--" + m.replace("_", "-") for m in missing))
@@ -119,7 +125,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         s = preprocess(args.input, args.tokenizer, args.output_prefix, workers=args.workers,
                        append_eod=args.append_eod, json_key=args.json_key, chunk_mb=args.chunk_mb,
                        backend=args.backend, eod_token=args.eod_token, cache_budget_mb=args.cache_budget_mb,
-                       quiet=args.quiet, light_import=True)
+                       quiet=args.quiet, light_import=_OWN_PROCESS)
     except EmptyInput as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
