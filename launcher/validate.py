@@ -20,6 +20,7 @@ import re
 from functools import lru_cache
 from typing import Any, Callable, Iterator
 
+from launcher import ROOT
 from launcher.core import Layout, derive
 from launcher.core.blend import is_number, parse_blend
 from launcher.core.cuda_env import PRE_BLACKWELL, max_connections
@@ -956,7 +957,7 @@ def validate_data(data: DataConfig) -> list[Problem]:
         c.need(len(data.blend) > 0, "data.blend", list(data.blend), "indexed data needs at least one dataset prefix",
                "list your dataset prefixes in data.blend or data=mock")
         c.need(bool(data.tokenizer), "data.tokenizer", data.tokenizer, "indexed data needs a tokenizer.json path",
-               "data.tokenizer=data/assets/tokenizer.json")
+               f"data.tokenizer={ROOT / 'data' / 'assets' / 'tokenizer.json'}")  # absolute: relative means the cwd
         problem = blend_structure_problem(list(data.blend))
         if problem:
             c.problems.append(problem)
