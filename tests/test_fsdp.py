@@ -5,7 +5,7 @@ resumes with the uninterrupted run's losses.
 
 Why equality holds: FSDP all-gathers the same weights, reduce-scatters the same gradient sums (scaled by 1/DP
 first, as DDP does) and Adam updates each element from the same values; only the grouping of sums can differ
-(TP, DP4), which the parity tests bound by 1e-6 relative. Measured here: FSDP DP2 equals DDP DP2 bitwise. Six steps
+(TP, DP4), which the parity tests bound by 1e-6 relative. Measured here: FSDP DP2 equals DDP DP2 to 4e-8 at step 6. Six steps
 (as tests/test_train_parity.py) rather than 20: a wrong gradient reduction or a lost shard shows from step 3 on
 (with Megatron's plain optimizer over FSDP shards the loss was 6.94 instead of 6.74 at step 4).
 """
