@@ -786,7 +786,12 @@ def zb_v_rules(job: JobConfig, lay: Layout) -> list[tuple]:
                                      "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
                    if getattr(p, name) not in (None, False)), None)
     return [
-        (p.pipeline > 1 and lay.vpp == 2, "parallel.virtual_pipeline", p.virtual_pipeline,
+        # no virtual pipeline (or none to place it on) is the schedule's problem, as for interleaved; another
+        # chunk count is the virtual pipeline's
+        (p.pipeline == 1 or lay.vpp > 1, "schedule.kind", job.schedule.kind,  # PP 1: the zero-bubble rules say it
+         "zb_v places exactly two model chunks on each rank (chunk 0 on ranks 0..p-1, chunk 1 back on p-1..0): it "
+         "needs parallel.virtual_pipeline=2", "parallel.virtual_pipeline=2 or schedule.kind=1f1b"),
+        (lay.vpp in (1, 2), "parallel.virtual_pipeline", p.virtual_pipeline,
          "zb_v places exactly two model chunks on each rank (chunk 0 on ranks 0..p-1, chunk 1 back on p-1..0)",
          "parallel.virtual_pipeline=2"),
         (uneven is None, f"parallel.{uneven}", getattr(p, uneven) if uneven else None,
