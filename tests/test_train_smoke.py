@@ -101,3 +101,24 @@ def test_bad_layout_exits_nonzero_with_clear_error(tmp_path):
     proc = run_train(bundle, 1)
     assert proc.returncode != 0
     assert "world size 1 is not a multiple of tensor x pipeline x context = 4" in proc.stdout + proc.stderr
+
+
+def test_the_default_runs_checkpoint_exports_and_generates_text_with_transformers(smoke, tmp_path):
+    """Issue 23's gate for `make run`: its checkpoint (here the same job, 12 steps) -> export-hf -> transformers'
+    AutoTokenizer and AutoModelForCausalLM load it from the directory alone and generate text on CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from launcher.hf.export import export
+
+    out = tmp_path / "hf"
+    export(smoke.bundle / "checkpoints", out, log=lambda _: None)
+    tok = AutoTokenizer.from_pretrained(str(out))  # the tokenizer the job trained with travels with the weights
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    prompt = tok("The kernel", return_tensors="pt")
+    with torch.no_grad():
+        ids = model.generate(**prompt, max_new_tokens=8, do_sample=False, pad_token_id=tok.eos_token_id or 0)
+    new = ids[0, prompt["input_ids"].shape[1]:]
+    assert ids.shape[1] > prompt["input_ids"].shape[1] and int(new.max()) < len(tok), ids
+    text = tok.decode(ids[0], skip_special_tokens=True)
+    assert text.startswith("The kernel") and len(text) > len("The kernel"), text
