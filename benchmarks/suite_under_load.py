@@ -50,6 +50,9 @@ def stop(*_):
 
 
 signal.signal(signal.SIGTERM, stop)
+# started from a background shell, SIGINT arrives ignored and exec keeps it so: the smoke launchers would ignore
+# the Ctrl-C that stops them; a handler here is reset to the default in each child, as in a terminal
+signal.signal(signal.SIGINT, signal.default_int_handler)
 while True:
     with tempfile.TemporaryDirectory(dir=out) as d:
         child[0] = subprocess.Popen([python, "-m", "launcher", f"output_dir={d}"], stdout=subprocess.DEVNULL,
