@@ -37,8 +37,11 @@ def build(job, layout, kind: str, cache: str):
     return lp, iters
 
 
-def main() -> int:
+def main(kinds=("1f1b", "zb_h1"), build_run=None) -> int:
+    """Build the job once per schedule in ``kinds`` (with ``build_run``, default ``build``) and train them in
+    alternating steps; benchmarks/_zbv_bench_worker.py runs the same loop for interleaved vs ZB-V."""
     out, steps, overrides = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+    build_run = build_run or build
     import torch
     from megatron.core import parallel_state as ps
 
@@ -50,14 +53,14 @@ def main() -> int:
     job = compose_job(overrides)
     layout = derive(job)
     setup.init_distributed(cluster=job.cluster, layout=layout, seed=job.train.seed)
-    runs = {kind: build(job, layout, kind, str(out.parent / "cache")) for kind in ("1f1b", "zb_h1")}
+    runs = {kind: build_run(job, layout, kind, str(out.parent / "cache")) for kind in kinds}
     record = {kind: {"ms": [], "loss": [], "steps": []} for kind in runs}
     for _ in range(steps):
-        for kind, (lp, iters) in runs.items():  # alternate: 1f1b step, zb_h1 step, ...
+        for kind, (lp, iters) in runs.items():  # alternate: one step of each kind, in turn
             torch.distributed.barrier()
             start = time.perf_counter()
             res = lp.train_step(iters)
-            loss, _ = reduce_report(res["local_loss"], False)
+            loss, _ = reduce_report(res["local_loss"], False, kind)
             record[kind]["ms"].append((time.perf_counter() - start) * 1e3)
             record[kind]["loss"].append(loss)
             record[kind]["steps"].append(list(lp.recorder.spans))

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import sys
-import time
-from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,36 +51,9 @@ def build(job, layout, kind: str, cache: str):
 
 
 def main() -> int:
-    out, steps, overrides = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
-    import torch
-    from megatron.core import parallel_state as ps
+    from _zb_bench_worker import main as alternate  # the same alternating loop, over these two schedules
 
-    from launcher.config import compose_job
-    from launcher.core import derive
-    from launcher.rank import setup
-    from launcher.rank.loop import reduce_report
-
-    job = compose_job(overrides)
-    layout = derive(job)
-    setup.init_distributed(cluster=job.cluster, layout=layout, seed=job.train.seed)
-    runs = {kind: build(job, layout, kind, str(out.parent / "cache")) for kind in ("interleaved", "zb_v")}
-    record = {kind: {"ms": [], "loss": [], "steps": []} for kind in runs}
-    for _ in range(steps):
-        for kind, (lp, iters) in runs.items():  # alternate: interleaved step, zb_v step, ...
-            torch.distributed.barrier()
-            start = time.perf_counter()
-            res = lp.train_step(iters)
-            loss, _ = reduce_report(res["local_loss"], False, kind)
-            record[kind]["ms"].append((time.perf_counter() - start) * 1e3)
-            record[kind]["loss"].append(loss)
-            record[kind]["steps"].append(list(lp.recorder.spans))
-    mine = {"pp": ps.get_pipeline_model_parallel_rank(), "record": record}
-    everyone = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(everyone, mine)
-    if torch.distributed.get_rank() == 0:
-        out.write_text(json.dumps(sorted(everyone, key=lambda r: r["pp"])))
-    setup.close()
-    return 0
+    return alternate(("interleaved", "zb_v"), build)
 
 
 if __name__ == "__main__":
