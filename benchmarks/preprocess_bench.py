@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # data.preflight reads the .idx headers
+sys.path.insert(0, str(ROOT))  # launcher/core/indexed_files.py reads the .idx headers
 SOURCES = [
     # (glob root, pattern, licence) — all installed by Debian packages
     ("/usr/share/doc/python3.11/html/_sources", "**/*.rst.txt", "PSF-2.0 (python3.11-doc)"),
@@ -172,7 +172,7 @@ def _sha(path: str) -> str:
 
 def _tokens(prefix: str) -> int:
     """Token count from the .bin size and the token dtype named in the .idx header."""
-    from data.preflight import read_index_header
+    from launcher.core.indexed_files import read_index_header
 
     return os.path.getsize(prefix + ".bin") // read_index_header(prefix + ".idx").dtype.itemsize
 

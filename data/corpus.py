@@ -388,7 +388,8 @@ def preprocess(inputs: List[str], tokenizer: str, output_prefix: str, *, workers
     token raise EmptyInput (nothing written) unless ``allow_empty`` (a Slurm array shard: its manifest counts it)."""
     os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, workers)))  # before any Rust thread pool exists
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
-    from data.tokenizer import batch_encoder, load_tokenizer
+    from data.encoders import batch_encoder
+    from launcher.rank.tokenizer import load_tokenizer
 
     paths = expand_inputs(inputs)
     tok = load_tokenizer(tokenizer, eod_token=eod_token)

@@ -196,7 +196,7 @@ def run_task(manifest_path: str, index: Optional[int], *, light_import: bool = F
 
 def finalize(manifest_path: str) -> int:
     """Check every shard (pre-flight's header, size and max-id checks); write token counts and the blend."""
-    from data.preflight import _check_prefix
+    from launcher.data_preflight import check_prefix
 
     manifest = json.loads(Path(manifest_path).read_text())
     lines, problems = [], []
@@ -206,7 +206,7 @@ def finalize(manifest_path: str) -> int:
             lines.append(f"shard {shard['index']}: not complete ({shard['prefix']})")
             continue
         found: list = []
-        tokens = _check_prefix(f"shard[{shard['index']}]", shard["prefix"], shard["prefix"], rec["vocab_size"], found)
+        tokens = check_prefix(f"shard[{shard['index']}]", shard["prefix"], shard["prefix"], rec["vocab_size"], found)
         if tokens is not None and tokens != rec["tokens"]:
             lines.append(f"shard {shard['index']}: index holds {tokens:,} tokens, its task recorded {rec['tokens']:,}")
         problems += [p for p in found if p.severity == "error"]

@@ -109,7 +109,7 @@ def preflight_data(job: JobConfig) -> list[Problem]:
     """Login-node data pre-flight (files, headers, vocab, blend weights, tokens available vs needed)."""
     if job.data.kind != "indexed":
         return []
-    from data.preflight import preflight
+    from launcher.data_preflight import preflight
     return preflight(job.data, vocab_size=job.model.vocab_size, tokens_needed=tokens_needed(job))
 
 

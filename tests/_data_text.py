@@ -24,7 +24,7 @@ def real_texts(n_docs: int, *, repeat: int = 1) -> List[str]:
     import numpy as np
     from tokenizers import Tokenizer
 
-    from data.index import read_index_header
+    from launcher.core.indexed_files import read_index_header
 
     tok = Tokenizer.from_file(str(TOKENIZER))
     eod = tok.token_to_id("<|endoftext|>")

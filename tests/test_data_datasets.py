@@ -1,4 +1,4 @@
-"""data.datasets and data.tokenizer: blends, mock data, per-node caches, and no network anywhere."""
+"""launcher.rank.datasets and launcher.rank.tokenizer: blends, mock data, per-node caches, and no network anywhere."""
 from __future__ import annotations
 
 import os
@@ -35,7 +35,7 @@ def _data(**kw) -> DataConfig:
 
 
 def test_shipped_dataset_builds_whatever_the_working_directory(tmp_path, monkeypatch):
-    from data.datasets import build_gpt_datasets
+    from launcher.rank.datasets import build_gpt_datasets
 
     monkeypatch.chdir(tmp_path)  # the ranks' working directory plays no part (tests/test_relative_paths.py)
     train, valid, test = build_gpt_datasets(data=_data(), seq_length=128, seed=1, train_samples=64,
@@ -48,7 +48,7 @@ def test_shipped_dataset_builds_whatever_the_working_directory(tmp_path, monkeyp
 
 
 def test_blended_dataset_draws_within_one_percent_of_weights(tmp_path):
-    from data.datasets import build_gpt_datasets
+    from launcher.rank.datasets import build_gpt_datasets
 
     _write_random_dataset(tmp_path / "a", 3000, seed=1)
     _write_random_dataset(tmp_path / "b", 3000, seed=2)
@@ -63,7 +63,7 @@ def test_blended_dataset_draws_within_one_percent_of_weights(tmp_path):
 
 
 def test_mock_kind_needs_no_files(tmp_path):
-    from data.datasets import build_gpt_datasets
+    from launcher.rank.datasets import build_gpt_datasets
 
     train, valid, test = build_gpt_datasets(data=DataConfig(kind="mock", blend=[], tokenizer=None), seq_length=32,
                                             seed=1, train_samples=16, valid_samples=4, test_samples=4,
@@ -73,7 +73,7 @@ def test_mock_kind_needs_no_files(tmp_path):
 
 
 def test_tokenizer_for_megatron():
-    from data.tokenizer import load_tokenizer
+    from launcher.rank.tokenizer import load_tokenizer
 
     tok = load_tokenizer(ROOT / "data/assets/tokenizer.json")
     assert tok.vocab_size == 8192 and tok.eod == 0
@@ -98,10 +98,11 @@ def test_nothing_reaches_for_the_network(tmp_path, monkeypatch):
     monkeypatch.setattr(socket, "create_connection", lambda address, *a, **k: refuse(None, address))
     monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: refuse(None, host))
 
-    from data.datasets import build_gpt_datasets
+    from launcher.rank.datasets import build_gpt_datasets
     from data.preprocess import preprocess
     from _data_text import TOKENIZER, real_texts, write_jsonl
-    from data.tokenizer import batch_encoder, load_tokenizer
+    from data.encoders import batch_encoder
+    from launcher.rank.tokenizer import load_tokenizer
 
     tok = load_tokenizer(TOKENIZER)
     for backend in ("gigatoken", "tokenizers"):
@@ -118,7 +119,7 @@ _NODE_SCRIPT = r"""
 import os, sys, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 from launcher.schema import DataConfig
-from data.datasets import build_gpt_datasets
+from launcher.rank.datasets import build_gpt_datasets
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=int(sys.argv[3]), world_size=2)
 data = DataConfig(kind="indexed", blend=[sys.argv[1] + "/data/assets/smoke_text_document"], split="98,2,0",
                   tokenizer=sys.argv[1] + "/data/assets/tokenizer.json")

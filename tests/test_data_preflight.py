@@ -1,4 +1,4 @@
-"""data.preflight: each broken dataset gives one clear message; the login node never imports torch/megatron."""
+"""launcher.data_preflight: each broken dataset gives one clear message; the login node never imports torch/megatron."""
 from __future__ import annotations
 
 import os
@@ -27,7 +27,7 @@ def _data(blend) -> DataConfig:
 
 
 def _run(blend, vocab_size=8192, tokens_needed=100_000):
-    from data.preflight import preflight
+    from launcher.data_preflight import preflight
 
     return preflight(_data(blend), vocab_size=vocab_size, tokens_needed=tokens_needed)
 
@@ -37,7 +37,7 @@ def test_shipped_dataset_is_clean():
 
 
 def test_mock_has_no_problems():
-    from data.preflight import preflight
+    from launcher.data_preflight import preflight
 
     assert preflight(DataConfig(kind="mock"), vocab_size=8192, tokens_needed=10**12) == []
 
@@ -105,7 +105,7 @@ def test_mixed_blend_forms():
 
 
 def test_sampling_for_huge_files(tmp_path, monkeypatch):
-    import data.preflight as pf
+    import launcher.data_preflight as pf
 
     prefix = _copy_smoke(tmp_path)
     monkeypatch.setattr(pf, "SCAN_LIMIT_BYTES", 1 << 20)
@@ -115,7 +115,7 @@ def test_sampling_for_huge_files(tmp_path, monkeypatch):
 
 
 def test_preflight_imports_neither_torch_nor_megatron():
-    code = ("import sys; from data.preflight import preflight; from launcher.schema import DataConfig;"
+    code = ("import sys; from launcher.data_preflight import preflight; from launcher.schema import DataConfig;"
             "d=DataConfig(blend=['data/assets/smoke_text_document'], tokenizer='data/assets/tokenizer.json');"
             "preflight(d, vocab_size=8192, tokens_needed=1000);"
             "bad=[m for m in ('torch','megatron','tokenizers','gigatoken') if m in sys.modules]; print(bad);"

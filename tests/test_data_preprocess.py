@@ -129,7 +129,7 @@ def test_interrupted_run_leaves_no_dataset_and_rerun_completes(tmp_path, sig):
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err.decode()[-2000:]
     assert not glob.glob(str(prefix) + ".*.partial-*")  # the killed run's leftovers are cleaned too
-    from data.preflight import read_index_header
+    from launcher.core.indexed_files import read_index_header
 
     header = read_index_header(str(prefix) + ".idx")
     assert header.document_count - 1 == len(texts)

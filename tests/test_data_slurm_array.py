@@ -85,7 +85,7 @@ def test_zst_without_zstandard_is_one_clear_error(tmp_path, monkeypatch):
 
 def test_tasks_final_check_and_blend_equal_one_process_run(tmp_path):
     """Without Slurm: each task in turn, a rerun skips, a changed input is refused, the blend pre-flights clean."""
-    from data.preflight import preflight
+    from launcher.data_preflight import preflight
     from data.preprocess import preprocess
 
     files = _corpus(tmp_path / "corpus")
@@ -111,7 +111,7 @@ def test_tasks_final_check_and_blend_equal_one_process_run(tmp_path):
     assert list(job.data.blend) == blend
     data = SimpleNamespace(kind="indexed", blend=blend, tokenizer=str(TOKENIZER), split="99,1,0")
     assert [p for p in preflight(data, vocab_size=8192, tokens_needed=1000) if p.severity == "error"] == []
-    from data.datasets import build_gpt_datasets  # the rank side reads the blend as training would
+    from launcher.rank.datasets import build_gpt_datasets  # the rank side reads the blend as training would
 
     train, _, _ = build_gpt_datasets(data=job.data.__class__(kind="indexed", blend=blend, split="100,0,0",
                                                              tokenizer=str(TOKENIZER)),
@@ -127,7 +127,7 @@ def test_tasks_final_check_and_blend_equal_one_process_run(tmp_path):
 
 
 def _assert_concatenation_equals(manifest: dict, single: Path) -> None:
-    from data.preflight import read_index_header
+    from launcher.core.indexed_files import read_index_header
 
     joined = b"".join(Path(s["prefix"] + ".bin").read_bytes() for s in manifest["shards"])
     assert joined == Path(str(single) + ".bin").read_bytes()
@@ -223,7 +223,7 @@ def test_zst_input_streams_and_equals_plain(tmp_path):
     concatenated dumps produce; read in 0.05 MB blocks, it must give the plain file's tokens and documents."""
     import zstandard
 
-    from data.preflight import read_index_header
+    from launcher.core.indexed_files import read_index_header
     from data.preprocess import preprocess
 
     texts = real_texts(30)

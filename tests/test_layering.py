@@ -1,12 +1,15 @@
 """The two wings, checked statically: every import of every module, at any depth (function bodies too),
 parsed with ``ast`` and followed through the project's own modules, without running any of them.
 
-- Every module of the product folders (``launcher``, ``models``, ``data``) is placed in one wing: shared, login,
-  rank, or a tool of its own.
+- Every Python module of the repository is placed in one wing: the shared core, login, rank, a tool of its own,
+  or the tests (``tests/``, ``benchmarks/`` measure the product); a Python file in a folder not scanned here
+  fails too, so a new folder cannot go unchecked.
 - Login-node modules (compose, validate, plan, render, submit) reach no torch, megatron, transformer_engine,
-  apex, and none of the rank wing (``launcher.rank``, ``models``, the rank parts of ``data``).
+  apex, and none of the rank wing (``launcher.rank``, ``models``).
 - The rank wing reaches no login-node module: of the launcher it imports only the schema and the core.
-- The shared core reaches only itself, the standard library and the third-party packages of ``SHARED_DEPENDS``.
+- The shared core reaches only itself, the standard library and the third-party packages of ``SHARED_DEPENDS``,
+  each imported only by the core modules its reason names.
+- No wing reaches a tool, and no product module reaches the tests or benchmarks.
 - No module imports itself back through others (an import circle), counting imports inside functions.
 """
 from __future__ import annotations
@@ -19,29 +22,44 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+SCANNED = ("launcher", "models", "data", "tests", "benchmarks")
+"""The folders holding Python modules; test_every_python_file_is_scanned fails on a .py file elsewhere."""
 GPU_AND_TORCH = ("torch", "megatron", "transformer_engine", "apex", "triton")
-SHARED = ("launcher", "launcher.schema", "launcher.core", "data", "data.index")
-"""Read by both wings (data.index: the .idx header, numpy)."""
-SHARED_DEPENDS = {"omegaconf": "the bundle's config.yaml (launcher/core/jobfile.py)",
-                  "hydra": "the schema registers in Hydra's ConfigStore (launcher/schema.py)",
-                  "matplotlib": "drawing a timeline (launcher/core/timeline.py draw, imported there only)",
-                  "numpy": "the .idx header (data/index.py)"}
-"""The shared core's third-party dependencies, each with why; everything else it reaches is the standard library."""
-RANK = ("launcher.rank", "models", "data.datasets", "data.tokenizer")
+SHARED = ("launcher", "launcher.schema", "launcher.core")
+"""Read by both wings: the package (ROOT), the schema and the torch-free core."""
+SHARED_DEPENDS = {
+    "omegaconf": (("launcher.schema", "launcher.core.jobfile"),
+                  "the schema's structured config and the bundle's config.yaml"),
+    "hydra": (("launcher.schema",), "the schema registers in Hydra's ConfigStore at import"),
+    "matplotlib": (("launcher.core.timeline",), "drawing a timeline (draw only, imported inside it)"),
+    "numpy": (("launcher.core.indexed_files",), "the .idx header and a .bin's token ids, memory-mapped"),
+}
+"""The shared core's third-party dependencies: package -> (the core modules that may import it, why); everything
+else the core reaches is the standard library or the core itself."""
+RANK = ("launcher.rank", "models")
 LOGIN = ("launcher.__main__", "launcher.cli", "launcher.actions", "launcher.validate", "launcher.plan",
          "launcher.render", "launcher.executor", "launcher.overrides", "launcher.help", "launcher.config",
-         "launcher.problems", "data.preflight", "launcher.megatron_lm", "launcher.catalog")
-TOOLS = ("launcher.hf", "data.preprocess", "data.corpus", "data.slurm_array", "data.assets")
+         "launcher.problems", "launcher.fields", "launcher.data_preflight", "launcher.megatron_lm", "launcher.catalog")
+TOOLS = ("launcher.hf", "data")
 """Commands of their own: export-hf/import-hf need torch on a login node (they read and write torch_dist
-checkpoints; ``launcher.__main__`` starts them by module name), the preprocessor (``python -m data.preprocess``,
-its engine ``data.corpus`` and its Slurm array) and the script that built the shipped assets. No wing reaches them
-(checked below)."""
+checkpoints; ``launcher.__main__`` starts them by module name), and the preprocessor package ``data``
+(``python -m data.preprocess``, its engine ``data.corpus``, encoders, Slurm array, and the script that built the
+shipped assets in ``data/assets``). A tool may use a wing (the preprocessor loads the ranks' tokenizer and runs
+the login node's dataset check on its shards); no wing reaches a tool (checked below)."""
+TESTS = ("tests", "benchmarks")
+"""What measures the product: the test suite and its helpers, and the benchmarks behind the README's figures."""
+def _skipped(path: Path) -> bool:
+    """Not the repository's own source: the venv, git, build output, caches."""
+    return any(part.startswith(".") or part.endswith(".egg-info") or part in ("__pycache__", "build")
+               for part in path.relative_to(ROOT).parts)
 
 
 def _modules() -> dict[str, Path]:
     found = {}
-    for top in ("launcher", "models", "data"):
+    for top in SCANNED:
         for path in (ROOT / top).rglob("*.py"):
+            if _skipped(path):
+                continue
             parts = list(path.relative_to(ROOT).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts = parts[:-1]
@@ -72,6 +90,9 @@ def direct_imports(module: str) -> frozenset[str]:
                 base = ".".join(anchor + ([base] if base else []))
             names.add(base)
             names.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import submodule`
+    top = module.split(".")[0]
+    if top in TESTS:  # tests and benchmarks put their own folder on sys.path: `from _hf_tiny import ...`
+        names.update(f"{top}.{n}" for n in list(names) if f"{top}.{n.split('.')[0]}" in MODULES)
     return frozenset(n for n in names if n)
 
 
@@ -104,12 +125,29 @@ def _wing(module: str) -> str:
         return "login"
     if _in(module, TOOLS):
         return "tool"
+    if _in(module, TESTS):
+        return "tests"
     return "unplaced"
 
 
 def test_every_module_has_a_wing():
     unplaced = [m for m in MODULES if _wing(m) == "unplaced"]
     assert not unplaced, f"place these in a wing in tests/test_layering.py: {unplaced}"
+
+
+def test_an_unplaced_module_is_found(tmp_path, monkeypatch):
+    """A new module of a folder no wing names (``launcher/newthing.py``) is reported, not silently passed."""
+    monkeypatch.setitem(MODULES, "launcher.newthing", tmp_path / "newthing.py")
+    assert _wing("launcher.newthing") == "unplaced"
+    with pytest.raises(AssertionError, match="launcher.newthing"):
+        test_every_module_has_a_wing()
+
+
+def test_every_python_file_is_scanned():
+    """A Python file outside the scanned folders (a new top-level package, a script in slurm/) has no wing."""
+    outside = sorted(str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
+                     if not _skipped(p) and p.relative_to(ROOT).parts[0] not in SCANNED)
+    assert not outside, f"add their folder to SCANNED and place its modules in a wing: {outside}"
 
 
 def _imports_of(module: str) -> set[str]:
@@ -188,19 +226,48 @@ def test_shared_core_reaches_only_itself_and_no_torch(module):
     assert not bad, f"{module} reaches {bad}"
 
 
+def _third_party(names) -> set[str]:
+    return {n.split(".")[0] for n in names} - set(sys.stdlib_module_names) - {"launcher", "__future__"}
+
+
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if _wing(m) == "shared"))
 def test_shared_core_reaches_only_its_declared_dependencies(module):
-    tops = {n.split(".")[0] for n in reach(module)}
-    bad = sorted(t for t in tops if t not in sys.stdlib_module_names and t not in ("launcher", "data", "__future__")
-                 and t not in SHARED_DEPENDS)
+    bad = sorted(t for t in _third_party(reach(module)) if t not in SHARED_DEPENDS)
     assert not bad, f"{module} reaches {bad}: add it to SHARED_DEPENDS with why, or keep the core free of it"
+    strays = sorted(t for t in _third_party(direct_imports(module)) if module not in SHARED_DEPENDS[t][0])
+    assert not strays, (f"{module} imports {strays}, which SHARED_DEPENDS allows only in "
+                        f"{[SHARED_DEPENDS[t][0] for t in strays]}: name it there with why, or keep it out")
+
+
+def test_a_core_module_off_its_list_is_found(tmp_path, monkeypatch):
+    """A core module importing numpy (allowed in indexed_files only) or requests (not allowed at all) fails."""
+    for name, code, match in (("launcher.core.fake_np", "def f():\n    import numpy\n", "allows only in"),
+                              ("launcher.core.fake_rq", "import requests\n", "add it to SHARED_DEPENDS")):
+        fake = tmp_path / f"{name}.py"
+        fake.write_text(code)
+        monkeypatch.setitem(MODULES, name, fake)
+        direct_imports.cache_clear()
+        reach.cache_clear()
+        try:
+            with pytest.raises(AssertionError, match=match):
+                test_shared_core_reaches_only_its_declared_dependencies(name)
+        finally:
+            direct_imports.cache_clear()
+            reach.cache_clear()
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if _wing(m) in ("login", "rank", "shared")))
-def test_no_wing_reaches_the_torch_tools(module):
-    """The HF tools import torch: a login module reaching them would too; the rank wing has no business there."""
+def test_no_wing_reaches_a_tool(module):
+    """The HF tools import torch: a login module reaching them would too; the rank wing has no business there;
+    the preprocessor is a command of its own (the ranks read what it wrote, not its code)."""
     bad = sorted(n for n in reach(module) if _in(n, TOOLS))
     assert not bad, f"{module} reaches {bad}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _wing(m) != "tests"))
+def test_no_product_module_reaches_the_tests(module):
+    bad = sorted(n for n in reach(module) if _in(n, TESTS))
+    assert not bad, f"{module} reaches {bad}: test support lives under tests/, and the product does not use it"
 
 
 def test_the_hf_tools_are_handed_over_by_name_before_the_login_cli():

@@ -110,7 +110,7 @@ def test_a_300_character_run_name_is_refused_in_one_line(cli, tmp_path, action):
 
 
 def test_a_bin_truncated_after_render_is_named_on_the_ranks(tmp_path):
-    from data.datasets import DataFilesChanged, check_files
+    from launcher.rank.datasets import DataFilesChanged, check_files
 
     for ext in (".bin", ".idx"):
         shutil.copy(str(SHIPPED) + ext, tmp_path / f"d{ext}")

@@ -95,7 +95,7 @@ def write_tokenizer(src: Optional[Path], out: Path) -> tuple:
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    from data.tokenizer import find_eod_id
+    from launcher.rank.tokenizer import find_eod_id
 
     tok = Tokenizer.from_file(str(src))
     eos_id = find_eod_id(tok)

@@ -1,6 +1,6 @@
 """Training/validation batches for this rank: one call, ``build_train_valid_iterators``.
 
-Datasets come from ``data.datasets.build_gpt_datasets`` (GPTDataset over the blend, or MockGPTDataset for
+Datasets come from ``launcher.rank.datasets.build_gpt_datasets`` (GPTDataset over the blend, or MockGPTDataset for
 kind=mock). Every rank of a data-parallel replica reads the same micro-batches (pipeline stages take what
 they need), in Megatron's sampler order: micro-batch m of step s on DP rank r holds global samples ``s*G + m*b*d + r*b ... + b`` (G global batch, b micro batch,
 d DP size), so any layout with the same global batch sees the same samples per step.
@@ -114,8 +114,8 @@ def build_train_valid_iterators(*, data: DataConfig, model: ModelConfig, train: 
     ``reads[c]`` says whether chunk c reads batches: as in Megatron-LM (pretrain_gpt.py ``get_batch`` returns
     Nones off the first and last pipeline stage), a chunk that is neither gets ``None`` instead of a loader and
     its forward step reads nothing, so middle stages start no DataLoader workers. The datasets are still built
-    on every rank: the per-node index-cache build ends in a world barrier (data/datasets.py)."""
-    from data.datasets import build_gpt_datasets
+    on every rank: the per-node index-cache build ends in a world barrier (launcher/rank/datasets.py)."""
+    from launcher.rank.datasets import build_gpt_datasets
 
     train_samples, valid_samples, test_samples = dataset_sizes(train, steps)
     train_ds, valid_ds, _ = build_gpt_datasets(

@@ -87,7 +87,7 @@ class RunRefused(Exception):
 def train(bundle: Path, console) -> int:
     from launcher.core import derive, load_job
     from launcher.core.checkpoint_dir import checkpoint_dir
-    from data.datasets import DataFilesChanged
+    from launcher.rank.datasets import DataFilesChanged
     from launcher.rank import checkpoint as ckpt, elastic, profiling, progress, setup
 
     import torch

@@ -1,11 +1,7 @@
-"""Login-node pre-flight checks of the training data, before any GPU is spent. Imports numpy and launcher code only.
-
-Why the ``.idx`` header is read here rather than through ``megatron.core.datasets.indexed_dataset``: importing
-megatron.core pulls in torch and most of Megatron (~3.5 s and ~450 MB per call, measured), which the
-login-node commands must not pay, and megatron's reader would mmap and validate the whole index while we need
-a few header fields. The layout read below is Megatron's documented one (little-endian): magic
-``MMIDIDX\\x00\\x00``, u64 version (1), u8 dtype code, u64 sequence count N, u64 document count D (+1), then
-int32 lengths[N], int64 pointers[N], int64 document indices[D]. Writing stays with Megatron's builder.
+"""Login-node pre-flight checks of the training data, before any GPU is spent (``validate``, ``render``, ``run``
+through ``launcher/actions.py`` preflight_data; the preprocessor's final step checks its shards with
+``check_prefix``). Imports numpy and launcher code only: the ``.idx`` header is read by
+``launcher/core/indexed_files.py`` (why not through Megatron: see there).
 """
 from __future__ import annotations
 
@@ -17,7 +13,7 @@ import numpy as np
 
 from launcher.core.blend import prefixes_and_weights
 from launcher.core.paths import absolute
-from data.index import DTYPES, MAGIC, IndexHeader, read_index_header  # noqa: F401  (re-exported)
+from launcher.core.indexed_files import read_index_header
 from launcher import ROOT
 from launcher.problems import Problem
 
@@ -47,7 +43,7 @@ def max_token_id(bin_path: str, dtype: np.dtype, *, scan_limit: Optional[int] = 
     return int(max(int(data[s:s + block].max()) for s in starts)), False
 
 
-def _check_prefix(field: str, prefix: str, shown: str, vocab_size: int, problems: List[Problem]) -> Optional[int]:
+def check_prefix(field: str, prefix: str, shown: str, vocab_size: int, problems: List[Problem]) -> Optional[int]:
     """Problems of one dataset prefix; returns its token count when readable."""
     idx, bin_ = prefix + ".idx", prefix + ".bin"
     missing = [p for p in (idx, bin_) if not os.path.isfile(p)]
@@ -123,7 +119,7 @@ def preflight(data: Any, *, vocab_size: int, tokens_needed: int) -> List[Problem
     counts = []
     for i, shown in enumerate(prefixes):
         field = f"data.blend[{2 * i + 1 if weights is not None else i}]"
-        counts.append(_check_prefix(field, absolute(shown), shown, vocab_size, problems))
+        counts.append(check_prefix(field, absolute(shown), shown, vocab_size, problems))
     if any(c is None for c in counts) or tokens_needed <= 0:
         return problems
     _check_epochs(data, prefixes, weights, counts, tokens_needed, problems)

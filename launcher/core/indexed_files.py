@@ -1,7 +1,13 @@
-"""The Megatron ``.idx`` header, read without Megatron (both wings: the login node's pre-flight and the ranks'
-check that the files did not change since). The layout is Megatron's documented one (little-endian): magic
-``MMIDIDX\\x00\\x00``, u64 version (1), u8 dtype code, u64 sequence count N, u64 document count D (+1), then
-int32 lengths[N], int64 pointers[N], int64 document indices[D]. Numpy and the standard library only.
+"""The Megatron ``.bin``/``.idx`` pair, read without Megatron (both wings: the login node's pre-flight,
+``launcher/data_preflight.py``, and the ranks' check that the files did not change since,
+``launcher/rank/datasets.py`` check_files).
+
+Why not through ``megatron.core.datasets.indexed_dataset``: importing megatron.core pulls in torch and most of
+Megatron (~3.5 s and ~450 MB per call, measured), which the login-node commands must not pay, and Megatron's
+reader would mmap and validate the whole index while we need a few header fields. Writing stays with Megatron's
+builder. The layout is Megatron's documented one (little-endian): magic ``MMIDIDX\\x00\\x00``, u64 version
+(1), u8 dtype code, u64 sequence count N, u64 document count D (+1), then int32 lengths[N], int64 pointers[N],
+int64 document indices[D]. Numpy and the standard library only.
 """
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ class DataFilesChanged(Exception):
 def check_files(data: Any) -> None:
     """Each blend prefix's .bin still has the size its .idx describes (seconds before Megatron mmaps them; a
     .bin truncated after render otherwise fails mid-step with a numpy offset error naming no file)."""
-    from data.index import bin_mismatch
+    from launcher.core.indexed_files import bin_mismatch
 
     if data.kind == "mock":
         return
@@ -127,7 +127,7 @@ def build_gpt_datasets(*, data: Any, seq_length: int, seed: int, train_samples: 
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 
-    from data.tokenizer import load_tokenizer
+    from launcher.rank.tokenizer import load_tokenizer
 
     check_files(data)
 
