@@ -94,7 +94,8 @@ _VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)
 
 
 class _Zygote:
-    """The session's warm rank server (tests/_rank_zygote.py), started on first use, stopped at exit."""
+    """The session's warm rank server (tests/_rank_zygote.py), started on first use with the session's environment
+    (``_SESSION_ENV``), stopped at exit."""
 
     def __init__(self, env: dict):
         import atexit
@@ -102,7 +103,6 @@ class _Zygote:
 
         self.dir = tempfile.mkdtemp(prefix="rank-zygote-")
         self.sock = os.path.join(self.dir, "sock")
-        self.env = {k: v for k, v in env.items() if k not in _VOLATILE_ENV}
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "_rank_zygote.py"), self.sock], cwd=ROOT,
                                      env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      start_new_session=True)
@@ -110,9 +110,6 @@ class _Zygote:
         if ready != "ready":
             raise RuntimeError(f"the rank zygote did not start (exit {self.proc.poll()}): {ready!r}")
         atexit.register(self.stop)
-
-    def serves(self, env: dict) -> bool:
-        return self.proc.poll() is None and _import_time(env) == _import_time(self.env)
 
     def start(self, bundle: Path, nproc: int, env: dict, script: Optional[str] = None, argv: Sequence[str] = ()):
         from _rank_zygote import ZygoteRun
@@ -182,7 +179,7 @@ def _zygote_for(env: dict) -> Optional[_Zygote]:
         return None
     if not _ZYGOTE or _ZYGOTE[0].proc.poll() is not None:
         _ZYGOTE[:] = [_Zygote(dict(_SESSION_ENV))]
-    return _ZYGOTE[0] if _ZYGOTE[0].serves(env) else None
+    return _ZYGOTE[0]
 
 
 def kill_tree(pid: int) -> None:
