@@ -69,10 +69,12 @@ def _type_problem(exc: Exception, overrides: list[str]) -> Optional[Problem]:
     key = getattr(cause, "full_key", None)
     if not isinstance(cause, ValidationError) or not key:
         return None
-    from launcher.validate import _FIELD_TYPES, field_rule, raw_problems, verified_hint
+    from launcher.fields import FIELD_TYPES
+    from launcher.validate import raw_problems, verified_hint
+    from launcher.validate.generic import field_rule
 
-    field = key if key in _FIELD_TYPES else ".".join(str(key).split(".")[:2])
-    if field not in _FIELD_TYPES:
+    field = key if key in FIELD_TYPES else ".".join(str(key).split(".")[:2])
+    if field not in FIELD_TYPES:
         return None
     typed = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in (key, field)]
     value = typed[-1].split("=", 1)[1] if typed else getattr(cause, "msg", str(cause))
@@ -99,7 +101,7 @@ def secret_problems(cfg: DictConfig) -> list[Problem]:
     """Interpolations that would write a secret's value into the bundle: ``${oc.env:NAME}`` anywhere in the
     job, where NAME is in cluster.secret_env or looks like a secret (or is computed by another interpolation).
     Checked on the unresolved config, before anything reads the value."""
-    from launcher.validate import SECRET_NAME
+    from launcher.validate.run import SECRET_NAME
 
     tree = OmegaConf.to_container(cfg, resolve=False)
     secret_env = (tree.get("cluster") or {}).get("secret_env") or []

@@ -133,9 +133,9 @@ def render_texts(job: JobConfig, bundle_dir: Path, signal_lead: dict | None = No
 
 
 def _time_limit_s(job: JobConfig) -> int:
-    from launcher.validate import _slurm_seconds
+    from launcher.validate.run import slurm_seconds
 
-    return _slurm_seconds(job.slurm.time) or 0
+    return slurm_seconds(job.slurm.time) or 0
 
 
 def signal_lead_of(job: JobConfig, plan: dict | None) -> dict:

@@ -207,7 +207,8 @@ def test_hint_is_itself_valid(case):
 def test_every_printed_alternative_validates(case):
     """Each override alternative a refusal prints makes its problem go away without a new error."""
     from launcher.config import ConfigError, compose_job
-    from launcher.validate import _key, _overrides, raw_problems, validate
+    from launcher.validate import raw_problems, validate
+    from launcher.validate.hints import hint_overrides, problem_key
 
     overrides = next(o for cid, o, _ in CASES if cid == case)
     try:
@@ -215,15 +216,15 @@ def test_every_printed_alternative_validates(case):
     except ConfigError:
         return  # refused while composing (unknown key, wrong type): its hint is checked by the CLI tests
     problems = validate(job)
-    before = {_key(p) for p in problems if p.severity == "error"}
+    before = {problem_key(p) for p in problems if p.severity == "error"}
     for problem in (p for p in problems if p.severity == "error"):
         for alternative in problem.hint.split(" or "):
-            pairs = _overrides(alternative)
+            pairs = hint_overrides(alternative)
             if not pairs:
                 continue
             fixed = compose_job([*overrides, *(f"{k}={v}" for k, v in pairs)])
-            after = {_key(p) for p in raw_problems(fixed) if p.severity == "error"}
-            assert _key(problem) not in after and not after - before, (problem.line(), alternative, after - before)
+            after = {problem_key(p) for p in raw_problems(fixed) if p.severity == "error"}
+            assert problem_key(problem) not in after and not after - before, (problem.line(), alternative, after - before)
 
 
 @pytest.mark.parametrize("overrides,field", [

@@ -31,7 +31,9 @@ import pytest
 from conftest import ROOT
 from launcher.config import compose_job
 from launcher.schema import SECTIONS
-from launcher.validate import _key, _overrides, errors, parse_value, raw_problems, validate
+from launcher.fields import parse_value
+from launcher.validate import errors, raw_problems, validate
+from launcher.validate.hints import hint_overrides, problem_key
 
 SECTIONS_MUTATED = ("model", "parallel", "schedule", "train", "precision")
 BASES = {
@@ -141,19 +143,19 @@ def verdicts():
 
 def _invalid_alternatives(job, problems) -> list[str]:
     """Printed override alternatives that do not remove their problem, or that add an error."""
-    before = {_key(p) for p in errors(problems)}
+    before = {problem_key(p) for p in errors(problems)}
     bad = []
     for problem in errors(problems):
         for alternative in problem.hint.split(" or "):
-            pairs = _overrides(alternative)
+            pairs = hint_overrides(alternative)
             if not pairs:
                 continue
             fixed = copy.deepcopy(job)
             for key, text in pairs:
                 section, _, attr = key.rpartition(".")
                 setattr(getattr(fixed, section) if section else fixed, attr, parse_value(key, text))
-            after = {_key(p) for p in errors(raw_problems(fixed))}
-            if _key(problem) in after or after - before:
+            after = {problem_key(p) for p in errors(raw_problems(fixed))}
+            if problem_key(problem) in after or after - before:
                 bad.append(f"{problem.line()} -> {alternative} leaves {sorted(after - before) or 'the problem'}")
     return bad
 

@@ -17,7 +17,8 @@ from launcher.core.flops import query_groups
 from launcher.plan.memory import GB, memory_per_stage
 from launcher.plan.timing import step_time, throughput, zb_v_costs_estimate
 from launcher.schema import JobConfig
-from launcher.validate import validate, zb_h1_rules
+from launcher.validate import validate
+from launcher.validate.schedule import zb_h1_rules
 
 MICRO_BATCH_SIZES = (1, 2, 4)
 """Micro-batch sizes tried."""

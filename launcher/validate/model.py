@@ -1,0 +1,227 @@
+"""Cross-field rules of the model, precision and train sections (architecture, RoPE, MoE routing; FP8 and the
+dtype against the cluster; batch, schedule length, optimizer and recompute): TransformerConfig.__post_init__,
+the layer modules of megatron/core/transformer and Megatron-LM's arguments.py are the upstream checks mirrored.
+Login-node code.
+"""
+from __future__ import annotations
+
+from launcher.core import Layout
+from launcher.fields import is_allowed
+from launcher.problems import Problem
+from launcher.schema import JobConfig, ModelConfig
+from launcher.validate.generic import Checks, divisor_near, in_bounds, round_up
+
+
+HOPPER_OR_NEWER = ("H100", "H200", "GH200", "B200", "GB200")
+
+BLACKWELL = ("B200", "GB200")
+
+
+def validate_model(model: ModelConfig) -> list[Problem]:
+    """Architecture rules (ranges are in ``BOUNDS``); TransformerConfig.__post_init__ and the layer modules
+    of megatron/core/transformer are the upstream checks mirrored here."""
+    c = Checks()
+    heads = model.num_attention_heads if model.num_attention_heads >= 1 else 1
+    if model.kv_channels is None and not model.multi_latent_attention and model.hidden_size >= 1:
+        # transformer_config.py: kv_channels = hidden_size // num_attention_heads
+        c.need(model.hidden_size % heads == 0, "model.num_attention_heads", model.num_attention_heads,
+               f"must divide model.hidden_size={model.hidden_size} (or set model.kv_channels)",
+               f"model.num_attention_heads={divisor_near(model.hidden_size, heads)}")
+    if model.num_query_groups is not None and model.num_query_groups >= 1:
+        c.need(heads % model.num_query_groups == 0, "model.num_query_groups", model.num_query_groups,
+               f"must divide model.num_attention_heads={heads}", f"model.num_query_groups={divisor_near(heads, 8)}")
+    max_pos = model.max_position_embeddings
+    if max_pos is not None and max_pos >= 1:
+        # Megatron-LM arguments.py: "max_position_embeddings >= seq_length"
+        c.need(model.seq_length <= max_pos, "model.seq_length", model.seq_length,
+               f"must not exceed model.max_position_embeddings={max_pos}", f"model.seq_length={max_pos}")
+    _validate_rope(c, model, heads)
+    if model.mtp_num_layers:
+        # Megatron-LM arguments.py ("MTP validation"): MTP supports rope and none position embeddings only
+        c.need(model.position_embedding in ("rope", "none"), "model.position_embedding", model.position_embedding,
+               "multi-token prediction (model.mtp_num_layers > 0) works with rope or none positions only "
+               "(Megatron-LM)", "model.position_embedding=rope")
+    if model.num_experts is not None and model.num_experts >= 1:
+        _validate_moe(c, model)
+    if model.multi_latent_attention:
+        c.need(model.position_embedding == "rope", "model.position_embedding", model.position_embedding,
+               "multi-latent attention uses decoupled RoPE", "model.position_embedding=rope")
+        # Megatron-LM arguments.py: "Group query attention is mutually exclusive with multi latent attention."
+        c.need(model.num_query_groups is None, "model.num_query_groups", model.num_query_groups,
+               "grouped-query attention is mutually exclusive with multi-latent attention", "model.num_query_groups=null")
+    return c.problems
+
+
+def _validate_rope(c: Checks, model: ModelConfig, heads: int) -> None:
+    """models/common/embeddings/rotary_pos_embedding.py: RoPE rotates int(head dim x rotary_percent) dimensions
+    in pairs (inv_freq over arange(0, dim, 2), then duplicated), so that count must be even and at least 2."""
+    if model.position_embedding != "rope" or model.multi_latent_attention:
+        return
+    if model.kv_channels is not None:
+        head, field = model.kv_channels, "model.kv_channels"
+    else:
+        head, field = model.hidden_size // heads, "model.hidden_size"
+    if head < 1 or not 0 < model.rotary_percent <= 1:
+        return  # reported by the ranges / the heads rule
+    dim = int(head * model.rotary_percent) if model.rotary_percent < 1 else head
+    if model.rotary_percent < 1:
+        field = "model.rotary_percent"
+    hint = ("model.rotary_percent=1.0" if field == "model.rotary_percent" and head % 2 == 0 else
+            f"model.kv_channels={head + 1 if head % 2 else max(2, head)}")
+    c.need(dim >= 2 and dim % 2 == 0, field, _get_model(model, field),
+           f"RoPE rotates head-dim pairs: int(head dim {head} x model.rotary_percent {model.rotary_percent:g}) = {dim} "
+           "must be even and >= 2 (head dim: model.kv_channels, else model.hidden_size / model.num_attention_heads)",
+           hint)
+
+
+def _get_model(model: ModelConfig, field: str):
+    return getattr(model, field.split(".", 1)[1])
+
+
+def _validate_moe(c: Checks, model: ModelConfig) -> None:
+    if model.moe_router_topk >= 1:
+        c.need(model.moe_router_topk <= model.num_experts, "model.moe_router_topk", model.moe_router_topk,
+               f"must be at most model.num_experts={model.num_experts}",
+               f"model.moe_router_topk={min(2, model.num_experts)}")
+    if model.num_layers >= 1 and model.moe_first_k_dense >= 0:
+        c.need(model.moe_first_k_dense < model.num_layers, "model.moe_first_k_dense", model.moe_first_k_dense,
+               f"must leave at least one MoE layer of model.num_layers={model.num_layers}", "model.moe_first_k_dense=0")
+    # transformer_config.py: "Please use --moe-router-pre-softmax when topk is 1" (softmax over one expert has a
+    # zero gradient); the schema has no pre-softmax switch, so top-1 needs sigmoid scores or sinkhorn.
+    c.need(not (model.moe_router_topk == 1 and model.moe_router_score_function == "softmax"
+                and model.moe_router_load_balancing_type != "sinkhorn"), "model.moe_router_topk", 1,
+           "top-1 routing with softmax scores has a zero router gradient (Megatron-Core asks for pre-softmax, "
+           "which this schema does not expose)", "model.moe_router_topk=2 or model.moe_router_score_function=sigmoid")
+    # moe/router.py SinkhornRouter: "Sinkhorn routing does not support aux loss."
+    c.need(model.moe_router_load_balancing_type != "sinkhorn" or model.moe_aux_loss_coeff == 0,
+           "model.moe_aux_loss_coeff", model.moe_aux_loss_coeff,
+           "sinkhorn load balancing does not take an auxiliary loss", "model.moe_aux_loss_coeff=0.0")
+    _validate_moe_routing(c, model)
+    # moe/shared_experts.py: "bias is not supported in the shared experts"
+    c.need(model.moe_shared_expert_intermediate_size is None or not model.add_bias_linear,
+           "model.moe_shared_expert_intermediate_size", model.moe_shared_expert_intermediate_size,
+           "shared experts do not support model.add_bias_linear=true (Megatron-Core)",
+           "model.moe_shared_expert_intermediate_size=null or model.add_bias_linear=false")
+
+
+def _validate_moe_routing(c: Checks, model: ModelConfig) -> None:
+    """Group-limited routing, expert bias and token dropping (TransformerConfig.__post_init__, moe/router.py)."""
+    groups, gtopk = model.moe_router_num_groups, model.moe_router_group_topk
+    # transformer_config.py: "When using group limited routing, moe_router_num_groups must be specified."
+    # (and groups without a group top-k are ignored by the router: refused, not silently unused)
+    alone = "model.moe_router_num_groups" if gtopk is None else "model.moe_router_group_topk"
+    c.need((groups is None) == (gtopk is None), alone, groups if gtopk is None else gtopk,
+           "group-limited routing needs both model.moe_router_num_groups and model.moe_router_group_topk",
+           f"{alone}=null")
+    if groups and gtopk and groups >= 1 and gtopk >= 1:
+        if c.need(model.num_experts % groups == 0, "model.moe_router_num_groups", groups,
+                  f"must divide model.num_experts={model.num_experts}",
+                  f"model.moe_router_num_groups={divisor_near(model.num_experts, groups)}"):
+            c.need(gtopk <= groups, "model.moe_router_group_topk", gtopk,
+                   f"must be at most model.moe_router_num_groups={groups}", f"model.moe_router_group_topk={groups}")
+        # moe_utils.group_limited_topk scores each group by its top (topk // group_topk) experts
+        c.need(gtopk <= model.moe_router_topk, "model.moe_router_group_topk", gtopk,
+               f"must be at most model.moe_router_topk={model.moe_router_topk} (each group is scored by its top "
+               "moe_router_topk / moe_router_group_topk experts)", f"model.moe_router_group_topk={min(gtopk, model.moe_router_topk)}")
+        per_group = model.num_experts // groups if model.num_experts % groups == 0 else 0
+        if per_group:
+            c.need(gtopk * per_group >= model.moe_router_topk, "model.moe_router_group_topk", gtopk,
+                   f"{gtopk} groups of {per_group} experts cannot hold model.moe_router_topk={model.moe_router_topk}",
+                   f"model.moe_router_group_topk={min(groups, -(-model.moe_router_topk // per_group))}")
+    # transformer_config.py: "Expert bias for aux-loss-free routing only supports 'sigmoid' ..."
+    c.need(not model.moe_router_enable_expert_bias or model.moe_router_score_function == "sigmoid",
+           "model.moe_router_enable_expert_bias", True, "aux-loss-free expert bias needs sigmoid router scores",
+           "model.moe_router_score_function=sigmoid")
+    if model.moe_expert_capacity_factor is not None:
+        # transformer_config.py: "moe_expert_capacity_factor only works with aux_loss, seq_aux_loss, ... none"
+        c.need(model.moe_router_load_balancing_type != "sinkhorn", "model.moe_expert_capacity_factor",
+               model.moe_expert_capacity_factor, "token dropping does not work with sinkhorn load balancing",
+               "model.moe_router_load_balancing_type=aux_loss")
+    # token_dispatcher.py: "assert self.config.moe_expert_capacity_factor is not None" when padding
+    c.need(not model.moe_pad_expert_input_to_capacity or model.moe_expert_capacity_factor is not None,
+           "model.moe_pad_expert_input_to_capacity", True, "pads to a capacity: needs model.moe_expert_capacity_factor",
+           "model.moe_expert_capacity_factor=1.0")
+
+
+def validate_precision(job: JobConfig, lay: Layout) -> list[Problem]:
+    c = Checks()
+    pr, cluster = job.precision, job.cluster
+    te = lay.transformer_engine
+    c.need(not (te and cluster.gpu == "cpu"), "precision.transformer_engine", pr.transformer_engine,
+           "Transformer Engine needs a GPU (this cluster profile is cpu)", "precision.transformer_engine=false")
+    if pr.fp8 is not None:
+        if is_allowed(pr, "fp8"):
+            needs = BLACKWELL if pr.fp8 == "mxfp8" else HOPPER_OR_NEWER
+            generation = "Blackwell (B200)" if pr.fp8 == "mxfp8" else "Hopper or newer (H100/H200/B200)"
+            c.need(cluster.gpu in needs, "precision.fp8", pr.fp8,
+                   f"this FP8 recipe needs {generation}; cluster.gpu is {cluster.gpu}",
+                   "precision.fp8=null" if cluster.gpu not in HOPPER_OR_NEWER else "precision.fp8=delayed")
+        c.need(te, "precision.fp8", pr.fp8, "FP8 needs Transformer Engine layers",
+               "precision.fp8=null or precision.transformer_engine=auto on a GPU cluster")
+        c.need(pr.dtype in ("bf16", "fp16"), "precision.dtype", pr.dtype, "FP8 training runs on a bf16/fp16 model",
+               "precision.dtype=bf16")
+    c.need(te or not job.model.multi_latent_attention, "model.multi_latent_attention", True,
+           "multi-latent attention needs Transformer Engine attention (Megatron-Core's local attention cannot "
+           "take MLA's head sizes)", "a GPU cluster profile (cluster=h100) or model.multi_latent_attention=false")
+    c.need(not pr.fp8_param or pr.fp8 is not None, "precision.fp8_param", pr.fp8_param,
+           "FP8 parameters need an FP8 recipe", "precision.fp8=delayed or precision.fp8_param=false")
+    # optimizer/grad_scaler.py: fp16's DynamicGradScaler keeps its scale in a device='cuda' tensor.
+    c.need(not (pr.dtype == "fp16" and cluster.gpu == "cpu"), "precision.dtype", pr.dtype,
+           "fp16 training needs a GPU (Megatron-Core's loss scaler is a CUDA tensor); this cluster profile is cpu",
+           "precision.dtype=bf16 or precision.dtype=fp32")
+    # Megatron-LM arguments.py refused "Expert parallelism is not supported with fp16 training." until
+    # Megatron-LM #2495 (core 0.16) lifted it; stricter here: fp16 MoE with EP (loss scaling of the router's
+    # aux loss across expert groups) has not been run by this launcher, bf16 has.
+    c.need(not (pr.dtype == "fp16" and job.model.num_experts and job.parallel.expert > 1), "precision.dtype",
+           pr.dtype, "expert parallelism (parallel.expert > 1) is not run in fp16 here (Megatron-LM refused it "
+           "before #2495)", "precision.dtype=bf16 or parallel.expert=1")
+    # Megatron-LM arguments.py: "--fp8-param-gather only supported with distributed optimizer" (the rank wing
+    # maps fp8_param to fp8_param_gather); without it the FP8 weights would never be updated.
+    c.need(not pr.fp8_param or job.parallel.distributed_optimizer, "precision.fp8_param", pr.fp8_param,
+           "FP8 parameters are re-quantised by the distributed optimizer under fp8_param_gather; Megatron-LM "
+           "asserts FP8 param gather needs the distributed optimizer",
+           "parallel.distributed_optimizer=true or precision.fp8_param=false")
+    return c.problems
+
+
+def validate_train(job: JobConfig, lay: Layout) -> list[Problem]:
+    """Batch, length and optimizer rules (ranges are in ``BOUNDS``; Megatron-LM arguments.py for the rest)."""
+    c = Checks()
+    t = job.train
+    dp = lay.dp
+    if dp and in_bounds(job, "train.micro_batch_size", "train.global_batch_size"):
+        unit = t.micro_batch_size * dp
+        c.need(t.global_batch_size % unit == 0, "train.global_batch_size", t.global_batch_size,
+               f"must be divisible by train.micro_batch_size x DP = {t.micro_batch_size}x{dp} = {unit}",
+               f"train.global_batch_size={round_up(max(t.global_batch_size, unit), unit)}")
+    c.need((t.train_steps is None) != (t.train_tokens is None),
+           "train.train_steps" if t.train_steps is not None else "train.train_tokens",
+           t.train_steps if t.train_steps is not None else t.train_tokens,
+           "set exactly one of train.train_steps and train.train_tokens",
+           "train.train_tokens=null" if t.train_steps is not None else "train.train_steps=1000")
+    if t.train_steps is not None and in_bounds(job, "train.train_steps", "train.warmup_steps"):
+        c.need(t.warmup_steps < t.train_steps, "train.warmup_steps", t.warmup_steps,
+               f"must be shorter than train.train_steps={t.train_steps}", f"train.warmup_steps={t.train_steps // 10}")
+    if in_bounds(job, "train.lr", "train.min_lr"):
+        # Megatron-LM arguments.py: "assert args.min_lr <= args.lr"
+        c.need(t.min_lr <= t.lr, "train.min_lr", t.min_lr, f"must not exceed train.lr={t.lr:g}",
+               f"train.min_lr={t.lr / 10:g}")
+    if t.wsd_decay_steps is not None and t.train_steps is not None and in_bounds(job, "train.train_steps"):
+        c.need(t.wsd_decay_steps <= t.train_steps, "train.wsd_decay_steps", t.wsd_decay_steps,
+               f"must not exceed train.train_steps={t.train_steps}", f"train.wsd_decay_steps={max(1, t.train_steps // 10)}")
+    if t.recompute_num_layers is not None and t.recompute_num_layers >= 1 and is_allowed(t, "recompute"):
+        # transformer_config.py: with full recompute "recompute_num_layers must be between 1 and
+        # num_layers_per_pipeline_rank"; with selective "recompute_num_layers must be None".
+        c.need(t.recompute == "full", "train.recompute_num_layers", t.recompute_num_layers,
+               f"is only used with train.recompute=full (got {t.recompute})",
+               "train.recompute_num_layers=null or train.recompute=full")
+        # multi_token_prediction.py: "recompute_num_layers must be 1 for MTP recompute"
+        c.need(not (t.recompute == "full" and job.model.mtp_num_layers and t.recompute_num_layers != 1),
+               "train.recompute_num_layers",
+               t.recompute_num_layers, "full recompute with multi-token prediction (model.mtp_num_layers > 0) "
+               "recomputes one layer at a time", "train.recompute_num_layers=1 or train.recompute_num_layers=null")
+        per_chunk = min((len(chunk) for stage in lay.chunk_layers for chunk in stage), default=0)
+        c.need(t.recompute != "full" or t.recompute_num_layers <= max(per_chunk, 1), "train.recompute_num_layers",
+               t.recompute_num_layers, f"must be at most the layers of one pipeline chunk ({per_chunk})",
+               f"train.recompute_num_layers={max(per_chunk, 1)} or train.recompute_num_layers=null")
+    return c.problems

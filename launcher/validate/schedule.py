@@ -1,0 +1,130 @@
+"""Rules of the pipeline schedule: what 1F1B, interleaved and the zero-bubble schedules need of the layout, and
+the zero-bubble executor's own rules (``zb_h1_rules``, ``zb_v_rules``), which the layout search reads too.
+Login-node code.
+"""
+from __future__ import annotations
+
+from launcher.core import Layout
+from launcher.fields import is_allowed
+from launcher.problems import Problem
+from launcher.schema import JobConfig
+from launcher.validate.generic import Checks, round_up
+
+
+def zb_h1_rules(job: JobConfig) -> list[tuple]:
+    """What the zero-bubble executor (launcher/rank/zero_bubble.py) trains, as (holds, field, value, rule, hint);
+    validate_schedule checks them all, the layout search those on fields it does not choose itself. Recompute,
+    MoE experts (with router and shared experts), MTP, overlap_grad_reduce and the distributed optimizer are
+    supported (tests/test_zero_bubble.py: 1F1B's gradients, bitwise); what is refused here, upstream forbids."""
+    p, zb = job.parallel, f"{job.schedule.kind} (launcher/rank/zero_bubble.py)"
+    return [
+        (p.pipeline > 1, "schedule.kind", job.schedule.kind, f"{job.schedule.kind} needs parallel.pipeline > 1",
+         "parallel.pipeline=2 (or schedule.kind=1f1b)"),
+        # Transformer Engine's Linear backward (transformer_engine/pytorch/module/linear.py:1290-1300, TE 2.20.0.dev0
+        # at d0067d0; layernorm_linear.py:1076 and layernorm_mlp.py:1690 the same): "Delayed weight grad
+        # computation is not supported with Userbuffers (tensor-parallel communication overlapping)" whenever the
+        # wgrad GEMM has a userbuffer, which Megatron-Core's default tp_comm_bulk_wgrad=True gives every
+        # column-parallel layer (model_parallel_config.py:271)
+        (not p.tp_comm_overlap, "parallel.tp_comm_overlap", True,
+         f"{zb} defers weight gradients with TE's delay_wgrad_compute, which Transformer Engine refuses with "
+         "userbuffer TP overlap (transformer_engine/pytorch/module/linear.py:1290: \"Delayed weight grad "
+         "computation is not supported with Userbuffers\")", "parallel.tp_comm_overlap=false"),
+        # megatron/core/pipeline_parallel/schedules.py:751: overlap_moe_expert_parallel_comm runs Megatron's
+        # combined 1F1B schedule instead of the one asked for
+        (not p.moe_a2a_overlap, "parallel.moe_a2a_overlap", True, f"{zb}: parallel.moe_a2a_overlap is "
+         "Megatron's combined 1F1B schedule (megatron/core/pipeline_parallel/schedules.py:751), a schedule of "
+         "its own", "parallel.moe_a2a_overlap=false"),
+        # TE (2.7 .. 2.18) under FP8 computes the bias gradient in B (grad_output_preprocess) and gives the
+        # delayed wgrad GEMM bias=None (linear.py: "bias": bias if (grad_bias is None and not fp8) else None);
+        # its backward_dw then sets an empty bias grad from that None (base.py TransformerEngineBaseModule.
+        # backward_dw: bias_tensor.grad = bgrad.to(...); layernorm_mlp.py the same for fc1/fc2 biases). A stage
+        # >= 1 runs a second B before the first W (DDP's hook then took the bias grad): AttributeError there.
+        (precision_fp8_without_biases(job), "model.add_bias_linear" if job.model.add_bias_linear
+         else "model.add_qkv_bias", True, f"{zb} with precision.fp8 and linear biases fails in Transformer "
+         "Engine's backward_dw (transformer_engine/pytorch/module/base.py: bias_tensor.grad = bgrad.to(...) with "
+         "bgrad None under FP8)", " ".join(f"model.{b}=false" for b in ("add_bias_linear", "add_qkv_bias")
+                                  if getattr(job.model, b)) + " or precision.fp8=null precision.fp8_param=false"),
+    ]
+
+
+def zb_v_rules(job: JobConfig, lay: Layout) -> list[tuple]:
+    """ZB-V's own layout rules (launcher.core.schedules.schedule_zb_v: two chunks per rank in a V, so rank 0
+    holds both the first and the last stage)."""
+    p = job.parallel
+    uneven = next((name for name in ("first_stage_layers", "last_stage_layers", "pipeline_model_parallel_layout",
+                                     "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+                   if getattr(p, name) not in (None, False)), None)
+    return [
+        # no virtual pipeline (or none to place it on) is the schedule's problem, as for interleaved; another
+        # chunk count is the virtual pipeline's
+        (p.pipeline == 1 or lay.vpp > 1, "schedule.kind", job.schedule.kind,  # PP 1: the zero-bubble rules say it
+         "zb_v places exactly two model chunks on each rank (chunk 0 on ranks 0..p-1, chunk 1 back on p-1..0): it "
+         "needs parallel.virtual_pipeline=2", "parallel.virtual_pipeline=2 or schedule.kind=1f1b"),
+        (lay.vpp in (1, 2), "parallel.virtual_pipeline", p.virtual_pipeline,
+         "zb_v places exactly two model chunks on each rank (chunk 0 on ranks 0..p-1, chunk 1 back on p-1..0)",
+         "parallel.virtual_pipeline=2"),
+        (uneven is None, f"parallel.{uneven}", getattr(p, uneven) if uneven else None,
+         "zb_v splits the layers evenly over its 2 x parallel.pipeline stages (uneven splits assume the "
+         "interleaved placement, with the last stage on the last rank; in the V it is on rank 0)",
+         f"parallel.{uneven}={'false' if uneven and uneven.startswith('account') else 'null'}"),
+        (job.schedule.zb_v_costs is None or (len(job.schedule.zb_v_costs) == 3
+                                              and all(c > 0 for c in job.schedule.zb_v_costs)),
+         "schedule.zb_v_costs", job.schedule.zb_v_costs, "three relative per-chunk costs [T_F, T_B, T_W], each > 0",
+         "schedule.zb_v_costs=null (equal costs) or schedule.zb_v_costs=[1,1,1]"),
+        # megatron/core/transformer/multi_token_prediction.py:635 (mtp_on_this_rank, 0.19.2): without a custom
+        # layout the MTP layers go where parallel_state's pipeline rank is the last one, rank p - 1, which in
+        # the V holds the middle stages; the loss (and the data MTP reads) is on rank 0
+        (not job.model.mtp_num_layers, "model.mtp_num_layers", job.model.mtp_num_layers, "zb_v keeps the last "
+         "stage on rank 0, but Megatron-Core places MTP layers on the last pipeline rank (megatron/core/transformer/"
+         "multi_token_prediction.py:635 mtp_on_this_rank reads parallel_state's rank)",
+         "model.mtp_num_layers=0 (or schedule.kind=zb_h1 parallel.virtual_pipeline=null)"),
+        # ours, not upstream's: Megatron ties the two copies with an all-reduce over the embedding group (first
+        # and last pipeline rank); in the V both are on rank 0, in two chunks, and that sync is not built
+        (not job.model.tie_embeddings, "model.tie_embeddings", True, "zb_v puts the embedding and the output "
+         "layer on rank 0 in two model chunks; tying them there is not implemented (launcher/rank/zero_bubble.py)",
+         "model.tie_embeddings=false (or schedule.kind=interleaved)"),
+    ]
+
+
+def precision_fp8_without_biases(job: JobConfig) -> bool:
+    """zb_h1 trains FP8 only without linear biases (TE's backward_dw, see zb_h1_rules)."""
+    return job.precision.fp8 is None or not (job.model.add_bias_linear or job.model.add_qkv_bias)
+
+
+def validate_schedule(job: JobConfig, lay: Layout) -> list[Problem]:
+    c = Checks()
+    s, p = job.schedule, job.parallel
+    if not is_allowed(s, "kind"):
+        return c.problems  # reported by validate_choices
+    vp, m = lay.vpp, lay.microbatches
+    if s.kind in ("zb_h1", "zb_v") and job.action not in ("plan", "search"):  # what the ZB executor supports
+        for ok, field, value, rule, hint in zb_h1_rules(job):
+            c.need(ok, field, value, rule, hint)
+    if s.kind == "zb_v":
+        for ok, field, value, rule, hint in zb_v_rules(job, lay):
+            c.need(ok, field, value, rule, hint)
+    elif s.kind == "interleaved":
+        c.need(vp > 1 and p.pipeline > 1, "schedule.kind", s.kind,
+               "interleaved needs parallel.pipeline > 1 and parallel.virtual_pipeline > 1",
+               "parallel.virtual_pipeline=2 or schedule.kind=1f1b")
+        c.need(not (p.pipeline == 2 and s.batch_p2p_comm and not s.overlap_p2p_comm), "schedule.batch_p2p_comm",
+               s.batch_p2p_comm, "interleaved with PP=2 and batched p2p trains silently wrong (Megatron-LM #750, #1450)",
+               "schedule.batch_p2p_comm=false or schedule.overlap_p2p_comm=true")
+        group = lay.microbatch_group
+        if m:
+            c.need(m % group == 0, "train.global_batch_size", job.train.global_batch_size,
+                   f"interleaved needs microbatches per step ({m}) divisible by the microbatch group size ({group})",
+                   f"train.global_batch_size={round_up(m, group) * job.train.global_batch_size // m}")
+    else:
+        c.need(vp == 1, "parallel.virtual_pipeline", p.virtual_pipeline,
+               f"virtual pipeline stages need schedule.kind=interleaved (got {s.kind})", "schedule.kind=interleaved")
+        c.need(not s.overlap_p2p_comm, "schedule.overlap_p2p_comm", True,
+               "p2p overlap is implemented only for the interleaved schedule", "schedule.overlap_p2p_comm=false")
+    if s.microbatch_group_size is not None:
+        c.need(s.microbatch_group_size >= p.pipeline, "schedule.microbatch_group_size", s.microbatch_group_size,
+               f"must be at least parallel.pipeline={p.pipeline}", f"schedule.microbatch_group_size={p.pipeline}")
+    if p.pipeline > 1 and m:
+        c.need(m >= p.pipeline, "train.global_batch_size", job.train.global_batch_size,
+               f"only {m} microbatches for {p.pipeline} pipeline stages: the pipeline never fills (bubble > 50%)",
+               f"train.global_batch_size={p.pipeline * job.train.global_batch_size // m}", severity="warning")
+    return c.problems
