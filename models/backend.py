@@ -16,6 +16,7 @@ from typing import Any, Dict
 import torch
 
 from launcher.core import Layout
+from launcher.core.schedules import ZERO_BUBBLE
 from launcher.schema import FP8_FORMATS, FP8_RECIPES, ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig
 
 
@@ -103,16 +104,26 @@ def fp8_fields(precision: PrecisionConfig, te: bool) -> Dict[str, Any]:
     return fields
 
 
+ZB_UB_CFGS = {"qkv_dgrad": {"method": "pipeline"}, "fc1_dgrad": {"method": "pipeline"}}
+"""``initialize_ub``'s ub_cfgs under a zero-bubble schedule, whose column-parallel layers overlap the input
+gradient's reduce-scatter with the dgrad GEMM (``tp_comm_overlap_rs_dgrad``, models/zero_bubble.py
+``ZB_TP_OVERLAP``): TE makes a dgrad buffer a reduce-scatter one (and drops the bulk ``*_wgrad`` buffer) only when
+its method is not "bulk" (transformer_engine/pytorch/module/base.py ``initialize_ub``,
+``dgrad_reduce_scatter_overlap``); "pipeline" is TE's default method for the forward reduce-scatters."""
+
+
 def userbuffer_kwargs(*, model: ModelConfig, precision: PrecisionConfig, train: TrainConfig,
-                      layout: Layout) -> Dict[str, Any]:
+                      layout: Layout, schedule_kind: str = "1f1b") -> Dict[str, Any]:
     """Arguments of Transformer Engine's ``initialize_ub`` for TP communication overlap, as Megatron-LM's
-    ``_initialize_tp_communicators`` computes them: one [tokens per CP rank, hidden] buffer shape."""
+    ``_initialize_tp_communicators`` computes them: one [tokens per CP rank, hidden] buffer shape; TE's default
+    buffers, except the dgrad reduce-scatter ones of a zero-bubble schedule (``ZB_UB_CFGS``)."""
+    cfgs = {k: dict(v) for k, v in ZB_UB_CFGS.items()} if schedule_kind in ZERO_BUBBLE else None
     return dict(shape=[model.seq_length * train.micro_batch_size // layout.cp, model.hidden_size],
-                tp_size=layout.tp, use_fp8=precision.fp8 is not None, ub_cfgs=None, bootstrap_backend="nccl")
+                tp_size=layout.tp, use_fp8=precision.fp8 is not None, ub_cfgs=cfgs, bootstrap_backend="nccl")
 
 
 def initialize_tp_comm_overlap(*, model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig,
-                               train: TrainConfig, layout: Layout) -> bool:
+                               train: TrainConfig, layout: Layout, schedule_kind: str = "1f1b") -> bool:
     """Set up TE's userbuffers when parallel.tp_comm_overlap (before the model is built, after the process
     groups exist); returns whether it did. TP overlap without TE is refused by validation and here."""
     if not parallel.tp_comm_overlap:
@@ -121,7 +132,8 @@ def initialize_tp_comm_overlap(*, model: ModelConfig, parallel: ParallelConfig, 
         raise RuntimeError("parallel.tp_comm_overlap=true needs Transformer Engine on a GPU; "
                            "set parallel.tp_comm_overlap=false")
     base = importlib.import_module("transformer_engine.pytorch.module.base")
-    base.initialize_ub(**userbuffer_kwargs(model=model, precision=precision, train=train, layout=layout))
+    base.initialize_ub(**userbuffer_kwargs(model=model, precision=precision, train=train, layout=layout,
+                                           schedule_kind=schedule_kind))
     return True
 
 

@@ -22,6 +22,7 @@ from launcher.core import Layout, derive
 from launcher.schema import JobConfig, ModelConfig, ParallelConfig, PrecisionConfig, ScheduleConfig
 from models import backend
 from models.seeds import layer_seed
+from models.zero_bubble import zb_tp_overlap
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """schema.DTYPES -> torch dtype (a test checks the keys are exactly the schema's)."""
@@ -91,7 +92,7 @@ def transformer_config(*, model: ModelConfig, parallel: ParallelConfig, precisio
         **_activation_rope_fusions(model, te), persist_layer_norm=False, deallocate_pipeline_outputs=on_gpu,
         transformer_impl="transformer_engine" if te else "local", deterministic_mode=deterministic,
         **_recompute_fields(recompute, recompute_num_layers, recompute_modules), **_moe_fields(model, layout, on_gpu),
-        **_schedule_fields(layout, schedule), **backend.fp8_fields(precision, te),
+        **_schedule_fields(layout, schedule, parallel.tp_comm_overlap), **backend.fp8_fields(precision, te),
     )
     if model.multi_latent_attention:
         if not te:
@@ -188,10 +189,11 @@ def _moe_fields(model: ModelConfig, layout: Layout, on_gpu: bool) -> dict:
     )
 
 
-def _schedule_fields(layout: Layout, schedule: Optional[ScheduleConfig]) -> dict:
+def _schedule_fields(layout: Layout, schedule: Optional[ScheduleConfig], tp_comm_overlap: bool = False) -> dict:
     if schedule is None:
         return {}
-    fields = {"batch_p2p_comm": schedule.batch_p2p_comm, "overlap_p2p_comm": schedule.overlap_p2p_comm}
+    fields = {"batch_p2p_comm": schedule.batch_p2p_comm, "overlap_p2p_comm": schedule.overlap_p2p_comm,
+              **zb_tp_overlap(schedule.kind, tp_comm_overlap)}  # userbuffer overlaps TE allows with deferred W
     if _vpp(layout):
         fields["microbatch_group_size_per_vp_stage"] = layout.microbatch_group
         if layout.pp == 2 and fields["batch_p2p_comm"] and not fields["overlap_p2p_comm"]:

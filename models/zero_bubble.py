@@ -29,6 +29,8 @@ from typing import Callable, Deque, List, Optional, Tuple
 
 import torch
 
+from launcher.core.schedules import ZERO_BUBBLE
+
 ZB_ATTR = "zb_delayed_wgrad"
 """Attribute set on modules whose weight gradient is deferred (local: queued in STORE; TE: backward_dw)."""
 ZB_HOOKS = "_zb_grad_hooks"
@@ -293,13 +295,44 @@ def defer_module(module) -> None:
         module.__class__ = row
 
 
+ZB_TP_OVERLAP = {"tp_comm_bulk_wgrad": False, "tp_comm_bulk_dgrad": False, "tp_comm_overlap_rs_dgrad": True}
+"""TransformerConfig fields under a zero-bubble schedule with ``parallel.tp_comm_overlap`` (Transformer Engine 2.7,
+the NGC 25.09 image's, to 2.20.0.dev0 at d0067d0 read alike). TE forbids only the bulk wgrad overlap with
+delayed wgrad: ``WeightGradStore.__init__`` asserts "ub_bulk_wgrad is not supported when enabling
+delay_wgrad_compute" (module/_common.py) and the backward raises "Delayed weight grad computation is not supported
+with Userbuffers" when the wgrad GEMM carries a userbuffer (linear.py, layernorm_linear.py, layernorm_mlp.py),
+which only ``ub_bulk_wgrad`` gives it. The bulk dgrad overlap is not refused by TE but all-gathers the layer
+input, the deferred wgrad GEMM's operand, into the shared ``qkv_dgrad``/``fc1_dgrad`` userbuffer
+(``fill_userbuffers_buffer_for_all_gather``: "the underlying data may be overwritten by other Userbuffers
+operations"), which the next layer's backward overwrites before W runs; without it TE gathers the input with
+an async NCCL all-gather under the dgrad GEMM. With the bulk wgrad overlap gone, the column-parallel input
+gradient's reduce-scatter runs as TE's pipelined dgrad overlap (``ub_overlap_rs_dgrad``; userbuffers
+``models.backend.ZB_UB_CFGS``). The forward overlaps (``tp_comm_overlap_ag``/``_rs`` on column/row layers) hold nothing W needs."""
+ZB_ROW_TP_OVERLAP = {"tp_comm_overlap_ag": False}
+"""The row-parallel layers' (proj, fc2) own config under zero bubble: Megatron maps ``tp_comm_overlap_ag`` to TE's
+``ub_overlap_ag``, on a row-parallel Linear the output-gradient all-gather pipelined with the dgrad GEMM
+(``ub_overlap_ag_dgrad``), which leaves the gathered gradient, the deferred wgrad GEMM's other operand, in the
+shared ``proj_dgrad``/``fc2_dgrad`` userbuffer (TE: "Userbuffers leaves the gathered tensor in its persistent
+buffer"): overwritten by the next layer's backward before W. Column-parallel layers keep it (forward all-gather)."""
+
+
+def zb_tp_overlap(kind: str, tp_comm_overlap: bool) -> dict:
+    """TransformerConfig fields a zero-bubble schedule sets with userbuffer TP overlap (none otherwise)."""
+    return dict(ZB_TP_OVERLAP) if tp_comm_overlap and kind in ZERO_BUBBLE else {}
+
+
 def te_delayed_class(base):
     """A Megatron TE linear wrapper built with TE's ``delay_wgrad_compute=True``: its config is a copy with
-    ``delay_wgrad_compute`` set, which Megatron's wrappers pass to TE and honour in ``backward_dw``."""
+    ``delay_wgrad_compute`` set, which Megatron's wrappers pass to TE and honour in ``backward_dw`` (and, on a
+    row-parallel layer with TP overlap, ``ZB_ROW_TP_OVERLAP``)."""
+    row = base.__name__ == "TERowParallelLinear"  # expert linears get no userbuffers (Megatron: is_expert)
 
     def __init__(self, *args, config, **kwargs):
         own = copy.copy(config)
         own.delay_wgrad_compute = True
+        if row and getattr(config, "tp_comm_overlap", False):
+            for name, value in ZB_ROW_TP_OVERLAP.items():
+                setattr(own, name, value)
         base.__init__(self, *args, config=own, **kwargs)
 
     return type(f"ZB{base.__name__}", (base,), {"__init__": __init__, ZB_ATTR: True,
@@ -317,7 +350,8 @@ def spec_mapping(te: bool) -> dict:
 
     names = ("TELayerNormColumnParallelLinear", "TEColumnParallelLinear", "TERowParallelLinear", "TELinear",
              "TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear")  # MoE experts: TE GroupedLinear
-    return {getattr(mte, n): _te_class(getattr(mte, n)) for n in names if getattr(mte, n, None) is not None}
+    # without TE, Megatron's wrappers derive from a MagicMock and are no classes: nothing to map
+    return {getattr(mte, n): _te_class(getattr(mte, n)) for n in names if isinstance(getattr(mte, n, None), type)}
 
 
 @functools.lru_cache(maxsize=None)

@@ -36,6 +36,9 @@ VARIANTS = {
                                 "parallel.account_for_embedding_in_pipeline_split=true",
                                 "parallel.account_for_loss_in_pipeline_split=true", "schedule.kind=interleaved",
                                 "force=true"],
+    # zero bubble at a recipe's layout with its userbuffer TP overlap (issue 22)
+    "llama3_70b_zb_h1": ["recipe=llama3_70b", "schedule.kind=zb_h1", "parallel.virtual_pipeline=null",
+                         "schedule.overlap_p2p_comm=false"],
     # NVIDIA's best Llama3-8B H100 layout: Megatron-FSDP on one node
     "llama3_8b_fsdp": ["recipe=llama3_8b", "parallel.context=1", "parallel.megatron_fsdp=true",
                        "cluster.env.CUDA_DEVICE_MAX_CONNECTIONS=8"],
@@ -153,7 +156,7 @@ def _built(job, layout, calls, monkeypatch) -> dict:
                                     recompute_num_layers=tr.recompute_num_layers,
                                     recompute_modules=tr.recompute_modules, deterministic=tr.deterministic)
     called = backend.initialize_tp_comm_overlap(model=job.model, parallel=job.parallel, precision=job.precision,
-                                                train=tr, layout=layout)
+                                                train=tr, layout=layout, schedule_kind=job.schedule.kind)
     first = _gpt_kwargs(monkeypatch, job, layout, 0)
     last = _gpt_kwargs(monkeypatch, job, layout, layout.pp - 1) if layout.pp > 1 else []
     return {
@@ -176,6 +179,7 @@ def _expected(field: str, target: str, attr: str, job, lay, built):
     """The value a translated (same=False) destination must hold; SKIP when it does not apply."""
     m, p, pr, t, s = job.model, job.parallel, job.precision, job.train, job.schedule
     moe = m.num_experts is not None
+    zb_ub = p.tp_comm_overlap and s.kind in ("zb_h1", "zb_v")
     table = {
         ("model.num_query_groups", TC, "num_query_groups"): m.num_query_groups or m.num_attention_heads,
         ("model.kv_channels", TC, "kv_channels"):
@@ -208,6 +212,13 @@ def _expected(field: str, target: str, attr: str, job, lay, built):
         ("parallel.overlap_param_gather", DDP, "overlap_param_gather"): p.overlap_param_gather and p.distributed_optimizer,
         ("parallel.overlap_param_gather", OPT, "overlap_param_gather"): p.overlap_param_gather and p.distributed_optimizer,
         ("parallel.tp_comm_overlap", UB, "called"): p.tp_comm_overlap,
+        # zero bubble keeps userbuffer TP overlap without the bulk overlaps (TE: deferred wgrad), the input
+        # gradient's reduce-scatter pipelined with dgrad instead (on pipelined userbuffers); else Megatron's defaults
+        ("schedule.kind", TC, "tp_comm_bulk_wgrad"): not zb_ub,
+        ("schedule.kind", TC, "tp_comm_bulk_dgrad"): not zb_ub,
+        ("schedule.kind", TC, "tp_comm_overlap_rs_dgrad"): zb_ub,
+        ("schedule.kind", UB, "ub_cfgs"):
+            {"qkv_dgrad": {"method": "pipeline"}, "fc1_dgrad": {"method": "pipeline"}} if zb_ub else None,
         ("schedule.microbatch_group_size", TC, "microbatch_group_size_per_vp_stage"):
             (s.microbatch_group_size or p.pipeline) if (p.virtual_pipeline or 1) > 1 else SKIP,
         ("schedule.batch_p2p_comm", TC, "batch_p2p_comm"): s.batch_p2p_comm and not s.overlap_p2p_comm and not (

@@ -337,10 +337,15 @@ def test_te_spec_passes_delay_wgrad_compute_and_w_calls_backward_dw(monkeypatch)
     out = zb.defer_wgrad_spec(spec, te=True)
     qkv_cls, proj_cls = out.submodules.linear_qkv, out.submodules.linear_proj
     assert issubclass(qkv_cls, mte.TELayerNormColumnParallelLinear) and getattr(qkv_cls, zb.ZB_ATTR)
-    job_config = types.SimpleNamespace(delay_wgrad_compute=False, hidden_size=16)
+    job_config = types.SimpleNamespace(delay_wgrad_compute=False, hidden_size=16, tp_comm_overlap=True,
+                                       tp_comm_overlap_ag=True)
     qkv, proj = qkv_cls(16, 48, config=job_config), proj_cls(16, 16, config=job_config)
     assert qkv.config.delay_wgrad_compute is True and proj.config.delay_wgrad_compute is True
     assert job_config.delay_wgrad_compute is False and qkv.config.hidden_size == 16
+    # userbuffer overlap: the row-parallel layer's output-gradient all-gather would leave W's operand in a shared
+    # userbuffer (zero_bubble.ZB_ROW_TP_OVERLAP); the column-parallel one keeps its forward all-gather
+    assert proj.config.tp_comm_overlap_ag is False and qkv.config.tp_comm_overlap_ag is True
+    assert job_config.tp_comm_overlap_ag is True
 
     chunk = types.SimpleNamespace(modules=lambda: [chunk, qkv, proj])
     dw = zb.te_modules(chunk)

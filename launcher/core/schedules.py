@@ -13,6 +13,10 @@ import heapq
 from dataclasses import dataclass
 
 
+ZERO_BUBBLE = ("zb_h1", "zb_v")
+"""Schedules that split the backward into B (input gradient) and W (weight gradient, deferred)."""
+
+
 @dataclass(frozen=True)
 class Op:
     """One scheduled operation of a pipeline rank."""

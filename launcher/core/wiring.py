@@ -124,7 +124,10 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
     "parallel.pipeline_model_parallel_layout": _tc("pipeline_model_parallel_layout", same=False),
     "parallel.moe_a2a_overlap": _tc("overlap_moe_expert_parallel_comm"),
     # ---- schedule
-    "schedule.kind": _w(LOOP, "forward_backward_func"),
+    # zero bubble with userbuffer TP overlap: the overlaps TE allows with deferred W (models/zero_bubble.py)
+    "schedule.kind": _w(LOOP, "forward_backward_func")
+    + _tc("tp_comm_bulk_wgrad", "tp_comm_bulk_dgrad", "tp_comm_overlap_rs_dgrad", same=False)
+    + _w(UB, "ub_cfgs", same=False),
     "schedule.microbatch_group_size": _tc("microbatch_group_size_per_vp_stage", same=False),
     "schedule.batch_p2p_comm": _tc("batch_p2p_comm", same=False),
     "schedule.overlap_p2p_comm": _tc("overlap_p2p_comm"),
