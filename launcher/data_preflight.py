@@ -6,7 +6,6 @@ through ``launcher/actions.py`` preflight_data; the preprocessor's final step ch
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any, List, Optional
 
 import numpy as np

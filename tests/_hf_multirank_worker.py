@@ -94,6 +94,7 @@ def run_one(name: str, bundle: Path, imported: Path, out: Path) -> None:
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
     from launcher.core import derive, load_job
+    from launcher.core.run_identity import run_identity
     from launcher.rank import checkpoint as ckpt, loop, optim, setup
 
     job = load_job(bundle / "config.yaml")
@@ -108,7 +109,7 @@ def run_one(name: str, bundle: Path, imported: Path, out: Path) -> None:
     optimizer = optim.build_optimizer(model, train=job.train, parallel=job.parallel, precision=job.precision)
     scheduler = optim.build_scheduler(optimizer, train=job.train, steps=layout.steps)
     optim.hook_model_config(model, optimizer, parallel=job.parallel)
-    identity = ckpt.run_identity(job)
+    identity = run_identity(job)
     # a job's path: checkpoint.load=<the import> with an empty checkpoint dir (plan, verify, model check, load)
     step, consumed, loaded = ckpt.resume(out / name, identity=identity, load_from=str(imported), checksum=False,
                                          model=model, optimizer=optimizer, scheduler=scheduler, warn=print,

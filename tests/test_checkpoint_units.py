@@ -1,5 +1,7 @@
 """Checkpoint bookkeeping without training (one process, no process group): what counts as a checkpoint,
-newest-first listing, pruning, verification, the directory lock, run identity and the resume decision."""
+newest-first listing, pruning, verification, run identity and the resume decision (the torch-free
+``launcher/core/checkpoint_dir.py`` and ``run_identity.py``), the directory lock and the ranks' refusals
+(``launcher/rank/checkpoint.py``)."""
 from __future__ import annotations
 
 import json
@@ -11,6 +13,9 @@ import sys
 import pytest
 
 from launcher.config import compose_job
+from launcher.core import checkpoint_dir as cd
+from launcher.core.run_identity import identity_diff, run_hash, run_identity
+from launcher.core.weights import weights_mismatch
 from launcher.rank import checkpoint as ckpt
 from launcher.rank.loop import straggler_report
 
@@ -23,7 +28,7 @@ def _fake(root, step, run="r1", files=None, manifest=True, identity=None):
         (path / name).write_bytes(data)
     if manifest:
         rec = {n: {"size": len(d), "crc32": __import__("zlib").crc32(d)} for n, d in files.items()}
-        (path / ckpt.MANIFEST).write_text(json.dumps({"step": step, "run": run, "identity": identity or {},
+        (path / cd.MANIFEST).write_text(json.dumps({"step": step, "run": run, "identity": identity or {},
                                                       "files": rec}))
     return path
 
@@ -35,10 +40,10 @@ def test_only_directories_with_a_manifest_count_newest_first(tmp_path):
     _fake(tmp_path, 12, manifest=False)           # a partial directory (crash before publication)
     (tmp_path / "iter_0000014.tmp").mkdir()        # a save in progress
     (tmp_path / "latest").write_text("iter_0000012\n")  # a stale or lying `latest` is only a hint
-    assert [p.name for p, _ in ckpt.complete_checkpoints(tmp_path)] == ["iter_0000010", "iter_0000004",
+    assert [p.name for p, _ in cd.complete_checkpoints(tmp_path)] == ["iter_0000010", "iter_0000004",
                                                                         "iter_0000002"]
-    assert ckpt.latest_checkpoint(tmp_path).name == "iter_0000010"
-    assert ckpt.complete_checkpoints(tmp_path / "absent") == []
+    assert cd.latest_checkpoint(tmp_path).name == "iter_0000010"
+    assert cd.complete_checkpoints(tmp_path / "absent") == []
 
 
 def test_prune_keeps_the_newest_and_ignores_partial_and_foreign(tmp_path):
@@ -46,26 +51,26 @@ def test_prune_keeps_the_newest_and_ignores_partial_and_foreign(tmp_path):
         _fake(tmp_path, step)
     _fake(tmp_path, 4, manifest=False)   # stray partial dir: neither counted nor deleted
     _fake(tmp_path, 5, run="other")      # another run's checkpoint: never deleted
-    ckpt._prune(tmp_path, 1, "r1")
+    cd.prune(tmp_path, 1, "r1")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000003", "iter_0000004", "iter_0000005"]
-    ckpt._prune(tmp_path, 0, "r1")  # keep_last unset/0: keep all
+    cd.prune(tmp_path, 0, "r1")  # keep_last unset/0: keep all
     assert (tmp_path / "iter_0000003").exists()
 
 
 def test_verify_catches_truncation_missing_files_and_bit_flips(tmp_path):
     path = _fake(tmp_path, 1, files={"__0_0.distcp": b"a" * 100, "__1_0.distcp": b"b" * 100,
                                      "metadata.json": b"{}"})
-    manifest = ckpt.read_manifest(path)
-    assert ckpt.verify_files(path, manifest, checksum=True) == []
+    manifest = cd.read_manifest(path)
+    assert cd.verify_files(path, manifest, checksum=True) == []
     (path / "__0_0.distcp").write_bytes(b"a" * 50)
     (path / "metadata.json").unlink()
     (path / "__1_0.distcp").write_bytes(b"c" * 100)  # same size, other bytes
-    sizes = ckpt.verify_files(path, manifest, checksum=False)
+    sizes = cd.verify_files(path, manifest, checksum=False)
     assert sizes == ["__0_0.distcp has 50 bytes, 100 were written", "metadata.json is missing"]
-    assert "__1_0.distcp fails its CRC32 check" in ckpt.verify_files(path, manifest, checksum=True)
+    assert "__1_0.distcp fails its CRC32 check" in cd.verify_files(path, manifest, checksum=True)
     # spread over ranks: the shares partition the files
-    shares = [ckpt.verify_files(path, manifest, checksum=True, rank=r, world=2) for r in range(2)]
-    assert sorted(shares[0] + shares[1]) == sorted(ckpt.verify_files(path, manifest, checksum=True))
+    shares = [cd.verify_files(path, manifest, checksum=True, rank=r, world=2) for r in range(2)]
+    assert sorted(shares[0] + shares[1]) == sorted(cd.verify_files(path, manifest, checksum=True))
 
 
 def test_lock_refuses_a_live_owner_and_takes_a_dead_ones(tmp_path):
@@ -123,46 +128,46 @@ def test_lock_staleness_rules(monkeypatch):
 
 
 def test_identity_ignores_launch_details_but_not_the_run():
-    base = ckpt.run_identity(compose_job(["recipe=smoke"]))
-    same = ckpt.run_identity(compose_job(["recipe=smoke", "train.train_steps=99", "checkpoint.save_interval=5",
+    base = run_identity(compose_job(["recipe=smoke"]))
+    same = run_identity(compose_job(["recipe=smoke", "train.train_steps=99", "checkpoint.save_interval=5",
                                           "output_dir=/elsewhere", "logging.tensorboard=false",
                                           "data.num_workers=0", "slurm.time=01:00:00"]))
-    assert ckpt.run_hash(base) == ckpt.run_hash(same)
-    other = ckpt.run_identity(compose_job(["recipe=smoke", "train.seed=7"]))
-    assert ckpt.run_hash(base) != ckpt.run_hash(other)
-    assert ckpt.identity_diff(other, base) == "train.seed=7 there, 1234 here"
-    layout = ckpt.run_identity(compose_job(["recipe=smoke", "parallel.tensor=1"]))
-    assert ckpt.run_hash(layout) != ckpt.run_hash(base)  # a layout change needs checkpoint.load=
+    assert run_hash(base) == run_hash(same)
+    other = run_identity(compose_job(["recipe=smoke", "train.seed=7"]))
+    assert run_hash(base) != run_hash(other)
+    assert identity_diff(other, base) == "train.seed=7 there, 1234 here"
+    layout = run_identity(compose_job(["recipe=smoke", "parallel.tensor=1"]))
+    assert run_hash(layout) != run_hash(base)  # a layout change needs checkpoint.load=
 
 
 def test_resume_plan_refuses_other_runs_and_unmanifested_dirs(tmp_path):
     ours = {"train.seed": 1}
-    assert ckpt._plan_resume(tmp_path, ours, None) == {"candidates": [], "source": "dir"}  # empty: fresh
-    foreign = _fake(tmp_path, 5, run=ckpt.run_hash({"train.seed": 2}), identity={"train.seed": 2})
-    plan = ckpt._plan_resume(tmp_path, ours, None)
+    assert cd.plan_resume(tmp_path, ours, None) == {"candidates": [], "source": "dir"}  # empty: fresh
+    foreign = _fake(tmp_path, 5, run=run_hash({"train.seed": 2}), identity={"train.seed": 2})
+    plan = cd.plan_resume(tmp_path, ours, None)
     assert plan["error"] == (f"checkpoint.dir={tmp_path} holds checkpoints of another run (iter_0000005: "
                              f"train.seed=2 there, 1 here); use checkpoint.load={foreign} to start from it, "
                              "or another checkpoint.dir")
-    assert [p for p, _ in ckpt._plan_resume(tmp_path, ours, str(foreign))["candidates"]] == [str(foreign)]
-    assert [p for p, _ in ckpt._plan_resume(tmp_path / "x", ours, str(tmp_path))["candidates"]] == [str(foreign)]
-    assert "no complete checkpoint there" in ckpt._plan_resume(tmp_path / "x", ours, str(tmp_path / "y"))["error"]
-    own = _fake(tmp_path, 3, run=ckpt.run_hash(ours))  # this run's own checkpoints win over checkpoint.load
-    assert [p for p, _ in ckpt._plan_resume(tmp_path, ours, str(foreign))["candidates"]] == [str(own)]
+    assert [p for p, _ in cd.plan_resume(tmp_path, ours, str(foreign))["candidates"]] == [str(foreign)]
+    assert [p for p, _ in cd.plan_resume(tmp_path / "x", ours, str(tmp_path))["candidates"]] == [str(foreign)]
+    assert "no complete checkpoint there" in cd.plan_resume(tmp_path / "x", ours, str(tmp_path / "y"))["error"]
+    own = _fake(tmp_path, 3, run=run_hash(ours))  # this run's own checkpoints win over checkpoint.load
+    assert [p for p, _ in cd.plan_resume(tmp_path, ours, str(foreign))["candidates"]] == [str(own)]
     legacy = tmp_path / "legacy"
     _fake(legacy, 9, manifest=False)
-    assert "without launcher.json" in ckpt._plan_resume(legacy, ours, None)["error"]
+    assert "without launcher.json" in cd.plan_resume(legacy, ours, None)["error"]
     # named explicitly, such a checkpoint is loaded (nothing recorded to verify it against)
-    assert ckpt._plan_resume(tmp_path / "x", ours, str(legacy / "iter_0000009"))["candidates"] == [
+    assert cd.plan_resume(tmp_path / "x", ours, str(legacy / "iter_0000009"))["candidates"] == [
         (str(legacy / "iter_0000009"), {"files": {}, "step": None})]
 
 
 def test_another_models_checkpoints_are_not_offered_to_checkpoint_load(tmp_path):
     """After model.hidden_size changed, the refusal used to print checkpoint.load=<it>, which then failed with an
     opaque CheckpointException and a 'fix or remove them' about a healthy directory (issue 27 item 3)."""
-    theirs = ckpt.run_identity(compose_job(["recipe=smoke", "model.hidden_size=64"]))
-    ours = ckpt.run_identity(compose_job(["recipe=smoke"]))
-    saved = _fake(tmp_path, 5, run=ckpt.run_hash(theirs), identity=theirs)
-    assert ckpt._plan_resume(tmp_path, ours, None)["error"] == (
+    theirs = run_identity(compose_job(["recipe=smoke", "model.hidden_size=64"]))
+    ours = run_identity(compose_job(["recipe=smoke"]))
+    saved = _fake(tmp_path, 5, run=run_hash(theirs), identity=theirs)
+    assert cd.plan_resume(tmp_path, ours, None)["error"] == (
         f"checkpoint.dir={tmp_path} holds checkpoints of another model (iter_0000005: model.hidden_size=64 there, "
         "128 here): their weights cannot be loaded into this one; use another checkpoint.dir, or set "
         "model.hidden_size=64 to continue that run")
@@ -172,21 +177,21 @@ def test_another_models_checkpoints_are_not_offered_to_checkpoint_load(tmp_path)
     assert str(refused.value) == (f"checkpoint.load={saved}: its weights are of another model (model.hidden_size=64 "
                                   "there, 128 here); name a checkpoint of this model, or set model.hidden_size=64")
     # a layout or training change is another run but the same weights: checkpoint.load= is still the way
-    relaid = ckpt.run_identity(compose_job(["recipe=smoke", "parallel.tensor=1", "train.lr=1e-3"]))
+    relaid = run_identity(compose_job(["recipe=smoke", "parallel.tensor=1", "train.lr=1e-3"]))
     other_run = tmp_path / "other_run"
-    _fake(other_run, 2, run=ckpt.run_hash(ours), identity=ours)
-    assert "; use checkpoint.load=" in ckpt._plan_resume(other_run, relaid, None)["error"]
-    assert ckpt.weights_mismatch({"identity": theirs}, theirs) is None
-    assert ckpt.weights_mismatch({"identity": ours}, relaid) is None
+    _fake(other_run, 2, run=run_hash(ours), identity=ours)
+    assert "; use checkpoint.load=" in cd.plan_resume(other_run, relaid, None)["error"]
+    assert weights_mismatch({"identity": theirs}, theirs) is None
+    assert weights_mismatch({"identity": ours}, relaid) is None
 
 
 def test_set_aside_moves_only_this_runs_checkpoints(tmp_path):
     _fake(tmp_path, 4, run="r1")
     _fake(tmp_path, 8, run="r2")
     (tmp_path / "latest").write_text("iter_0000004\n")
-    moved = ckpt.set_aside(tmp_path, "r1")
+    moved = cd.set_aside(tmp_path, "r1")
     assert [p.name.endswith("-iter_0000004") for p in moved] == [True]
-    assert [p.name for p, _ in ckpt.complete_checkpoints(tmp_path)] == ["iter_0000008"]
+    assert [p.name for p, _ in cd.complete_checkpoints(tmp_path)] == ["iter_0000008"]
     assert not (tmp_path / "latest").exists()
 
 
@@ -206,8 +211,8 @@ def test_enospc_is_found_through_wrapped_errors():
         except OSError as inner:
             raise RuntimeError("worker failed") from inner
     except RuntimeError as exc:
-        assert ckpt._mentions_enospc(exc)
-    assert not ckpt._mentions_enospc(RuntimeError("other"))
+        assert cd.mentions_enospc(exc)
+    assert not cd.mentions_enospc(RuntimeError("other"))
 
 
 def test_straggler_report_names_the_slow_rank():

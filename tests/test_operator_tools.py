@@ -139,7 +139,7 @@ def test_profile_settings_are_validated(cli):
 
 
 def test_profile_and_determinism_do_not_change_the_run_identity():
-    from launcher.rank.checkpoint import run_hash, run_identity
+    from launcher.core.run_identity import run_hash, run_identity
 
     base = run_hash(run_identity(compose_job(["recipe=smoke"])))
     tools = run_hash(run_identity(compose_job(["recipe=smoke", "profile.kind=torch", "train.deterministic=true"])))

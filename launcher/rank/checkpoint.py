@@ -1,7 +1,12 @@
 """Distributed checkpoints (megatron.core.dist_checkpointing) you can trust: complete-only, verified, owned.
 
-Layout under the checkpoint dir (where it is, what counts as complete, how big a checkpoint is: the torch-free
-``launcher/core/checkpoint_dir.py``, which the login node reads too)::
+This module is what needs torch: Megatron's save and load (torch_dist here, fsdp_dtensor in
+``fsdp_checkpoint.py``, the other format converted by ``checkpoint_convert.py``, the distributed optimizer's
+state through ``optimizer_state.py``), the RNG states, the collectives that make every rank agree, and the
+directory lock. The directory's files (where it is, what counts as complete, how big a checkpoint is, publishing,
+verifying, pruning, choosing what to resume from) are plain file operations in the torch-free
+``launcher/core/checkpoint_dir.py``, which the login node reads too; the run's identity is
+``launcher/core/run_identity.py``. Layout under the checkpoint dir::
 
     iter_0000010/        a complete checkpoint: dist_checkpointing files + launcher.json (written last)
     latest               text file: the name of the newest complete checkpoint (informational; resume scans)
@@ -22,28 +27,27 @@ from __future__ import annotations
 
 import datetime
 import errno
-import hashlib
-import json
 import os
 import shutil
 import socket
 import time
 import uuid
-import zlib
-from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
 import torch
 
 from launcher.core import dirlock
-from launcher.core.checkpoint_dir import (MANIFEST, bytes_per_param, complete_checkpoints,  # noqa: F401
-                                          latest_checkpoint, read_manifest, space_problem, write_probe)
-from launcher.core.weights import weights_of
+from launcher.core.checkpoint_dir import (bytes_per_param, checkpoint_name, complete_checkpoints, dir_error,
+                                          is_dcp_only, mentions_enospc, own_crcs, plan_resume, prune, publish,
+                                          read_manifest, set_aside, space_problem, verify_files, write_probe)
+from launcher.core.run_identity import identity_diff, run_hash
+from launcher.core.weights import continue_hint, weights_mismatch
 from launcher.rank import checkpoint_convert, fsdp_checkpoint
+from launcher.rank.optimizer_state import (cpu_tensors_stay, materialize_optimizer_state, restore_adam_steps,
+                                           tolerate_missing_adam_step)
 from models.backend import compute_device
 
-LATEST = "latest"
 LOCK = "LOCK"
 LOCK_STALE_S = 600
 """A lock whose owner is on another host and has not refreshed it for this long is stale (its node died)."""
@@ -74,83 +78,6 @@ def check_options(checkpoint) -> None:
     if checkpoint.async_save:
         raise ValueError("checkpoint.async_save=true is not implemented (saves are synchronous); "
                          "use checkpoint.async_save=false")
-
-
-def _name(step: int) -> str:
-    return f"iter_{step:07d}"
-
-
-# ---- run identity ------------------------------------------------------------------------------------------
-
-# Fields that do not change what a checkpoint holds or how training continues from it: where and how the job
-# is launched, logged and checkpointed, and how long it runs.
-_NOT_IDENTITY = {"name", "action", "output_dir", "force", "logging", "slurm", "checkpoint",
-                 "train.train_steps", "train.train_tokens", "train.exit_after_minutes", "train.eval_interval",
-                 "train.eval_iters", "train.nonfinite", "train.straggler_interval", "train.straggler_margin",
-                 "data.cache_dir", "data.num_workers", "schedule.record_timeline", "train.deterministic", "profile"}
-_CLUSTER_IDENTITY = ("gpus_per_node", "backend")
-
-
-def run_identity(job) -> dict:
-    """The config values that make two runs the same run (flattened 'section.field' -> value)."""
-    flat = {}
-
-    def walk(prefix, value):
-        if prefix in _NOT_IDENTITY:
-            return
-        if isinstance(value, dict) and prefix != "cluster.env":
-            for key, sub in value.items():
-                walk(f"{prefix}.{key}" if prefix else key, sub)
-        else:
-            flat[prefix] = value
-
-    raw = asdict(job)
-    raw["cluster"] = {k: raw["cluster"][k] for k in _CLUSTER_IDENTITY}
-    walk("", raw)
-    return json.loads(json.dumps(flat, default=str))
-
-
-def run_hash(identity: dict) -> str:
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def identity_diff(theirs: dict, ours: dict, limit: int = 3) -> str:
-    keys = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
-    shown = ", ".join(f"{k}={theirs.get(k)!r} there, {ours.get(k)!r} here" for k in keys[:limit])
-    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
-
-
-# ---- listing and verifying ---------------------------------------------------------------------------------
-
-def _crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            crc = zlib.crc32(block, crc)
-    return crc
-
-
-def _files_of(path: Path) -> List[str]:
-    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != MANIFEST)
-
-
-def verify_files(path: Path, manifest: dict, *, checksum: bool, rank: int = 0, world: int = 1) -> List[str]:
-    """This rank's share (every world-th file) of the checks: present, recorded size, CRC32 if asked."""
-    problems = []
-    for i, (rel, rec) in enumerate(sorted(manifest["files"].items())):
-        if i % world != rank:
-            continue
-        file = Path(path) / rel
-        try:
-            size = file.stat().st_size
-        except OSError:
-            problems.append(f"{rel} is missing")
-            continue
-        if size != rec["size"]:
-            problems.append(f"{rel} has {size} bytes, {rec['size']} were written")
-        elif checksum and rec.get("crc32") is not None and _crc32(file) != rec["crc32"]:
-            problems.append(f"{rel} fails its CRC32 check")
-    return problems
 
 
 # ---- collectives -------------------------------------------------------------------------------------------
@@ -267,13 +194,6 @@ class DirLock:
 
 # ---- space -------------------------------------------------------------------------------------------------
 
-def dir_error(ckpt_dir: Path, exc: BaseException) -> str:
-    if getattr(exc, "errno", None) == errno.ENOSPC:
-        return f"checkpoint.dir={ckpt_dir}: no space left on device"
-    return f"checkpoint.dir={ckpt_dir} is not writable: {exc.strerror or exc}" if isinstance(exc, OSError) \
-        else f"checkpoint.dir={ckpt_dir}: {exc}"
-
-
 def _param_bytes(param) -> int:
     """One parameter's bytes in a checkpoint (launcher/core/checkpoint_dir.py bytes_per_param)."""
     return param.numel() * bytes_per_param(param.element_size(), fp32=param.dtype == torch.float32)
@@ -363,16 +283,6 @@ def preflight_dir(ckpt_dir: Path, need_bytes: int, run_state: Optional[Checkpoin
     agree_or_raise(message)
 
 
-def _mentions_enospc(exc: BaseException) -> bool:
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if getattr(exc, "errno", None) == errno.ENOSPC or "No space left on device" in str(exc):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
 def _rng_state():
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -416,21 +326,10 @@ def _sharded_state(model: List[torch.nn.Module], optimizer, scheduler, step: int
              "rng_state": _rng_state()}
     model_sd = {key: _unwrap(chunk).sharded_state_dict() for key, chunk in zip(_model_keys(model), model)}
     state.update(model_sd)
-    with _cpu_tensors_stay():
+    with cpu_tensors_stay():
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
                                                           metadata={"distrib_optim_sharding_type": optimizer_format})
     return state
-
-
-def _cpu_tensors_stay():
-    """On CPU, fully_reshardable's gather/scatter over DP calls ``Tensor.cuda()``: make it the identity there."""
-    import contextlib
-
-    if torch.cuda.is_available():
-        return contextlib.nullcontext()
-    from models.cpu_compat import _tensor_cuda_is_identity
-
-    return _tensor_cuda_is_identity()
 
 
 def sync_params_before_save(model: List[torch.nn.Module]) -> bool:
@@ -444,20 +343,6 @@ def sync_params_before_save(model: List[torch.nn.Module]) -> bool:
         for chunk in model:
             chunk.start_param_sync(force_sync=True)
     return deferred
-
-
-def _own_crcs(tmp: Path, checksum: bool) -> dict:
-    """CRC32 of the files this rank wrote (torch_dist names them __<rank>_<n>.distcp); rank 0 adds the rest."""
-    if not checksum:
-        return {}
-    rank = _rank()
-    out = {}
-    for rel in _files_of(tmp):
-        name = Path(rel).name
-        mine = name.startswith(f"__{rank}_") if name.endswith(".distcp") else rank == 0
-        if mine:
-            out[rel] = _crc32(tmp / rel)
-    return out
 
 
 def save(ckpt_dir: Path, *, model, optimizer, scheduler, step: int, consumed: int, keep_last=None,
@@ -474,7 +359,7 @@ def save(ckpt_dir: Path, *, model, optimizer, scheduler, step: int, consumed: in
     identity = identity or {}
     sync_params_before_save(model)
     ckpt_dir = Path(ckpt_dir)
-    final, tmp = ckpt_dir / _name(step), ckpt_dir / (_name(step) + ".tmp")
+    final, tmp = ckpt_dir / checkpoint_name(step), ckpt_dir / (checkpoint_name(step) + ".tmp")
     rank, message = _rank(), None
     if rank == 0:
         theirs = read_manifest(final)
@@ -498,7 +383,7 @@ def save(ckpt_dir: Path, *, model, optimizer, scheduler, step: int, consumed: in
             state = _sharded_state(model, optimizer, scheduler, step, consumed, is_loading=False,
                                    optimizer_format=optimizer_format)
             dist_checkpointing.save(state, str(tmp), save_strategy())
-        message, crcs = None, _own_crcs(tmp, checksum)
+        message, crcs = None, own_crcs(tmp, checksum=checksum, rank=rank)
     except BaseException as exc:  # torch's CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
@@ -507,16 +392,16 @@ def save(ckpt_dir: Path, *, model, optimizer, scheduler, step: int, consumed: in
         message, crcs = f"saving {final} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}", {}
         free = shutil.disk_usage(ckpt_dir).free if rank == 0 else None
         need = run_state.need_bytes if run_state is not None else 0
-        if _mentions_enospc(exc) or (free is not None and free < max(need, 1 << 20)):
+        if mentions_enospc(exc) or (free is not None and free < max(need, 1 << 20)):
             message = (f"saving {final} failed: no space left on device in checkpoint.dir={ckpt_dir} "
                        f"({free / 1e9:.3g} GB free, a checkpoint needs about {need / 1e9:.3g} GB)")
     all_crcs = _gather(crcs)
     if message is None and rank == 0:
         try:
-            _publish(ckpt_dir, tmp, final, step=step, identity=identity, crcs=all_crcs,
+            publish(ckpt_dir, tmp, final, step=step, identity=identity, crcs=all_crcs,
                      seconds=time.perf_counter() - start, rng=rng_layout(), optimizer_format=optimizer_format,
                      fmt=fmt)
-            _prune(ckpt_dir, keep_last, run_hash(identity))
+            prune(ckpt_dir, keep_last, run_hash(identity))
         except OSError as exc:
             message = (f"publishing {final} failed: no space left on device" if exc.errno == errno.ENOSPC
                        else f"publishing {final} failed: {exc}")
@@ -524,53 +409,6 @@ def save(ckpt_dir: Path, *, model, optimizer, scheduler, step: int, consumed: in
         shutil.rmtree(tmp, ignore_errors=True)
     agree_or_raise(message)
     return final
-
-
-def _publish(ckpt_dir: Path, tmp: Path, final: Path, *, step: int, identity: dict, crcs: list,
-             seconds: float, rng: list, optimizer_format: str, fmt: str = TORCH_DIST) -> None:
-    """Rank 0: the manifest last (it makes the directory a checkpoint), then the rename, then ``latest``."""
-    merged = {k: v for part in crcs for k, v in part.items()}
-    files = {rel: {"size": (tmp / rel).stat().st_size, "crc32": merged.get(rel)} for rel in _files_of(tmp)}
-    manifest = {"step": step, "run": run_hash(identity), "identity": identity, "files": files, "rng_layout": rng,
-                "optimizer_format": optimizer_format, "format": fmt,
-                "saved_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "save_seconds": round(seconds, 3)}
-    _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
-    shutil.rmtree(final, ignore_errors=True)  # only ever one of this run's own (checked by the caller)
-    os.replace(tmp, final)
-    _write_synced(ckpt_dir / (LATEST + ".tmp"), final.name + "\n")
-    os.replace(ckpt_dir / (LATEST + ".tmp"), ckpt_dir / LATEST)
-
-
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def _prune(ckpt_dir: Path, keep_last: Optional[int], run: str) -> None:
-    """Delete this run's oldest complete checkpoints beyond keep_last; never the newest, never another run's,
-    never a partial directory (those are not counted either)."""
-    if not keep_last:
-        return
-    own = [path for path, manifest in complete_checkpoints(ckpt_dir) if manifest.get("run") == run]
-    for old in own[max(1, keep_last):]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def set_aside(ckpt_dir: Path, run: str) -> List[Path]:
-    """checkpoint.resume=false: move this run's existing checkpoints out of the way (renamed, not deleted), so
-    that a later resume cannot pick an old, higher-step checkpoint over the new run's."""
-    moved = []
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
-    for path, manifest in complete_checkpoints(ckpt_dir):
-        if manifest.get("run") == run:
-            target = path.with_name(f"superseded-{stamp}-{path.name}")
-            os.replace(path, target)
-            moved.append(target)
-    (Path(ckpt_dir) / LATEST).unlink(missing_ok=True)
-    return moved
 
 
 def start_fresh(ckpt_dir: Path, identity: dict) -> List[Path]:
@@ -594,86 +432,6 @@ def start_fresh(ckpt_dir: Path, identity: dict) -> List[Path]:
     return [Path(p) for p in _broadcast(moved)]
 
 
-def _materialize_optimizer_state(optimizer) -> None:
-    """A fresh torch Adam has no state yet, and DistributedOptimizer.state_dict() (needed to build the load
-    template) asserts one common 'step' across its states. Take one step with zero grads and lr=0 (params
-    unchanged; weight decay is scaled by lr too) so the state exists; loading then overwrites it."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if not isinstance(opt, DistributedOptimizer) or inner is None or len(inner.state) > 0:
-            continue
-        saved_lr = [group["lr"] for group in inner.param_groups]
-        for group in inner.param_groups:
-            group["lr"] = 0.0
-            for param in group["params"]:
-                param.grad = torch.zeros_like(param)
-        inner.step()
-        inner.zero_grad(set_to_none=True)
-        for group, lr in zip(inner.param_groups, saved_lr):
-            group["lr"] = lr
-
-
-def _restore_adam_steps(optimizer, loaded: dict) -> None:
-    """Upstream bugs (0.19.2 DistributedOptimizer with torch Adam, no Apex/TE), found by our resume test:
-    load_state_dict gives every parameter's Adam state the *same* 'step' tensor (torch then increments it
-    once per parameter per step), and the dp_reshardable parameter-state copy then overwrites that tensor
-    with the load template's placeholder step. Either way bias correction is wrong after a resume. The
-    saved param_groups carry the right step: give each parameter state its own tensor with that value."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    chained = getattr(optimizer, "chained_optimizers", [optimizer])
-    for i, opt in enumerate(chained):
-        if not isinstance(opt, DistributedOptimizer):
-            continue
-        sub = loaded if len(chained) == 1 else loaded[i]
-        steps = {float(g["step"]) for g in sub["optimizer"]["param_groups"] if "step" in g}
-        if len(steps) != 1:
-            continue
-        step = steps.pop()
-        for st in opt.optimizer.state.values():
-            if torch.is_tensor(st.get("step")):
-                st["step"] = torch.tensor(step, dtype=st["step"].dtype, device=st["step"].device)
-
-
-def _plan_resume(ckpt_dir: Path, identity: dict, load_from: Optional[str]) -> dict:
-    """Rank 0: the checkpoints to try, newest first, or the one-line reason to stop."""
-    run = run_hash(identity)
-    found = complete_checkpoints(ckpt_dir)
-    own = [(str(p), m) for p, m in found if m.get("run") == run]
-    if own:
-        return {"candidates": own, "source": "dir"}
-    if load_from:
-        src = Path(load_from)
-        if read_manifest(src) is not None:
-            return {"candidates": [(str(src), read_manifest(src))], "source": "load"}
-        if (src / "metadata.json").is_file():  # named explicitly: a dist_checkpointing checkpoint without our
-            return {"candidates": [(str(src), {"files": {}, "step": None})], "source": "load"}  # manifest
-        listed = [(str(p), m) for p, m in complete_checkpoints(src)]
-        if not listed:
-            return {"error": f"checkpoint.load={load_from}: no complete checkpoint there (a directory with "
-                             f"{MANIFEST}, or a checkpoint dir holding some)"}
-        return {"candidates": listed, "source": "load"}
-    if found:
-        path, manifest = found[0]
-        if weights_mismatch(manifest, identity):  # checkpoint.load= would only fail on the first tensor
-            return {"error": f"checkpoint.dir={ckpt_dir} holds checkpoints of another model ({path.name}: "
-                             f"{'; '.join(_weights_diff(manifest, identity))}): their weights cannot be loaded into "
-                             f"this one; use another checkpoint.dir, or set {_continue_hint(manifest, identity)} to "
-                             "continue that run"}
-        return {"error": f"checkpoint.dir={ckpt_dir} holds checkpoints of another run ({path.name}: "
-                         f"{identity_diff(manifest.get('identity', {}), identity)}); use checkpoint.load={path} to "
-                         "start from it, or another checkpoint.dir"}
-    legacy = [p for p in Path(ckpt_dir).glob("iter_*") if (p / "metadata.json").is_file() and not p.name.endswith(".tmp")
-              and read_manifest(p) is None] if Path(ckpt_dir).is_dir() else []
-    if legacy:
-        return {"error": f"checkpoint.dir={ckpt_dir} holds checkpoints without {MANIFEST} (incomplete, or written "
-                         f"by another tool), e.g. {sorted(legacy)[-1].name}; use checkpoint.load=<one of them> to "
-                         "start from it, or checkpoint.resume=false to start fresh"}
-    return {"candidates": [], "source": "dir"}
-
-
 def resume(ckpt_dir: Path, *, identity: dict, load_from: Optional[str], checksum: bool, model, optimizer,
            scheduler, warn: Callable[[str], None], distributed_optimizer: bool = False, fmt: str = TORCH_DIST,
            run_state: Optional[CheckpointState] = None) -> Tuple[int, int, Optional[Path]]:
@@ -683,7 +441,7 @@ def resume(ckpt_dir: Path, *, identity: dict, load_from: Optional[str], checksum
     Each candidate is verified (every rank checks its share of the files), then loaded by all ranks; a failure
     anywhere makes every rank warn and try the previous one. Existing checkpoints of which none loads stop the
     run (CheckpointError) rather than letting it start fresh over them."""
-    plan = _broadcast(_plan_resume(Path(ckpt_dir), identity, load_from) if _rank() == 0 else None)
+    plan = _broadcast(plan_resume(Path(ckpt_dir), identity, load_from) if _rank() == 0 else None)
     if "error" in plan:
         raise CheckpointError(plan["error"])
     tried = []
@@ -696,13 +454,13 @@ def resume(ckpt_dir: Path, *, identity: dict, load_from: Optional[str], checksum
         if error is None and plan["source"] == "load":
             error = weights_mismatch(manifest, identity)
             if error is not None:  # the same model entry on every rank: nothing to fall back to
-                hint = _continue_hint(manifest, identity)
+                hint = continue_hint(manifest, identity)
                 raise CheckpointError(f"checkpoint.load={path}: {error}; name a checkpoint of this model"
                                       + (f", or set {hint}" if hint else ""))
         with_rng = manifest.get("rng_layout") == rng_layout()  # unknown (no manifest): not restored
         opt_fmt = manifest.get("optimizer_format", DEFAULT_OPTIMIZER_FORMAT)
         saved_dp = (manifest.get("rng_layout") or [None] * 3)[2]
-        saved_fmt = manifest.get("format") or (fsdp_checkpoint.FORMAT if _is_dcp_only(path) else TORCH_DIST)
+        saved_fmt = manifest.get("format") or (fsdp_checkpoint.FORMAT if is_dcp_only(path) else TORCH_DIST)
         if error is None and saved_fmt != fmt:  # converted on the ranks where it can be (checkpoint_convert)
             refused = checkpoint_convert.refusal(path, manifest, saved_fmt, identity)
             if refused:  # the same job cannot read it: nothing to fall back to
@@ -745,35 +503,6 @@ def resume(ckpt_dir: Path, *, identity: dict, load_from: Optional[str], checksum
     return 0, 0, None
 
 
-def _is_dcp_only(path: Path) -> bool:
-    """A torch.distributed.checkpoint directory that dist_checkpointing did not write (no metadata.json): how an
-    fsdp_dtensor checkpoint without our manifest (Megatron-LM's) looks."""
-    return (Path(path) / ".metadata").is_file() and not (Path(path) / "metadata.json").is_file()
-
-
-class _MissingIsNone(dict):
-    def __missing__(self, key):
-        return None
-
-
-def _tolerate_missing_adam_step() -> None:
-    """Upstream bug (0.19.2, torch Adam): load_parameter_state_from_fully_reshardable leaves torch Adam's 'step'
-    out of the tensors it hands to _set_main_param_and_optimizer_states, which then indexes them by every key of
-    the live state ('step' included): KeyError: 'step'. Missing keys now mean "keep"; the step itself is
-    restored from the saved param_groups by _restore_adam_steps. Idempotent."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    original = DistributedOptimizer._set_main_param_and_optimizer_states
-    if getattr(original, "_tolerant", False):
-        return
-
-    def tolerant(self, model_param, tensors):
-        return original(self, model_param, _MissingIsNone(tensors))
-
-    tolerant._tolerant = True
-    DistributedOptimizer._set_main_param_and_optimizer_states = tolerant
-
-
 def rng_layout() -> list:
     """(PP, TP, DP) sizes: the shape of the per-rank RNG states in a checkpoint."""
     from megatron.core import parallel_state
@@ -781,28 +510,6 @@ def rng_layout() -> list:
     return [parallel_state.get_pipeline_model_parallel_world_size(),
             parallel_state.get_tensor_model_parallel_world_size(),
             parallel_state.get_data_parallel_world_size(with_context_parallel=True)]
-
-
-def weights_mismatch(manifest: dict, identity: dict) -> Optional[str]:
-    """The model fields that shape a checkpoint's tensors (``launcher.core.weights``: recorded by ``import-hf`` as
-    ``weights_of``, read from the run identity otherwise) that this job sets differently, or None (a longer
-    context, other dropout or routing settings, another layout are fine)."""
-    diff = _weights_diff(manifest, identity)
-    return f"its weights are of another model ({'; '.join(diff)})" if diff else None
-
-
-def _weights_diff(manifest: dict, identity: dict) -> List[str]:
-    theirs = manifest.get("weights_of") or weights_of(manifest.get("identity") or {})
-    return [f"{k}={v!r} there, {identity.get(k)!r} here" for k, v in sorted(theirs.items()) if identity.get(k) != v]
-
-
-def _continue_hint(manifest: dict, identity: dict) -> str:
-    """The override that makes this job the checkpoint's model again (its first differing weight field)."""
-    theirs = manifest.get("weights_of") or weights_of(manifest.get("identity") or {})
-    for key, value in sorted(theirs.items()):
-        if identity.get(key) != value:
-            return f"{key}={'null' if value is None else str(value).lower() if isinstance(value, bool) else value}"
-    return ""
 
 
 def load(path: Path, *, model, optimizer, scheduler, with_rng: bool = True,
@@ -833,8 +540,8 @@ def load(path: Path, *, model, optimizer, scheduler, with_rng: bool = True,
                 run_state.loaded_rng = snapshot
             _rng_restore(snapshot)
         return step, consumed
-    _materialize_optimizer_state(optimizer)
-    _tolerate_missing_adam_step()
+    materialize_optimizer_state(optimizer)
+    tolerate_missing_adam_step()
     template = _sharded_state(model, optimizer, scheduler, 0, 0, is_loading=True, optimizer_format=optimizer_format)
     if not with_rng:  # saved per (PP, TP, DP) rank: another layout has no shard for this rank
         template.pop("rng_state")
@@ -842,9 +549,9 @@ def load(path: Path, *, model, optimizer, scheduler, with_rng: bool = True,
              checkpoint_convert.torch_dist_state(template, converted, checkpoint_convert.keys_map_of(model)))
     for key, chunk in zip(_model_keys(model), model):
         _unwrap(chunk).load_state_dict(state[key])
-    with torch.no_grad(), _cpu_tensors_stay():  # fp32 dist. optimizer: main params are views of the model's
+    with torch.no_grad(), cpu_tensors_stay():  # fp32 dist. optimizer: main params are views of the model's
         optimizer.load_state_dict(state["optimizer"])
-    _restore_adam_steps(optimizer, state["optimizer"])
+    restore_adam_steps(optimizer, state["optimizer"])
     # Megatron's OptimizerParamScheduler.load_state_dict *adds* the saved num_steps (step(increment=...)): after
     # a fallback (a newer checkpoint loaded on some ranks, failed on others) those ranks would count both.
     if hasattr(scheduler, "num_steps"):

@@ -87,6 +87,7 @@ class RunRefused(Exception):
 def train(bundle: Path, console) -> int:
     from launcher.core import derive, load_job
     from launcher.core.checkpoint_dir import checkpoint_dir
+    from launcher.core.run_identity import run_hash, run_identity
     from launcher.rank.datasets import DataFilesChanged
     from launcher.rank import checkpoint as ckpt, elastic, profiling, progress, setup
 
@@ -105,8 +106,8 @@ def train(bundle: Path, console) -> int:
     # after building its model.
     ckpt.check_options(job.checkpoint)
     ckpt_dir = checkpoint_dir(job.checkpoint.dir, bundle)
-    identity = ckpt.run_identity(job)
-    lock = ckpt.DirLock(ckpt_dir, bundle=bundle, run=ckpt.run_hash(identity))
+    identity = run_identity(job)
+    lock = ckpt.DirLock(ckpt_dir, bundle=bundle, run=run_hash(identity))
     try:
         lock.acquire()
         profiling.set_deterministic(tr.deterministic)  # train.deterministic: before any kernel is chosen
