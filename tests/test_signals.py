@@ -65,18 +65,18 @@ def _start(tmp_path, name):
     return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _run_and_signal(proc, send, at_step: int = 3, timeout: float = 600):
-    """Read the run's output; once step ``at_step`` is printed call ``send(bundle)``; returns (rc, output)."""
-    lines, sent = [], []
+def _run_and_signal(proc, send, at_step: int = 3, timeout: float = 600, then=()):
+    """Read the run's output; once step ``at_step`` is printed call ``send(bundle)``, then for each (pattern, send)
+    of ``then`` in turn, once a later line matches the pattern; returns (rc, output)."""
+    lines, triggers = [], [(rf"^step\s+{at_step} \|", send), *then]
     killer = threading.Timer(timeout, proc.kill)
     killer.start()
     try:
         for line in proc.stdout:
             lines.append(line)
-            if not sent and re.match(rf"^step\s+{at_step} \|", line):
+            if triggers and re.search(triggers[0][0], line):
                 bundle = next(x.split("bundle: ", 1)[1].strip() for x in lines if x.startswith("bundle: "))
-                send(bundle)
-                sent.append(time.monotonic())
+                triggers.pop(0)[1](bundle)
         proc.wait()
     finally:
         killer.cancel()
@@ -119,5 +119,28 @@ def test_sigterm_to_every_process_as_scancel_sends_it_checkpoints_and_exits_143(
     code, out = _run_and_signal(proc, scancel)
     bundle_dir = next(tmp_path.glob("term-*"))
     assert len(signalled) >= 3, signalled  # torchrun and both ranks at least
+    assert code == 143, out[-4000:]
+    _checkpointed_stop(out, bundle_dir, "SIGTERM")
+
+
+def test_sigterm_twice_still_checkpoints_and_exits_143(tmp_path):
+    """An impatient second scancel: SIGTERM again to every process while torchrun waits for its ranks' stop
+    checkpoint. torchrun's handler raised out of that wait, so it exited at once and the end of the job step
+    killed the ranks in the middle of their save; the second signal must change nothing."""
+    proc = _start(tmp_path, "term2")
+    signalled = []
+
+    def scancel(bundle):
+        for pid in bundle_processes(bundle):
+            try:
+                os.kill(pid, signal.SIGTERM)
+                signalled.append(pid)
+            except ProcessLookupError:
+                pass
+
+    # torchrun logs "Sending process N closing signal SIGTERM" once it waits for its ranks: the second one then
+    code, out = _run_and_signal(proc, scancel, then=[(r"closing signal SIGTERM", scancel)])
+    bundle_dir = next(tmp_path.glob("term2-*"))
+    assert len(signalled) >= 6, signalled  # twice: torchrun and both ranks at least
     assert code == 143, out[-4000:]
     _checkpointed_stop(out, bundle_dir, "SIGTERM")
