@@ -3,9 +3,10 @@ variants at the same layout (PP, TP, CP, EP, batch, recompute and overlaps as pu
 them (no GPU involved: predictions, not measurements). The README's table is this script's output.
 
 Variants: ZB-H1 (parallel.virtual_pipeline=null) and ZB-V (virtual_pipeline=2, its op order generated for the
-planner's own chunk costs, schedule.zb_v_costs). Settings a variant has to change are listed: TE refuses delayed
-weight gradients with userbuffer TP overlap (tp_comm_overlap -> false, its loss priced), and moe_a2a_overlap is
-Megatron's combined-1F1B schedule; a variant that does not validate for running is left out, with why.
+planner's own chunk costs, schedule.zb_v_costs). Settings a variant has to change are listed (moe_a2a_overlap is
+Megatron's combined-1F1B schedule); userbuffer TP overlap stays on, without the sub-overlaps TE forbids or that
+would hold W's operands (models/zero_bubble.py ZB_TP_OVERLAP), their loss priced; a variant that does not validate
+for running is left out, with why.
 
 Run: .venv/bin/python benchmarks/zb_recipes.py [--markdown]
 """
@@ -28,8 +29,6 @@ from launcher.validate import validate  # noqa: E402
 def variants(job) -> list[tuple[str, list[str]]]:
     """(name, overrides) of the zero-bubble variants of a recipe at its layout."""
     changed = []
-    if job.parallel.tp_comm_overlap:
-        changed.append("parallel.tp_comm_overlap=false")
     if job.parallel.moe_a2a_overlap:
         changed.append("parallel.moe_a2a_overlap=false")
     return [("zb_h1", ["schedule.kind=zb_h1", "parallel.virtual_pipeline=null", "schedule.overlap_p2p_comm=false",

@@ -338,3 +338,22 @@ def test_expert_tensor_parallelism_without_expert_parallelism_still_moves_tokens
     lay = derive(job)
     assert (lay.ep, lay.etp) == (1, 2)
     assert stage_costs(job, lay, 0).parts["ep_comm"] > 0
+
+
+def test_zero_bubble_keeps_userbuffer_overlap_but_the_row_parallel_gradient_gathers():
+    """Under ZB-H1 the forward and W keep 1F1B's TP cost and the backward half of its userbuffer overlap: the
+    column-parallel input-gradient reduce-scatters stay pipelined (tp_comm_overlap_rs_dgrad), the row-parallel
+    output-gradient all-gathers (proj, fc2) run on NCCL, exposed (models/zero_bubble.py ZB_TP_OVERLAP,
+    ZB_ROW_TP_OVERLAP). Llama3-70B at TP8: the GEMMs are longer than the collectives (1F1B exposes latency only),
+    so ZB's backward pays exactly half the pass's collectives, less the two latencies already counted."""
+    base = ["recipe=llama3_70b", "parallel.virtual_pipeline=null", "schedule.overlap_p2p_comm=false"]
+    one, zb, off = (compose_job(base + extra) for extra in (
+        ["schedule.kind=1f1b"], ["schedule.kind=zb_h1"], ["schedule.kind=zb_h1", "parallel.tp_comm_overlap=false"]))
+    lay = derive(zb)
+    c1, cz, co = (stage_costs(j, derive(j), 1) for j in (one, zb, off))
+    n = len(stage_layers(lay, 1))
+    full = co.parts["tp_comm"] / (2 * n)  # one pass's 4 collectives, none overlapped
+    assert c1.parts["tp_comm"] == pytest.approx(2 * n * 4 * COLLECTIVE_LATENCY_S)  # hidden under the GEMMs
+    assert (cz.f, cz.w) == (c1.f, c1.w)
+    assert cz.b - c1.b == pytest.approx(n * (full / 2 - 2 * COLLECTIVE_LATENCY_S))
+    assert c1.b < cz.b < co.b

@@ -184,15 +184,11 @@ def test_unsupported_zb_h1_combinations_are_refused_with_one_line(cli, override,
     assert code == 2 and any(line.startswith(f"error: {field}=") for line in lines), err
 
 
-def test_tp_comm_overlap_is_refused_quoting_transformer_engine(cli):
-    """TE refuses delayed wgrad with userbuffer TP overlap; llama405b (PP8, selective recompute, overlapped grad
-    reduce and param gather) with zb_h1 gets that one line, quoting where (file:line), and nothing else."""
+def test_tp_comm_overlap_validates_with_zero_bubble(cli):
+    """llama405b (PP8, TP8 with userbuffer overlap, selective recompute, overlapped grad reduce and param gather)
+    validates with zb_h1 as published: the rank keeps the TP overlaps TE allows with delayed wgrad
+    (models/zero_bubble.py ZB_TP_OVERLAP; tests/test_wiring.py checks they reach TransformerConfig)."""
     code, _, err = cli("recipe=llama405b", "schedule.kind=zb_h1", "action=validate")
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert code == 2 and len(lines) == 1, err
-    assert lines[0].startswith("error: parallel.tp_comm_overlap=True:") and \
-        "transformer_engine/pytorch/module/linear.py:1290" in lines[0]
-    code, _, err = cli("recipe=llama405b", "schedule.kind=zb_h1", "parallel.tp_comm_overlap=false", "action=validate")
     assert code == 0, err
 
 
@@ -231,10 +227,9 @@ def test_plan_draws_the_three_schedules_with_the_core_op_orders(cli, tmp_path):
 
 
 def test_search_treats_the_schedule_as_a_dimension():
-    """For an uninterleaved pipeline the search times both 1F1B and ZB-H1, ZB-H1 with the job's own overlaps and
-    the same recompute choices (only TE's userbuffer TP overlap is turned off, which TE refuses with deferred
-    weight gradients); with DP=1 no gradient reduce is exposed either way, so the ZB-H1 twin of every 1F1B layout
-    is predicted faster. MoE layouts get ZB-H1 twins too."""
+    """For an uninterleaved pipeline the search times both 1F1B and ZB-H1, ZB-H1 with the job's own overlaps
+    (userbuffer TP overlap included) and the same recompute choices; with DP=1 no gradient reduce is exposed either
+    way, so the ZB-H1 twin of every 1F1B layout is predicted faster. MoE layouts get ZB-H1 twins too."""
     from launcher.config import compose_job
     from launcher.plan.search import candidates
     from launcher.plan.timing import step_time
@@ -245,7 +240,7 @@ def test_search_treats_the_schedule_as_a_dimension():
         by_kind: dict = {}
         for overrides, cand, lay in candidates(job):
             if lay.pp > 1 and lay.vpp == 1 and lay.dp == 1:
-                key = tuple(o for o in overrides if not o.startswith(("schedule.kind=", "parallel.tp_comm_overlap=")))
+                key = tuple(o for o in overrides if not o.startswith("schedule.kind="))
                 by_kind.setdefault(key, {})[cand.schedule.kind] = (cand, lay)
         pairs = [v for v in by_kind.values() if "zb_h1" in v and "1f1b" in v]
         assert pairs, f"no ZB-H1 candidate next to a 1F1B one: {args}"
@@ -253,7 +248,7 @@ def test_search_treats_the_schedule_as_a_dimension():
         for pair in pairs:
             zb, lay = pair["zb_h1"]
             assert zb.parallel.overlap_grad_reduce == job.parallel.overlap_grad_reduce
-            assert not zb.parallel.tp_comm_overlap
+            assert zb.parallel.tp_comm_overlap == job.parallel.tp_comm_overlap
             assert step_time(zb, lay).step_s < step_time(*pair["1f1b"]).step_s
         assert all(len(v) == 2 or "zb_h1" not in v for v in by_kind.values())  # never ZB-H1 without its twin
 

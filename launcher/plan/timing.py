@@ -18,7 +18,7 @@ from launcher.core import Layout, derive
 from launcher.core.flops import FMA, flops_per_step, kv_channels, layer_flops, query_groups
 from launcher.plan.memory import (DTYPE_BYTES, GRAD_BYTES_FP32, fsdp_layer_params, grad_groups, optimizer_shards,
                                   recompute_fraction, recomputed_modules, sp_shards, stage_layers, stage_params)
-from launcher.core.schedules import loss_rank
+from launcher.core.schedules import ZERO_BUBBLE, loss_rank
 from launcher.plan.simulator import simulate_kind
 from launcher.schema import JobConfig
 
@@ -132,6 +132,7 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
     pattern = lay.moe_pattern
     kinds = [pattern[i] for i in stage_layers(lay, stage)]
     last = stage == loss_rank(job.schedule.kind, lay.pp)
+    zero_bubble = job.schedule.kind in ZERO_BUBBLE and lay.pp > 1
     n_mtp = model.mtp_num_layers if last else 0
     kinds += [pattern[-1]] * n_mtp
     h = model.hidden_size
@@ -173,9 +174,10 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
         # MLP has none: its tokens move with the dispatcher (and ETP's own exchange); shared experts are TP MLPs.
         tp_mlp = not is_moe or bool(model.moe_shared_expert_intermediate_size)
         n_tp = 4 if tp_mlp else 2
-        tp = n_tp * _ring(act_full, t, tp_bw) if t > 1 else 0.0
+        tp = tp_b = n_tp * _ring(act_full, t, tp_bw) if t > 1 else 0.0
         if tp and par.tp_comm_overlap and sp > 1:  # userbuffers pipeline the collective under its GEMM
-            tp = max(0.0, tp - (g if not is_moe else g_attn + g_shared)) + n_tp * COLLECTIVE_LATENCY_S
+            hide = g if not is_moe else g_attn + g_shared
+            tp, tp_b = _overlapped_tp(tp, n_tp, hide), _overlapped_tp(tp, n_tp, hide, zero_bubble)
         cpc = 0.0
         if cp > 1 and not model.multi_latent_attention:
             kv_bytes = 2 * a * query_groups(model) * d * tokens / cp / t
@@ -192,7 +194,7 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
             fs_f = max(0.0, fsdp_ag - (g + att + elem))
             fs_b = max(0.0, fsdp_ag + fsdp_rs - (2 * g + ATTENTION_BWD_FACTOR * att + ELEMENTWISE_PASSES_BWD * elem))
         f += n * (g + att + elem + cast_f + tp + cpc + epc + fs_f)
-        b += n * (g + ATTENTION_BWD_FACTOR * att + ELEMENTWISE_PASSES_BWD * elem + cast_b + tp + 2 * cpc + epc
+        b += n * (g + ATTENTION_BWD_FACTOR * att + ELEMENTWISE_PASSES_BWD * elem + cast_b + tp_b + 2 * cpc + epc
                   + fs_b)
         parts["dp_comm"] += n * (fs_f + fs_b)
         w += n * g
@@ -200,7 +202,7 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
         parts["attention"] += n * (1 + ATTENTION_BWD_FACTOR) * att
         parts["elementwise"] += n * (1 + ELEMENTWISE_PASSES_BWD) * elem
         parts["fp8_cast"] += n * (cast_f + cast_b)
-        parts["tp_comm"] += n * 2 * tp
+        parts["tp_comm"] += n * (tp + tp_b)
         parts["cp_comm"] += n * 3 * cpc
         parts["ep_comm"] += n * 2 * epc
         rec = 0.0
@@ -222,6 +224,20 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
         parts["gemm"] += 3 * g
         parts["elementwise"] += 2 * elem
     return StageCosts(f, b, w, parts)
+
+
+def _overlapped_tp(comm: float, n: int, hide: float, zero_bubble: bool = False) -> float:
+    """Exposed part of one pass's ``n`` TP collectives (``comm`` seconds in all) under userbuffer overlap, which
+    pipelines them under the pass's GEMMs (``hide`` seconds). Under a zero-bubble schedule the backward keeps half
+    of them overlapped: the column-parallel input-gradient reduce-scatters run as TE's pipelined dgrad overlap
+    (``tp_comm_overlap_rs_dgrad``) instead of the bulk overlap with the wgrad GEMM that W now runs later, and the
+    row-parallel output-gradient all-gathers (proj, fc2) are NCCL, exposed: with ``ub_overlap_ag`` TE leaves the
+    gathered gradient, the deferred wgrad GEMM's operand, in the shared userbuffer that the next layer's backward
+    overwrites (models/zero_bubble.py ``zb_tp_overlap``; launcher/plan/NOTES.md)."""
+    if not zero_bubble:
+        return max(0.0, comm - hide) + n * COLLECTIVE_LATENCY_S
+    half = comm / 2
+    return half + max(0.0, half - hide) + n / 2 * COLLECTIVE_LATENCY_S
 
 
 def _selective_recompute(job: JobConfig, mods: frozenset, moe: bool, att: float, g_attn: float, g_mlp: float,
@@ -507,7 +523,7 @@ def step_time(job: JobConfig, lay: Layout | None = None, exact: bool = True) -> 
     hide_rs = 0.0
     if par.overlap_grad_reduce:  # behind the last microbatch's backward; under zero bubble its W only (a
         # bucket's reduce starts after the last W of its weights, launcher/rank/zero_bubble.py _grad_sync)
-        hide_rs = c.w if job.schedule.kind in ("zb_h1", "zb_v") and p > 1 else c.b + c.w
+        hide_rs = c.w if job.schedule.kind in ZERO_BUBBLE and p > 1 else c.b + c.w
     hide_ag = c.f if (par.overlap_param_gather and par.distributed_optimizer) else 0.0  # first forward
     dp_exposed = max(0.0, rs - hide_rs) + max(0.0, ag - hide_ag)
     # Optimizer: read/write fp32 master + 2 moments, read grads, write params, on this rank's shard.

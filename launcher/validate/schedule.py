@@ -15,20 +15,13 @@ def zb_h1_rules(job: JobConfig) -> list[tuple]:
     """What the zero-bubble executor (launcher/rank/zero_bubble.py) trains, as (holds, field, value, rule, hint);
     validate_schedule checks them all, the layout search those on fields it does not choose itself. Recompute,
     MoE experts (with router and shared experts), MTP, overlap_grad_reduce and the distributed optimizer are
-    supported (tests/test_zero_bubble.py: 1F1B's gradients, bitwise); what is refused here, upstream forbids."""
+    supported (tests/test_zero_bubble.py: 1F1B's gradients, bitwise); what is refused here, upstream forbids.
+    tp_comm_overlap is kept without the userbuffer overlaps TE forbids with delayed wgrad or that would hold W's
+    operands (the rank sets them off: models/zero_bubble.py ZB_TP_OVERLAP, quoting TE)."""
     p, zb = job.parallel, f"{job.schedule.kind} (launcher/rank/zero_bubble.py)"
     return [
         (p.pipeline > 1, "schedule.kind", job.schedule.kind, f"{job.schedule.kind} needs parallel.pipeline > 1",
          "parallel.pipeline=2 (or schedule.kind=1f1b)"),
-        # Transformer Engine's Linear backward (transformer_engine/pytorch/module/linear.py:1290-1300, TE 2.20.0.dev0
-        # at d0067d0; layernorm_linear.py:1076 and layernorm_mlp.py:1690 the same): "Delayed weight grad
-        # computation is not supported with Userbuffers (tensor-parallel communication overlapping)" whenever the
-        # wgrad GEMM has a userbuffer, which Megatron-Core's default tp_comm_bulk_wgrad=True gives every
-        # column-parallel layer (model_parallel_config.py:271)
-        (not p.tp_comm_overlap, "parallel.tp_comm_overlap", True,
-         f"{zb} defers weight gradients with TE's delay_wgrad_compute, which Transformer Engine refuses with "
-         "userbuffer TP overlap (transformer_engine/pytorch/module/linear.py:1290: \"Delayed weight grad "
-         "computation is not supported with Userbuffers\")", "parallel.tp_comm_overlap=false"),
         # megatron/core/pipeline_parallel/schedules.py:751: overlap_moe_expert_parallel_comm runs Megatron's
         # combined 1F1B schedule instead of the one asked for
         (not p.moe_a2a_overlap, "parallel.moe_a2a_overlap", True, f"{zb}: parallel.moe_a2a_overlap is "
