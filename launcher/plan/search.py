@@ -186,10 +186,11 @@ def _recompute_options(job: JobConfig, te: bool) -> list[tuple[str, list]]:
     return out + [("full", [])]
 
 
-CHOSEN_FOR_ZB_H1 = {"schedule.kind", "parallel.tp_comm_overlap", "parallel.moe_a2a_overlap"}
-"""Fields of launcher.validate.zb_h1_rules the search sets itself for a zero-bubble candidate (PP > 1; TE's
-userbuffer TP overlap off, which TE refuses with deferred weight gradients, its loss priced by the planner;
-no combined-1F1B MoE overlap). Recompute and overlap_grad_reduce stay the job's (or the search's own choice)."""
+CHOSEN_FOR_ZB_H1 = {"schedule.kind", "parallel.moe_a2a_overlap"}
+"""Fields of launcher.validate.zb_h1_rules the search sets itself for a zero-bubble candidate (PP > 1; no
+combined-1F1B MoE overlap). Recompute, overlap_grad_reduce and tp_comm_overlap stay the job's (or the search's
+own choice): under zero bubble the rank keeps the userbuffer overlaps TE allows with deferred weight gradients
+(models/zero_bubble.py zb_tp_overlap) and the planner prices the rest (timing._overlapped_tp)."""
 
 
 def _zb_h1_allowed(job: JobConfig) -> bool:
@@ -221,8 +222,6 @@ def _batch_and_recompute_for(job, fixed, kind, tp, cp, pp, vp, ep, split, fsdp=F
                sequence_parallel=tp > 1, distributed_optimizer=True, data=None, megatron_fsdp=fsdp, **split)
     if job.model.num_experts:
         par["expert_tensor"] = etp
-    if zb:  # TE refuses deferred weight gradients with userbuffer TP overlap (validate.zb_h1_rules)
-        par["tp_comm_overlap"] = False
     overlap = fixed.overlap and ep > 1 and (pp == 1 or vp > 1) and not zb  # what this layout allows of it
     sched = dict(kind=kind, overlap_p2p_comm=kind == "interleaved",
                  batch_p2p_comm=job.schedule.batch_p2p_comm and not (kind == "interleaved" and pp == 2),
@@ -235,8 +234,6 @@ def _batch_and_recompute_for(job, fixed, kind, tp, cp, pp, vp, ep, split, fsdp=F
                "parallel.distributed_optimizer=true", *_split_overrides(split),
                f"parallel.megatron_fsdp={'true' if fsdp else 'false'}",
                f"schedule.kind={kind}", f"schedule.overlap_p2p_comm={'true' if kind == 'interleaved' else 'false'}"]
-    if zb and job.parallel.tp_comm_overlap:
-        layout.append("parallel.tp_comm_overlap=false")
     cluster = {}
     if fsdp and job.cluster.env.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":  # FSDP needs more than one queue
         cluster = dict(env={**job.cluster.env, "CUDA_DEVICE_MAX_CONNECTIONS": "8"})
