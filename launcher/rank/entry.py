@@ -134,7 +134,7 @@ def _build_and_train(bundle, console, job, layout, ckpt_dir, identity, lock, att
     backend.check_planned_backend(job.precision, layout)
     backend.check_flex_dispatcher(job.model)
     backend.initialize_tp_comm_overlap(model=job.model, parallel=job.parallel, precision=job.precision, train=tr,
-                                       layout=layout)
+                                       layout=layout, schedule_kind=job.schedule.kind)
     chunks = build_model(model=job.model, parallel=job.parallel, precision=job.precision, layout=layout,
                          schedule=job.schedule, seed=tr.seed, recompute=tr.recompute,
                          recompute_num_layers=tr.recompute_num_layers, recompute_modules=tr.recompute_modules,
