@@ -144,3 +144,18 @@ def test_sigterm_twice_still_checkpoints_and_exits_143(tmp_path):
     assert len(signalled) >= 6, signalled  # twice: torchrun and both ranks at least
     assert code == 143, out[-4000:]
     _checkpointed_stop(out, bundle_dir, "SIGTERM")
+
+
+def test_ctrl_c_while_torchrun_starts_is_130_without_a_traceback(monkeypatch, capsys):
+    """Ctrl-C in the first seconds, while torchrun still imports and parses (before it installs its own
+    handlers): a KeyboardInterrupt traceback and exit 1 (or death by SIGINT) before; now 130 and one line."""
+    import torch.distributed.run as torchrun
+
+    from launcher.rank import agent
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torchrun, "parse_args", interrupted)
+    assert agent.main(["--standalone", "--nproc-per-node=2", "-m", "launcher.rank", "--bundle", "/x"]) == 130
+    assert capsys.readouterr().err == "torchrun: SIGINT received while starting; no rank was started\n"

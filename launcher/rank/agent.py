@@ -17,11 +17,15 @@ import sys
 
 
 def main(argv=None) -> int:
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    try:  # torchrun installs its signal handlers only once it starts the ranks, seconds from now
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import parse_args, run
 
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:  # Ctrl-C while importing torch: nothing to stop yet
+        print("torchrun: SIGINT received while starting; no rank was started", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
     try:
         run(args)
     except ChildFailedError as exc:
