@@ -15,6 +15,7 @@ parsed with ``ast`` and followed through the project's own modules, without runn
 from __future__ import annotations
 
 import ast
+import os
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -48,10 +49,22 @@ shipped assets in ``data/assets``). A tool may use a wing (the preprocessor load
 the login node's dataset check on its shards); no wing reaches a tool (checked below)."""
 TESTS = ("tests", "benchmarks")
 """What measures the product: the test suite and its helpers, and the benchmarks behind the README's figures."""
+OUTPUTS = ("__pycache__", "build", "runs", "outputs")
+"""Folders of build and run output (.gitignore's), never source."""
+
+
 def _skipped(path: Path) -> bool:
-    """Not the repository's own source: the venv, git, build output, caches."""
-    return any(part.startswith(".") or part.endswith(".egg-info") or part in ("__pycache__", "build")
+    """Not the repository's own source: the venv, git, build and run output, caches."""
+    return any(part.startswith(".") or part.endswith(".egg-info") or part in OUTPUTS
                for part in path.relative_to(ROOT).parts)
+
+
+def _python_files():
+    """Every .py file of the repository, without descending into what ``_skipped`` leaves out (the venv alone
+    holds tens of thousands of files)."""
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not _skipped(Path(folder, d))]
+        yield from (Path(folder, f) for f in files if f.endswith(".py"))
 
 
 def _modules() -> dict[str, Path]:
@@ -145,8 +158,7 @@ def test_an_unplaced_module_is_found(tmp_path, monkeypatch):
 
 def test_every_python_file_is_scanned():
     """A Python file outside the scanned folders (a new top-level package, a script in slurm/) has no wing."""
-    outside = sorted(str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
-                     if not _skipped(p) and p.relative_to(ROOT).parts[0] not in SCANNED)
+    outside = sorted(str(p.relative_to(ROOT)) for p in _python_files() if p.relative_to(ROOT).parts[0] not in SCANNED)
     assert not outside, f"add their folder to SCANNED and place its modules in a wing: {outside}"
 
 
