@@ -174,3 +174,22 @@ def test_out_of_memory_hints_leave_out_what_the_job_has_already():
                     "train.recompute=full"):
         assert setting not in message, message
     assert "largest contributors" in message and "  - " in message and told != message
+
+
+@pytest.mark.parametrize("field", ["checkpoint.dir", "output_dir", "checkpoint.load", "data.cache_dir"])
+def test_a_path_with_a_part_longer_than_a_file_name_is_one_line(cli, tmp_path, field):
+    """A 300-character directory name in a path (a file name is at most 255 bytes): checkpoint.dir and output_dir
+    gave an ENAMETOOLONG traceback from validate and render; checkpoint.load and data.cache_dir were valid and
+    failed on the ranks. One line from both, naming the part, and an alternative that validates."""
+    long = tmp_path / ("x" * 300) / "sub"
+    overrides = [f"{field}={long}"] + ([f"output_dir={tmp_path / 'runs'}"] if field != "output_dir" else [])
+    said = {}
+    for action in ("validate", "render"):
+        code, out, err = cli(*overrides, f"action={action}")
+        _no_traceback(out, err)
+        assert code == 2, (action, out, err)
+        said[action] = [x for x in err.splitlines() if x.startswith("error:")]
+    assert said["validate"] == said["render"] and len(said["validate"]) == 1, said
+    hint = {"output_dir": "output_dir=runs"}.get(field, f"{field}=null")
+    assert said["validate"][0] == (f"error: {field}='{long}': its part '{'x' * 20}...' is 300 bytes, and a file or "
+                                   f"directory name is at most 255; try {hint}")

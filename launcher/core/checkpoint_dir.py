@@ -55,8 +55,12 @@ def checkpoint_dir(configured: Optional[str], bundle: Path) -> Path:
 def nearest_existing(target: Path) -> Path:
     """``target`` or its nearest existing parent (the directory a not yet created checkpoint dir lands in)."""
     probe = Path(target)
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
+    while probe != probe.parent:
+        try:
+            os.stat(probe)
+            break
+        except OSError:  # missing, or a name too long to exist (ENAMETOOLONG; validation names it)
+            probe = probe.parent
     return probe
 
 

@@ -25,6 +25,26 @@ PATH_FIELDS = ("output_dir", "checkpoint.dir", "checkpoint.load", "checkpoint.lo
 """Every field of the job that names a file or directory (``data.blend``: its prefixes, not its weights)."""
 
 
+NAME_MAX = 255
+"""Bytes in one file or directory name (Linux's NAME_MAX on ext4, xfs, Lustre, NFS): a longer part of a path makes
+every call on it fail with ENAMETOOLONG."""
+PATH_MAX = 4096
+"""Bytes in a whole path, its terminating NUL included (Linux's PATH_MAX)."""
+
+
+def length_problem(path: str) -> Optional[str]:
+    """Why the file system cannot take ``path`` by its length alone (a name over NAME_MAX bytes, or the whole over
+    PATH_MAX), or None."""
+    for part in str(path).split("/"):
+        size = len(part.encode("utf-8", "surrogateescape"))
+        if size > NAME_MAX:
+            return f"its part '{part[:20]}...' is {size} bytes, and a file or directory name is at most {NAME_MAX}"
+    size = len(str(path).encode("utf-8", "surrogateescape"))
+    if size >= PATH_MAX:
+        return f"it is {size} bytes, and a path is at most {PATH_MAX - 1}"
+    return None
+
+
 def absolute(path: str, base: Optional[str] = None) -> str:
     """``path`` with ``~`` expanded, made absolute against ``base`` (default: this process's working directory)
     and normalised (``..`` removed lexically; symbolic links are kept as they are)."""

@@ -11,6 +11,7 @@ from launcher import ROOT
 from launcher.core import Layout
 from launcher.core.blend import is_number, parse_blend
 from launcher.core.determinism import ACCEPTED as ACCEPTED_DETERMINISTIC
+from launcher.core.paths import length_problem, path_values
 from launcher.fields import get_value, is_allowed
 from launcher.problems import Problem
 from launcher.schema import CheckpointConfig, DataConfig, JobConfig, LoggingConfig
@@ -213,7 +214,17 @@ def validate_job(job: JobConfig) -> list[Problem]:
     c.need(len(job.name or "") <= MAX_NAME, "name", job.name, f"run names are at most {MAX_NAME} characters (the "
            "bundle directory <name>-<UTC stamp> must fit a file name's 255 bytes, the Slurm job name stays readable)",
            f"name={(job.name or 'run')[:40]}")
+    for field, value in path_values(job):  # render and the ranks would fail on it with ENAMETOOLONG
+        if field in LENGTH_CHECKED:
+            why = length_problem(value)
+            c.need(why is None, field, value, why, LENGTH_CHECKED[field])
     return c.problems
+
+
+LENGTH_CHECKED = {"output_dir": "output_dir=runs", "checkpoint.dir": "checkpoint.dir=null",
+                  "checkpoint.load": "checkpoint.load=null", "data.cache_dir": "data.cache_dir=null"}
+"""Path fields that nothing else reads on the login node, with the alternative to a path that is too long (a too
+long data.blend prefix, data.tokenizer or checkpoint.load_hf is a file not found: their own rules say so)."""
 
 
 def validate_profile(job: JobConfig, lay: Layout) -> list[Problem]:
