@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from launcher.core.checkpoint_dir import MANIFEST
+from launcher.core.checkpoint_dir import MANIFEST, checkpoint_name
 from launcher.core.layout import uses_transformer_engine
 from launcher.core.weights import WEIGHT_FIELDS  # one home: the model fields that shape a checkpoint's tensors
 from launcher.hf import arch, mapping
@@ -230,7 +230,7 @@ def import_hf(hf_dir: Path, output: Path, job: JobConfig, log=print, spec: Optio
     start = time.perf_counter()
     hf_dir, output = Path(hf_dir), Path(output)
     cfg = check(hf_dir, job)
-    final = output / "iter_0000000"
+    final = output / checkpoint_name(0)
     if final.exists():
         raise ImportRefused([f"--output {output}: {final} exists already; choose a new directory"])
     hf = HFTensors(hf_dir)
@@ -238,7 +238,7 @@ def import_hf(hf_dir: Path, output: Path, job: JobConfig, log=print, spec: Optio
     fill(chunk, hf, job.model)
     from megatron.core import dist_checkpointing
 
-    tmp = output / f"iter_0000000.tmp-{os.getpid()}"
+    tmp = output / f"{checkpoint_name(0)}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
