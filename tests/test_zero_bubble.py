@@ -125,6 +125,25 @@ def test_search_offers_zb_v_beside_interleaved_at_vpp_2():
     assert all("zb_v" not in k for (pp, vp), k in kinds.items() if vp != 2)
 
 
+def test_search_ranks_zero_bubble_with_the_jobs_tp_overlap():
+    """Llama3-70B overlaps TP communication with userbuffers: its ZB-H1 and ZB-V candidates keep that (the rank
+    drops only the sub-overlaps delayed wgrad cannot have, models/zero_bubble.py ZB_TP_OVERLAP) and are priced
+    and ranked beside 1F1B and interleaved (tests/golden/search_llama3_70b.json holds where they rank)."""
+    from launcher.config import compose_job
+    from launcher.plan.search import candidates
+
+    seen = set()
+    for overrides, cand, lay in candidates(compose_job(["recipe=llama3_70b"])):
+        if cand.schedule.kind in ("zb_h1", "zb_v"):
+            assert cand.parallel.tp_comm_overlap and not any(o.startswith("parallel.tp_comm_overlap")
+                                                             for o in overrides), overrides
+            seen.add(cand.schedule.kind)
+    assert seen == {"zb_h1", "zb_v"}
+    ranked = json.loads((Path(__file__).parent / "golden" / "search_llama3_70b.json").read_text())
+    kinds = [next(o.split("=")[1] for o in c["overrides"] if o.startswith("schedule.kind=")) for c in ranked]
+    assert {"zb_h1", "zb_v"} <= set(kinds) and {"1f1b", "interleaved"} <= set(kinds)
+
+
 def test_timeline_helpers_and_trace_format(tmp_path):
     tl = [[("F", 0, 0, 0.0, 1.0), ("recv_bwd", 0, 0, 1.0, 2.0), ("B", 0, 0, 2.0, 3.0), ("W", 0, 0, 3.0, 4.0)],
           [("F", 0, 0, 1.0, 2.0), ("B", 0, 0, 2.0, 3.0), ("W", 0, 0, 3.0, 4.0)]]
