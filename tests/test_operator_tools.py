@@ -119,11 +119,57 @@ def test_deterministic_mode_environment_and_refusals(cli):
                          "model.cross_entropy_loss_fusion=true", "action=validate")
     assert code == 2
     refused = [x for x in err.splitlines() if x.startswith("error:")]
-    assert refused[0].startswith("error: model.cross_entropy_loss_fusion=True: train.deterministic=true refuses it: "
-                                 "the fused cross-entropy kernel is not deterministic; try ")
+    # both alternatives checked (a trailing comma once made the first one unparseable, so it was dropped)
+    assert refused[0] == ("error: model.cross_entropy_loss_fusion=True: train.deterministic=true refuses it: the fused "
+                          "cross-entropy kernel is not deterministic; try model.cross_entropy_loss_fusion=false or "
+                          "train.deterministic=false")
     assert refused[1] == ("error: cluster.env.NCCL_ALGO='Tree': train.deterministic=true: each algorithm must be one of "
                           "Ring, CollnetDirect, CollnetChain, ^NVLS (Tree's reduction order is not fixed); try "
                           "cluster.env.NCCL_ALGO=Ring")
+
+
+@pytest.mark.parametrize("var", ["MAMBA_DETERMINISTIC", "CAUSAL_CONV1D_DETERMINISTIC"])
+def test_deterministic_mode_refuses_what_megatron_refuses_in_the_environment(cli, var):
+    """megatron/training/determinism.py apply_determinism_env: MAMBA_DETERMINISTIC and CAUSAL_CONV1D_DETERMINISTIC,
+    if set, must start with '1' (unset follows torch.are_deterministic_algorithms_enabled)."""
+    code, out, err = cli("recipe=llama3_8b", "cluster=h100", "train.deterministic=true", f"+cluster.env.{var}=0",
+                         "action=validate")
+    assert code == 2
+    assert [x for x in err.splitlines() if x.startswith("error:")] == [
+        f"error: cluster.env.{var}='0': train.deterministic=true: must be unset or 1; try cluster.env.{var}=1"]
+
+
+def test_the_ranks_check_and_fill_the_deterministic_environment_as_megatron_does():
+    """The rank's own environment (env.sh's exports, plus whatever the launching shell passed on) is checked and
+    completed before any NCCL/cuBLAS/TE use, as Megatron-LM's apply_determinism_env does on os.environ."""
+    from launcher.core.determinism import apply_env
+
+    env = {"NCCL_ALGO": "CollnetDirect,Ring"}
+    assert apply_env(env) == []
+    assert env == {"NCCL_ALGO": "CollnetDirect,Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
+                   "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    shell = {"CAUSAL_CONV1D_DETERMINISTIC": "0", "CUBLAS_WORKSPACE_CONFIG": ":0:0"}
+    assert [(var, value) for var, value, _ in apply_env(shell)] == [("CUBLAS_WORKSPACE_CONFIG", ":0:0"),
+                                                                     ("CAUSAL_CONV1D_DETERMINISTIC", "0")]
+    assert "NCCL_ALGO" not in shell  # nothing is filled in once something is refused
+
+
+def test_a_rank_refuses_a_nondeterministic_environment_before_anything_starts(tmp_path, monkeypatch):
+    from launcher.config import job_to_yaml
+    from launcher.rank import elastic, entry
+
+    (tmp_path / "config.yaml").write_text(job_to_yaml(compose_job(["recipe=smoke", "train.deterministic=true"])))
+    monkeypatch.setenv("MAMBA_DETERMINISTIC", "0")
+
+    def started(*args, **kwargs):
+        raise AssertionError("the process group was started with a nondeterministic environment")
+
+    monkeypatch.setattr(elastic, "init_process_group_for_restart", started)
+    with pytest.raises(entry.RunRefused) as refused:
+        entry.train(tmp_path, console=None)
+    assert str(refused.value) == ("train.deterministic=true: MAMBA_DETERMINISTIC='0' in the ranks' environment (the "
+                                  "shell that launched them, or env.sh): must be unset or 1; unset it or export "
+                                  "MAMBA_DETERMINISTIC=1")
 
 
 def test_profile_settings_are_validated(cli):

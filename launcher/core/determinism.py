@@ -5,18 +5,24 @@ pinned to one whose reduction order is fixed (``NCCL_ALGO``: Ring by default; Co
 ``^NVLS`` accepted; Tree refused: its order is not user-controllable), Transformer Engine limited to deterministic
 kernels (``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``: its attention backward otherwise accumulates with atomics), cuBLAS
 on a fixed workspace (``CUBLAS_WORKSPACE_CONFIG`` ``:4096:8`` or ``:16:8``; torch refuses deterministic cuBLAS
-without it), ``MAMBA_DETERMINISTIC`` not switched off; and two settings refused: the fused cross-entropy loss and
-the TP communication overlap. The values are captured by NCCL, cuBLAS and TE at first use, so they go into env.sh,
-before any rank starts. Standard library only.
+without it), ``MAMBA_DETERMINISTIC`` and ``CAUSAL_CONV1D_DETERMINISTIC`` not switched off (upstream: "if set
+(non-empty), must start with '1'"); and two settings refused: the fused cross-entropy loss and the TP
+communication overlap (``ARG_VALUES_REQUIRED_FOR_DETERMINISM = {"cross_entropy_loss_fusion": False,
+"tp_comm_overlap": False}``). The values are captured by NCCL, cuBLAS and TE at first use, so they go into env.sh,
+before any rank starts; the ranks check and complete their own environment again (``apply_env``: upstream's
+``apply_determinism_env(os.environ)``, which a launch that bypassed env.sh, or a shell's MAMBA_DETERMINISTIC=0,
+would otherwise slip past). Standard library only.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, MutableMapping, Tuple
 
 ENV_DEFAULTS: Dict[str, str] = {"NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
                                 "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 NCCL_ALGO_TOKENS = ("Ring", "CollnetDirect", "CollnetChain", "^NVLS")
 ACCEPTED = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": ("0",), "CUBLAS_WORKSPACE_CONFIG": (":4096:8", ":16:8")}
+SSM_SWITCHES = ("MAMBA_DETERMINISTIC", "CAUSAL_CONV1D_DETERMINISTIC")
+"""Mamba SSM's and causal_conv1d's own switches: refused when set to anything but 1."""
 REFUSED_SETTINGS: Tuple[Tuple[str, str, object], ...] = (
     ("model.cross_entropy_loss_fusion", "the fused cross-entropy kernel is not deterministic", False),
     ("parallel.tp_comm_overlap", "overlapped TP collectives do not run in a reproducible order", False),
@@ -37,10 +43,26 @@ def env_problems(env: Dict[str, str]) -> List[Tuple[str, str, str]]:
         value = env.get(name)
         if value is not None and str(value) not in accepted:
             out.append((name, str(value), f"must be {' or '.join(accepted)} for deterministic kernels"))
-    mamba = env.get("MAMBA_DETERMINISTIC")
-    if mamba and not str(mamba).startswith("1"):
-        out.append(("MAMBA_DETERMINISTIC", str(mamba), "must be unset or 1"))
+    for name in SSM_SWITCHES:  # upstream: `if value: assert value[0] == "1"` (unset follows torch's setting)
+        value = env.get(name)
+        if value and not str(value).startswith("1"):
+            out.append((name, str(value), "must be unset or 1"))
     return out
+
+
+def apply_env(env: MutableMapping[str, str]) -> List[Tuple[str, str, str]]:
+    """Megatron-LM's ``apply_determinism_env`` on ``env`` (the rank's ``os.environ``): the problems, else the
+    defaults filled in where ``env`` sets none (nothing is changed when there is a problem)."""
+    problems = env_problems(dict(env))
+    if not problems:
+        for name, value in ENV_DEFAULTS.items():
+            env.setdefault(name, value)
+    return problems
+
+
+def accepted_value(name: str) -> str:
+    """The value to suggest for ``name`` in place of a refused one."""
+    return ENV_DEFAULTS.get(name) or (ACCEPTED.get(name) or ("1",))[0]
 
 
 def env_for(env: Dict[str, str]) -> Dict[str, str]:

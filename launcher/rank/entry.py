@@ -95,6 +95,13 @@ def train(bundle: Path, console) -> int:
 
     job = load_job(bundle / "config.yaml")
     layout, tr = derive(job), job.train
+    if tr.deterministic:  # Megatron-LM's apply_determinism_env(os.environ): before NCCL, cuBLAS or TE read it
+        from launcher.core.determinism import accepted_value, apply_env
+
+        for var, value, rule in apply_env(os.environ)[:1]:
+            raise RunRefused(f"train.deterministic=true: {var}={value!r} in the ranks' environment (the shell that "
+                             f"launched them, or env.sh): {rule}; unset it or export {var}={accepted_value(var)}",
+                             any_rank=True)
     elastic.init_process_group_for_restart(job.cluster.backend)  # before setup: a torchrun restart's own keys
     setup.init_distributed(cluster=job.cluster, layout=layout, seed=tr.seed)
     if job.cluster.health_check or (job.cluster.health_check is None and job.nodes > 1):

@@ -259,7 +259,7 @@ def validate_deterministic(job: JobConfig) -> list[Problem]:
     for name, why, needed in REFUSED_SETTINGS:
         value = get_value(job, name)
         c.need(value == needed, name, value, f"train.deterministic=true refuses it: {why}",
-               f"{name}={str(needed).lower()}, or train.deterministic=false")
+               f"{name}={str(needed).lower()} or train.deterministic=false")
     for var, value, rule in env_problems(dict(job.cluster.env)):
         fix = ENV_DEFAULTS.get(var) or (ACCEPTED_DETERMINISTIC.get(var) or ("1",))[0]
         c.need(False, f"cluster.env.{var}", value, f"train.deterministic=true: {rule}", f"cluster.env.{var}={fix}")
