@@ -57,7 +57,10 @@ def parse_value(key: str, text: str):
         return None
     if "List" in kind:
         inner = text.strip("[]")
-        return [s.strip() for s in inner.split(",") if s.strip()] if inner else []
+        items = [s.strip().strip("'\"") for s in inner.split(",") if s.strip()] if inner else []
+        item = kind.split("List[", 1)[1]  # List[int] / List[float] items as numbers (profile.ranks=[0])
+        return [int(x) for x in items] if item.startswith("int") else \
+            [float(x) for x in items] if item.startswith("float") else items
     if "Dict" in kind:
         raise ValueError("dict fields are not set by hints")
     if "bool" in kind:
