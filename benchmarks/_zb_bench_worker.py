@@ -14,6 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from launcher.schema import Schedule  # noqa: E402
 
 
 def build(job, layout, kind: str, cache: str):
@@ -37,7 +38,7 @@ def build(job, layout, kind: str, cache: str):
     return lp, iters
 
 
-def main(kinds=("1f1b", "zb_h1"), build_run=None) -> int:
+def main(kinds=(Schedule.ONE_F_ONE_B, Schedule.ZB_H1), build_run=None) -> int:
     """Build the job once per schedule in ``kinds`` (with ``build_run``, default ``build``) and train them in
     alternating steps; benchmarks/_zbv_bench_worker.py runs the same loop for interleaved vs ZB-V."""
     out, steps, overrides = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]

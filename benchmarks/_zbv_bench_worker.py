@@ -14,6 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from launcher.schema import Schedule  # noqa: E402
 
 
 def build(job, layout, kind: str, cache: str):
@@ -34,7 +35,7 @@ def build(job, layout, kind: str, cache: str):
     lp = loop.Loop(model=model, optimizer=optimizer, scheduler=scheduler, train=tr, seq_length=job.model.seq_length,
                    num_microbatches=layout.microbatches, kind=kind, dp_size=layout.dp, record_timeline=True,
                    zb_v_costs=job.schedule.zb_v_costs)
-    if kind == "interleaved":  # Loop records 1f1b/zb only: time Megatron's interleaved the way it times 1F1B
+    if kind == Schedule.INTERLEAVED:  # Loop records 1f1b/zb only: time Megatron's interleaved the way it times 1F1B
 
         @contextlib.contextmanager
         def recording():
@@ -53,7 +54,7 @@ def build(job, layout, kind: str, cache: str):
 def main() -> int:
     from _zb_bench_worker import main as alternate  # the same alternating loop, over these two schedules
 
-    return alternate(("interleaved", "zb_v"), build)
+    return alternate((Schedule.INTERLEAVED, Schedule.ZB_V), build)
 
 
 if __name__ == "__main__":

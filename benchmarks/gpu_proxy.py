@@ -99,6 +99,7 @@ def main(argv=None) -> dict:
     from launcher.core.flops import flops_per_token
     from launcher.rank import loop, optim, setup
     from launcher.rank.metrics import memory_gib
+    from launcher.schema import Schedule
     from models import build_model
 
     on_gpu = torch.cuda.is_available()
@@ -114,7 +115,7 @@ def main(argv=None) -> dict:
     scheduler = optim.build_scheduler(optimizer, train=train, steps=layout.steps)
     optim.hook_model_config(model, optimizer, parallel=parallel)
     lp = loop.Loop(model=model, optimizer=optimizer, scheduler=scheduler, train=train, seq_length=args.seq,
-                   num_microbatches=layout.microbatches, kind="1f1b", dp_size=layout.dp)
+                   num_microbatches=layout.microbatches, kind=Schedule.ONE_F_ONE_B, dp_size=layout.dp)
     data = [_batches(args)]
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     losses = []

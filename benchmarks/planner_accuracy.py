@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from launcher.schema import Schedule  # noqa: E402
 
 NEMO_2412 = "https://docs.nvidia.com/nemo-framework/user-guide/24.12/nemotoolkit/performance/performance_summary.html"
 MB_ARCHIVE = "https://docs.nvidia.com/nemo/megatron-bridge/latest/performance-summary-archive.html"
@@ -177,7 +178,7 @@ def _overrides(row: Row, cluster: str = "h100") -> list[str]:
            f"parallel.tp_comm_overlap={'true' if _tp_overlap(row) else 'false'}",
            "parallel.first_stage_layers=null", "parallel.last_stage_layers=null",
            f"train.micro_batch_size={row.mbs}", f"train.global_batch_size={row.gbs}",
-           f"schedule.kind={'interleaved' if row.vp > 1 else '1f1b'}",
+           f"schedule.kind={Schedule.INTERLEAVED if row.vp > 1 else Schedule.ONE_F_ONE_B}",
            f"schedule.overlap_p2p_comm={'true' if row.vp > 1 else 'false'}",
            f"precision.fp8={row.fp8 or ('delayed' if row.release == '24.12' else 'tensorwise')}",
            "train.recompute=selective" if row.model == "deepseek_v3" else "train.recompute=none", "force=true"]

@@ -30,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from launcher.schema import Schedule  # noqa: E402
 
 P, MICROBATCHES = 2, 8
 JOB = ["data=mock", "schedule.kind=1f1b", "parallel.tensor=1", f"parallel.pipeline={P}", "cluster.gpus_per_node=2",
@@ -52,7 +53,7 @@ def run(steps: int, work: Path) -> dict:
         raise SystemExit(f"benchmark failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     ranks = json.loads(out.read_text())
     res = {}
-    for kind in ("1f1b", "zb_h1"):
+    for kind in (Schedule.ONE_F_ONE_B, Schedule.ZB_H1):
         per_step = [[[tuple(s) for s in r["record"][kind]["steps"][i]] for r in ranks] for i in range(steps)]
         res[kind] = {"ms": ranks[0]["record"][kind]["ms"], "loss": ranks[0]["record"][kind]["loss"],
                      "timelines": per_step[-1], "steps": per_step[1:]}
@@ -85,11 +86,11 @@ def main(argv=None) -> int:
         r["idle"] = statistics.median(timeline.idle_fraction(step) for step in r["steps"])
         r["makespan_ms"] = 1e3 * statistics.median(timeline.window(st)[1] - timeline.window(st)[0]
                                                    for st in r["steps"])
-    zb = res["zb_h1"]["steps"]
+    zb = res[Schedule.ZB_H1]["steps"]
     t_f, t_b, t_w = median_span(zb, "F"), median_span(zb, "B"), median_span(zb, "W")
-    t_bw = median_span(res["1f1b"]["steps"], "BW")
+    t_bw = median_span(res[Schedule.ONE_F_ONE_B]["steps"], "BW")
     busy = MICROBATCHES * (t_f + t_b + t_w)
-    pred = {"1f1b": (P - 1) * (t_f + t_b + t_w), "zb_h1": (P - 1) * max(t_f + t_b - t_w, 0.0)}
+    pred = {Schedule.ONE_F_ONE_B: (P - 1) * (t_f + t_b + t_w), Schedule.ZB_H1: (P - 1) * max(t_f + t_b - t_w, 0.0)}
     shape = {k.split(".")[-1]: v for k, v in (a.split("=", 1) for a in JOB) if k.startswith("model.")}
     print(f"PP={P}, {MICROBATCHES} microbatches, 1 thread per rank; hidden {shape['hidden_size']}, FFN "
           f"{shape['ffn_hidden_size']}, {shape['num_layers']} layers, seq {shape['seq_length']}, vocabulary "
@@ -101,10 +102,11 @@ def main(argv=None) -> int:
     for kind, r in res.items():
         print(f"{kind:10} {r['step_ms']:9.1f} {r['makespan_ms']:21.1f} {r['idle']:14.3f} "
               f"{pred[kind] / (busy + pred[kind]):17.3f} {1e3 * (busy + pred[kind]):24.1f}")
-    a, b = res["1f1b"], res["zb_h1"]
+    a, b = res[Schedule.ONE_F_ONE_B], res[Schedule.ZB_H1]
+    zb, fb = pred[Schedule.ZB_H1], pred[Schedule.ONE_F_ONE_B]
     print(f"zb_h1 / 1f1b: idle fraction {b['idle'] / a['idle']:.3f} (closed form "
-          f"{(pred['zb_h1'] / (busy + pred['zb_h1'])) / (pred['1f1b'] / (busy + pred['1f1b'])):.3f}), "
-          f"step time {b['step_ms'] / a['step_ms']:.3f} (closed form {(busy + pred['zb_h1']) / (busy + pred['1f1b']):.3f})")
+          f"{(zb / (busy + zb)) / (fb / (busy + fb)):.3f}), "
+          f"step time {b['step_ms'] / a['step_ms']:.3f} (closed form {(busy + zb) / (busy + fb):.3f})")
     paired = statistics.median(z / o for z, o in zip(b["ms"][1:], a["ms"][1:]))
     paired_idle = statistics.median(timeline.idle_fraction(z) / timeline.idle_fraction(o)
                                     for z, o in zip(b["steps"], a["steps"]))

@@ -23,6 +23,7 @@ from launcher.config import RECIPES_DIR  # noqa: E402
 from launcher.config import compose_job  # noqa: E402
 from launcher.plan import PlanError, plan_job  # noqa: E402
 from launcher.plan.timing import zb_v_costs_estimate  # noqa: E402
+from launcher.schema import Schedule  # noqa: E402
 from launcher.validate import validate  # noqa: E402
 
 
@@ -31,15 +32,15 @@ def variants(job) -> list[tuple[str, list[str]]]:
     changed = []
     if job.parallel.moe_a2a_overlap:
         changed.append("parallel.moe_a2a_overlap=false")
-    return [("zb_h1", ["schedule.kind=zb_h1", "parallel.virtual_pipeline=null", "schedule.overlap_p2p_comm=false",
-                       *changed]),
-            ("zb_v", ["schedule.kind=zb_v", "parallel.virtual_pipeline=2", "schedule.overlap_p2p_comm=false",
-                      *changed])]
+    return [(Schedule.ZB_H1, ["schedule.kind=zb_h1", "parallel.virtual_pipeline=null",
+                              "schedule.overlap_p2p_comm=false", *changed]),
+            (Schedule.ZB_V, ["schedule.kind=zb_v", "parallel.virtual_pipeline=2", "schedule.overlap_p2p_comm=false",
+                             *changed])]
 
 
 def row(name: str, overrides: list[str]) -> dict:
     job = compose_job([f"recipe={name}", *overrides])
-    if job.schedule.kind == "zb_v":  # the order tuned to this job's chunk costs
+    if job.schedule.kind == Schedule.ZB_V:  # the order tuned to this job's chunk costs
         costs = zb_v_costs_estimate(job)
         overrides = [*overrides, f"schedule.zb_v_costs=[{','.join(f'{c:g}' for c in costs)}]"]
         job = compose_job([f"recipe={name}", *overrides])

@@ -25,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from launcher.schema import Schedule  # noqa: E402
 
 P, MICROBATCHES = 4, 8
 JOB = ["data=mock", "schedule.kind=zb_v", "parallel.tensor=1", f"parallel.pipeline={P}",
@@ -46,7 +47,7 @@ def run(steps: int, work: Path, costs: str) -> dict:
         raise SystemExit(f"benchmark failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     ranks = json.loads(out.read_text())
     res = {}
-    for kind in ("interleaved", "zb_v"):
+    for kind in (Schedule.INTERLEAVED, Schedule.ZB_V):
         per_step = [[[tuple(s) for s in r["record"][kind]["steps"][i]] for r in ranks] for i in range(steps)]
         res[kind] = {"ms": ranks[0]["record"][kind]["ms"], "loss": ranks[0]["record"][kind]["loss"],
                      "steps": per_step[1:]}
@@ -69,7 +70,7 @@ def main(argv=None) -> int:
         res = run(args.steps, Path(tmp), args.costs)
     print(f"machine load average before {' '.join(load)}, after {' '.join(Path('/proc/loadavg').read_text().split()[:3])}"
           f" (cores: {os.cpu_count()}, ranks: {P})")
-    zb = res["zb_v"]["steps"]
+    zb = res[Schedule.ZB_V]["steps"]
     t_f, t_b, t_w = median_span(zb, "F"), median_span(zb, "B"), median_span(zb, "W")
     print(f"PP={P}, 2 chunks per rank, {MICROBATCHES} microbatches, {args.steps} steps (medians over the steps after "
           f"the first); zb_v order for chunk costs [{args.costs}]; measured chunk T_F {t_f * 1e3:.1f} ms, T_B "
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
         r["step_ms"] = statistics.median(r["ms"][1:])
         r["idle"] = statistics.median(timeline.idle_fraction(step) for step in r["steps"])
         print(f"{kind:12} {r['step_ms']:9.1f} {r['idle']:14.3f}")
-    a, b = res["interleaved"], res["zb_v"]
+    a, b = res[Schedule.INTERLEAVED], res[Schedule.ZB_V]
     paired = statistics.median(z / o for z, o in zip(b["ms"][1:], a["ms"][1:]))
     paired_idle = statistics.median(timeline.idle_fraction(z) / timeline.idle_fraction(o)
                                     for z, o in zip(b["steps"], a["steps"]))

@@ -7,19 +7,20 @@ import re
 import sys
 from pathlib import Path
 
-from launcher.core import derive
+from launcher.core import Layout, derive
 from launcher.problems import EXIT_USAGE, Problem
 from launcher.schema import JobConfig
+from launcher.validate import Checked
 
 
-def tokens_needed(job: JobConfig) -> int:
-    """Tokens the run consumes (what the data pre-flight checks the blend against)."""
-    return derive(job).tokens
+def tokens_needed(job: JobConfig, lay: Layout | None = None) -> int:
+    """Tokens the run consumes (what the data pre-flight checks the blend against; ``lay``: derived if None)."""
+    return (lay or derive(job)).tokens
 
 
-def summary(job: JobConfig) -> str:
-    """One line: model, cluster, the derived layout, schedule, precision, microbatches."""
-    lay = derive(job)
+def summary(job: JobConfig, lay: Layout | None = None) -> str:
+    """One line: model, cluster, the derived layout (``lay``: derived if None), schedule, precision, microbatches."""
+    lay = lay or derive(job)
     return (f"{job.name}: {job.model.name} on {job.nodes}x{job.cluster.gpus_per_node} {job.cluster.gpu} "
             f"(TP{lay.tp} PP{lay.pp}{f' VPP{lay.vpp}' if lay.vpp > 1 else ''} CP{lay.cp}"
             f"{f' EP{lay.ep}' if lay.ep > 1 else ''} DP{lay.dp}), {job.schedule.kind}, "
@@ -27,27 +28,27 @@ def summary(job: JobConfig) -> str:
             f"{lay.microbatches} microbatches/step")
 
 
-def do_validate(job: JobConfig, args) -> int:
-    print(f"valid: {summary(job)}")
+def do_validate(job: JobConfig, args, checked: Checked) -> int:
+    print(f"valid: {summary(job, checked.layout)}")
     return 0
 
 
-def do_plan(job: JobConfig, args) -> int:
+def do_plan(job: JobConfig, args, checked: Checked) -> int:
     from launcher.plan import plan_job
-    plan = plan_job(job)
+    plan = plan_job(job, checked=checked)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
         _print_rich(plan.table())
     from launcher.plan.pictures import draw_job_schedules  # 1f1b / interleaved / zb_h1 pictures (PP > 1)
-    for path in draw_job_schedules(job):
+    for path in draw_job_schedules(job, lay=checked.layout):
         print(f"schedule picture: {path}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
-def do_search(job: JobConfig, args) -> int:
+def do_search(job: JobConfig, args, checked: Checked) -> int:
     from launcher.plan.search import search
-    results = search(job, top=10)
+    results = search(job, top=10, layout=checked.layout)
     if args.json:
         print(json.dumps([c.to_dict() for c in results], indent=2))
         return 0
@@ -59,7 +60,7 @@ def do_search(job: JobConfig, args) -> int:
     return 0
 
 
-def do_list(job: JobConfig, args) -> int:
+def do_list(job: JobConfig, args, checked: Checked) -> int:
     """The recipe catalogue: each model's parameters and its H100/H200 layouts, as the planner predicts them."""
     from launcher.catalog import catalogue_rows, print_table
     rows = catalogue_rows()
@@ -105,17 +106,19 @@ def _print_rich(renderable) -> None:
     Console(width=140).print(renderable)
 
 
-def preflight_data(job: JobConfig) -> list[Problem]:
-    """Login-node data pre-flight (files, headers, vocab, blend weights, tokens available vs needed)."""
+def preflight_data(job: JobConfig, lay: Layout | None = None) -> list[Problem]:
+    """Login-node data pre-flight (files, headers, vocab, blend weights, tokens available vs needed; ``lay``: the
+    job's layout, derived if None)."""
     if job.data.kind != "indexed":
         return []
     from launcher.data_preflight import preflight
-    return preflight(job.data, vocab_size=job.model.vocab_size, tokens_needed=tokens_needed(job))
+    return preflight(job.data, vocab_size=job.model.vocab_size, tokens_needed=tokens_needed(job, lay))
 
 
-def launch_preflight(job: JobConfig) -> list[Problem]:
+def launch_preflight(job: JobConfig, checked: Checked | None = None) -> list[Problem]:
     """What render or run would refuse, found by validate too: a checkpoint dir that takes no file, and a Slurm
-    time limit too short for the derived signal lead (the planner's save estimate, or a measured save)."""
+    time limit too short for the derived signal lead (the planner's save estimate, or a measured save).
+    ``checked``: the job's validation so far (validated again when None)."""
     from launcher.executor import checkpoint_dir_problem
 
     problems = []
@@ -128,7 +131,7 @@ def launch_preflight(job: JobConfig) -> list[Problem]:
         from launcher.render import _time_limit_s, lead_problem
 
         try:
-            plan = plan_job(job).to_dict()
+            plan = plan_job(job, checked=checked).to_dict()
         except PlanError:
             return problems
         limit = _time_limit_s(job)
@@ -142,7 +145,7 @@ HF_LINE = re.compile(r"^(model\.\w+)=(.*?): (.*); try (model\.\w+=.*)$")
 """import-hf's line for one differing field (launcher/hf/arch.py ``_line``): field=value: rule; try field=value."""
 
 
-def hf_import_dir(job: JobConfig) -> Path:
+def hf_import_dir(job: JobConfig, lay: Layout | None = None) -> Path:
     """Where checkpoint.load_hf is imported: output_dir/hf-imports/NAME-DIGEST, the digest over the HF directory
     (path, and size and mtime of config.json and every weights file), the whole model entry, the dtype, the layer
     spec and the padded vocabulary: a job that would import the same tensors reuses the import."""
@@ -156,11 +159,11 @@ def hf_import_dir(job: JobConfig) -> Path:
     key = json.dumps({"hf": str(src), "files": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files],
                       "model": dataclasses.asdict(job.model), "dtype": job.precision.dtype,
                       "te": uses_transformer_engine(job.precision, job.cluster),
-                      "padded_vocab": derive(job).padded_vocab}, sort_keys=True, default=str)
+                      "padded_vocab": (lay or derive(job)).padded_vocab}, sort_keys=True, default=str)
     return Path(job.output_dir).resolve() / "hf-imports" / f"{src.name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
-def hf_start(job: JobConfig, *, import_weights: bool) -> tuple[JobConfig, list[Problem]]:
+def hf_start(job: JobConfig, *, import_weights: bool, layout: Layout | None = None) -> tuple[JobConfig, list[Problem]]:
     """checkpoint.load_hf: compare the HF config.json with the model entry (one problem per differing field) and,
     unless only validating, import it (once: an import of the same weights for the same model is reused); the job
     then starts from the import as checkpoint.load, the path every layout loads. Both run in ``python -m launcher
@@ -170,7 +173,7 @@ def hf_start(job: JobConfig, *, import_weights: bool) -> tuple[JobConfig, list[P
 
     from launcher.core import job_to_yaml
 
-    src, out = job.checkpoint.load_hf, hf_import_dir(job)
+    src, out = job.checkpoint.load_hf, hf_import_dir(job, layout)
     final = out / "iter_0000000"
     from launcher.core.checkpoint_dir import read_manifest
 
@@ -220,20 +223,21 @@ def _ckpt_dir(job: JobConfig):
     return checkpoint_dir(job.checkpoint.dir, Path()) if job.checkpoint.dir else None
 
 
-def prepare_bundle(job: JobConfig, args):
+def prepare_bundle(job: JobConfig, args, checked: Checked):
     """Plan (refusing a predicted OOM unless force), render and write the bundle. The data pre-flight has run
-    already, with validation (``launcher.cli.main``), for every action that renders."""
+    already, with validation (``launcher.cli.main``, whose findings ``checked`` holds), for every action that
+    renders."""
     from launcher.plan import oom_message, plan_job
     from launcher.render import RenderError, write_bundle
 
-    plan = plan_job(job)
+    plan = plan_job(job, checked=checked)
     if not plan.fits and not job.force:
         print(oom_message(plan, job), file=sys.stderr)
         print("error: predicted out of memory; change the layout (try action=search) or set force=true",
               file=sys.stderr)
         return None
     try:
-        bundle = write_bundle(job, argv=args.overrides, plan=plan.to_dict())
+        bundle = write_bundle(job, argv=args.overrides, plan=plan.to_dict(), lay=checked.layout)
     except RenderError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return None
@@ -246,8 +250,8 @@ def prepare_bundle(job: JobConfig, args):
     return bundle
 
 
-def do_render(job: JobConfig, args) -> int:
-    bundle = prepare_bundle(job, args)
+def do_render(job: JobConfig, args, checked: Checked) -> int:
+    bundle = prepare_bundle(job, args, checked)
     if bundle is None:
         return EXIT_USAGE
     if job.cluster.launcher == "slurm":
@@ -257,9 +261,9 @@ def do_render(job: JobConfig, args) -> int:
     return 0
 
 
-def do_submit(job: JobConfig, args) -> int:
+def do_submit(job: JobConfig, args, checked: Checked) -> int:
     from launcher.executor import SlurmExecutor, SubmitError
-    bundle = prepare_bundle(job, args)
+    bundle = prepare_bundle(job, args, checked)
     if bundle is None:
         return EXIT_USAGE
     try:
@@ -271,9 +275,9 @@ def do_submit(job: JobConfig, args) -> int:
     return 0
 
 
-def do_run(job: JobConfig, args) -> int:
+def do_run(job: JobConfig, args, checked: Checked) -> int:
     from launcher.executor import LocalExecutor, checkpoint_preflight
-    bundle = prepare_bundle(job, args)
+    bundle = prepare_bundle(job, args, checked)
     if bundle is None:
         return EXIT_USAGE
     problem = checkpoint_preflight(job, bundle)  # unwritable / full checkpoint dir: say so before training

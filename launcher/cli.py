@@ -12,7 +12,7 @@ from launcher.config import ConfigError, compose_dict, secret_problems, to_job
 from launcher.overrides import check_override
 from launcher.problems import EXIT_USAGE, errors, report
 from launcher.schema import JobConfig
-from launcher.validate import RANK_ACTIONS, rank_side_limits, validate, verified_hint
+from launcher.validate import RANK_ACTIONS, Checked, check, rank_side_limits, verified_hint
 
 
 @dataclass
@@ -93,7 +93,8 @@ def _main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     job, refused = _absolute_paths(job)
-    problems = validate(job)
+    checked = check(job)  # the one validation (and derivation) of this job: the action is handed both
+    problems, lay = checked.problems, checked.layout
     if refused:  # a relative path with a container image: said once, as the path rule's line
         problems = refused + [p for p in problems if (p.field, str(p.value)) not in
                               {(r.field, r.value) for r in refused}]
@@ -103,18 +104,18 @@ def _main(argv: list[str] | None = None) -> int:
     if not errors(problems) and action not in ("plan", "search", "list"):
         # One pipeline for every action that checks or starts a run: validate's data pre-flight is render's.
         from launcher.actions import preflight_data
-        problems += [verified_hint(job, p, problems) for p in preflight_data(job)]
+        problems += [verified_hint(job, p, problems) for p in preflight_data(job, lay)]
     if not errors(problems) and action in RANK_ACTIONS:
         from launcher.actions import launch_preflight  # what render or run would refuse: validate says it too
-        problems += launch_preflight(job)
+        problems += launch_preflight(job, Checked(problems, lay))
     if not errors(problems) and action in RANK_ACTIONS and job.checkpoint.load_hf:
         from launcher.actions import hf_start  # config.json compared (and, to run, imported) before anything runs
-        job, found = hf_start(job, import_weights=action != "validate")
+        job, found = hf_start(job, import_weights=action != "validate", layout=lay)
         problems += found
     report(problems)
     if errors(problems):
         return EXIT_USAGE
-    return run_action(job, action, args)
+    return run_action(job, action, args, Checked(problems, lay))
 
 
 def _absolute_paths(job: JobConfig) -> tuple[JobConfig, list]:
@@ -127,15 +128,16 @@ def _absolute_paths(job: JobConfig) -> tuple[JobConfig, list]:
     return (job if refused else with_absolute_paths(job)), refused
 
 
-def run_action(job: JobConfig, action: str, args: Args) -> int:
+def run_action(job: JobConfig, action: str, args: Args, checked: Checked) -> int:
+    """The action's handler, given the job as validated (``checked``: its problems and layout)."""
     from launcher import actions
     if action == "megatron-args":
         from launcher.megatron_lm import do_megatron_args
-        return do_megatron_args(job, args)
+        return do_megatron_args(job, args, checked)
     handler = {"validate": actions.do_validate, "plan": actions.do_plan, "search": actions.do_search,
                "render": actions.do_render, "submit": actions.do_submit, "run": actions.do_run,
                "list": actions.do_list}[action]
-    return handler(job, args)
+    return handler(job, args, checked)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -33,7 +33,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from launcher import ROOT
 from launcher.config import job_to_yaml
-from launcher.core import derive
+from launcher.core import Layout, derive
 from launcher.core.checkpoint_dir import checkpoint_dir
 from launcher.core.cuda_env import job_env
 from launcher.core.paths import absolute
@@ -194,15 +194,16 @@ def new_bundle_dir(job: JobConfig, now: _dt.datetime | None = None) -> Path:
 
 
 def write_bundle(job: JobConfig, *, argv: list[str], plan: dict | None = None,
-                 bundle_dir: Path | None = None) -> Bundle:
+                 bundle_dir: Path | None = None, lay: Layout | None = None) -> Bundle:
     """Render, cross-check and write the bundle atomically (temp dir + rename); never overwrites one. Two
     launches in the same second pick the same name: the one whose rename comes second takes the next free name
-    (``-2``, ...) and renders again, since the scripts hold their own path."""
+    (``-2``, ...) and renders again, since the scripts hold their own path. ``lay``: the job's layout (derived
+    if None), which the rendered scripts are cross-checked against."""
     lead = signal_lead_of(job, plan)
     for _ in range(100):
         final = (bundle_dir or new_bundle_dir(job)).resolve()
         texts = render_texts(job, final, lead)
-        issues = cross_check(job, texts)
+        issues = cross_check(job, texts, lay)
         if issues:
             raise RenderError("rendered bundle failed its cross-check: " + "; ".join(issues))
         if _place(job, final, texts, argv, plan, lead):
@@ -255,13 +256,14 @@ def atomic_write(path: Path, text: str) -> None:
         raise
 
 
-def cross_check(job: JobConfig, texts: dict[str, str]) -> list[str]:
-    """Re-read the rendered scripts and confirm they launch exactly the ranks the parallel layout needs."""
+def cross_check(job: JobConfig, texts: dict[str, str], lay: Layout | None = None) -> list[str]:
+    """Re-read the rendered scripts and confirm they launch exactly the ranks the parallel layout needs
+    (``lay``: derived if None)."""
     def find(pattern: str, text: str) -> int | None:
         m = re.search(pattern, text, re.MULTILINE)
         return int(m.group(1)) if m else None
 
-    lay = derive(job)
+    lay = lay or derive(job)
     nodes = find(r"^#SBATCH --nodes=(\d+)$", texts["job.sbatch"])
     nproc = find(r"--nproc-per-node=(\d+)", texts["launch.sh"])
     tnodes = find(r"--nnodes=(\d+)", texts["launch.sh"])

@@ -18,6 +18,16 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
 
+
+class Schedule:
+    """The pipeline schedules (``schedule.kind``) by name: code branches on these names, never on a literal
+    (tests/test_named_literals.py)."""
+
+    ONE_F_ONE_B, INTERLEAVED, ZB_H1, ZB_V = "1f1b", "interleaved", "zb_h1", "zb_v"
+    ZERO_BUBBLE = (ZB_H1, ZB_V)
+    """Ours (no upstream schedule): the backward split into B (input gradient) and W (weight gradient, deferred)."""
+
+
 # ---- Allowed values, declared once. Validation reads them from the field metadata (``choices_of``); the rank
 # side maps each name to its Megatron-Core value and a test checks the maps cover exactly these names.
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
@@ -27,7 +37,7 @@ MOE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 MOE_DISPATCHERS = ("alltoall", "allgather", "flex")
 MOE_FLEX_BACKENDS = ("deepep", "hybridep")
-SCHEDULES = ("1f1b", "interleaved", "zb_h1", "zb_v")
+SCHEDULES = (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED, Schedule.ZB_H1, Schedule.ZB_V)
 DTYPES = ("bf16", "fp16", "fp32")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 FP8_FORMATS = ("hybrid", "e4m3")
@@ -242,7 +252,7 @@ class ParallelConfig:
 class ScheduleConfig:
     """Pipeline schedule."""
 
-    kind: str = choice("1f1b", SCHEDULES)
+    kind: str = choice(Schedule.ONE_F_ONE_B, SCHEDULES)
     """Pipeline schedule: 1f1b, interleaved (needs virtual_pipeline > 1), zb_h1 (zero bubble) or zb_v (zero
     bubble over two model chunks per rank placed in a V; needs virtual_pipeline = 2)."""
     microbatch_group_size: Optional[int] = None

@@ -18,6 +18,7 @@ import torch
 from launcher.core import Layout
 from launcher.core.schedules import ZERO_BUBBLE
 from launcher.schema import FP8_FORMATS, FP8_RECIPES, ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig
+from launcher.schema import Schedule
 
 
 def compute_device() -> torch.device:
@@ -113,7 +114,7 @@ its method is not "bulk" (transformer_engine/pytorch/module/base.py ``initialize
 
 
 def userbuffer_kwargs(*, model: ModelConfig, precision: PrecisionConfig, train: TrainConfig,
-                      layout: Layout, schedule_kind: str = "1f1b") -> Dict[str, Any]:
+                      layout: Layout, schedule_kind: str = Schedule.ONE_F_ONE_B) -> Dict[str, Any]:
     """Arguments of Transformer Engine's ``initialize_ub`` for TP communication overlap, as Megatron-LM's
     ``_initialize_tp_communicators`` computes them: one [tokens per CP rank, hidden] buffer shape; TE's default
     buffers, except the dgrad reduce-scatter ones of a zero-bubble schedule (``ZB_UB_CFGS``)."""
@@ -123,7 +124,7 @@ def userbuffer_kwargs(*, model: ModelConfig, precision: PrecisionConfig, train: 
 
 
 def initialize_tp_comm_overlap(*, model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig,
-                               train: TrainConfig, layout: Layout, schedule_kind: str = "1f1b") -> bool:
+                               train: TrainConfig, layout: Layout, schedule_kind: str = Schedule.ONE_F_ONE_B) -> bool:
     """Set up TE's userbuffers when parallel.tp_comm_overlap (before the model is built, after the process
     groups exist); returns whether it did. TP overlap without TE is refused by validation and here."""
     if not parallel.tp_comm_overlap:

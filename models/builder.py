@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from launcher.core import Layout, derive
-from launcher.schema import JobConfig, ModelConfig, ParallelConfig, PrecisionConfig, ScheduleConfig
+from launcher.schema import JobConfig, ModelConfig, ParallelConfig, PrecisionConfig, Schedule, ScheduleConfig
 from models import backend
 from models.seeds import layer_seed
 from models.zero_bubble import zb_tp_overlap
@@ -290,7 +290,7 @@ def build_model(*, model: ModelConfig, parallel: ParallelConfig, precision: Prec
                                 recompute_modules=recompute_modules,
                                 te=te, deterministic=deterministic)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    kind = schedule.kind if schedule is not None else "1f1b"
+    kind = schedule.kind if schedule is not None else Schedule.ONE_F_ONE_B
     chunks = []
     for vp_stage in range(layout.vpp):
         torch.manual_seed(seed)  # embeddings: the same draw on every rank that builds them
@@ -299,7 +299,7 @@ def build_model(*, model: ModelConfig, parallel: ParallelConfig, precision: Prec
         # and builds its layers, and decides pre/post-process, from that rank (zb.v_chunk_pg_collection)
         layer_rank = zb.v_layer_rank(kind, layout.pp, pp_rank, vp_stage)
         spec = _seed_layers(backend.decoder_block_spec(config, te, vp_stage=vp, pp_rank=layer_rank), seed)
-        zero_bubble = kind in ("zb_h1", "zb_v")
+        zero_bubble = kind in Schedule.ZERO_BUBBLE
         if zero_bubble:  # split backward: weight gradients deferred into W slots (models/zero_bubble.py)
             spec = zb.defer_wgrad_spec(spec, te)
         extra = {"pg_collection": zb.v_chunk_pg_collection(layer_rank)} if layer_rank != pp_rank else {}

@@ -30,6 +30,7 @@ from typing import Callable, Deque, List, Optional, Tuple
 import torch
 
 from launcher.core.schedules import ZERO_BUBBLE
+from launcher.schema import Schedule
 
 ZB_ATTR = "zb_delayed_wgrad"
 """Attribute set on modules whose weight gradient is deferred (local: queued in STORE; TE: backward_dw)."""
@@ -385,7 +386,7 @@ def defer_output_layer(chunk) -> None:
 def v_layer_rank(kind: str, p: int, rank: int, chunk: int) -> int:
     """The pipeline rank whose interleaved chunk ``chunk`` holds the same stage as this rank's chunk under
     ``kind``: itself, except ZB-V's chunk 1 (stage 2p - 1 - r = interleaved chunk 1 of rank p - 1 - r)."""
-    return p - 1 - rank if kind == "zb_v" and chunk == 1 else rank
+    return p - 1 - rank if kind == Schedule.ZB_V and chunk == 1 else rank
 
 
 def holds_stage(kind: str, p: int, rank: int, chunk: int, chunks: int, first: bool) -> bool:
@@ -393,7 +394,7 @@ def holds_stage(kind: str, p: int, rank: int, chunk: int, chunks: int, first: bo
     (``launcher.core.schedules.stage_of``; ZB-V: both on rank 0)."""
     from launcher.core.schedules import stage_of
 
-    stage = stage_of(kind if kind == "zb_v" else "interleaved", p, rank, chunk)
+    stage = stage_of(kind if kind == Schedule.ZB_V else Schedule.INTERLEAVED, p, rank, chunk)
     return stage == 0 if first else stage == p * chunks - 1
 
 

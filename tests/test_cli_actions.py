@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from launcher.executor import SubmitError, parse_job_id
 
@@ -78,3 +79,38 @@ def test_parse_job_id(text, expected):
 def test_parse_job_id_refuses_garbage():
     with pytest.raises(SubmitError):
         parse_job_id("sbatch: error: invalid partition\n")
+
+
+def _counted(monkeypatch, fn) -> list:
+    """Every binding of ``fn`` in the project's loaded modules replaced by a wrapper that records its first
+    argument (a module that imported the name holds its own binding)."""
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(args[0] if args else next(iter(kwargs.values())))
+        return fn(*args, **kwargs)
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").partition(".")[0] in ("launcher", "data", "models"):
+            for name, value in list(vars(module).items()):
+                if value is fn:
+                    monkeypatch.setattr(module, name, counting)
+    return calls
+
+
+@pytest.mark.parametrize("args", [("recipe=smoke", "action=validate"), ("recipe=smoke", "action=plan"),
+                                  ("recipe=smoke", "action=render"), ("recipe=smoke", "action=megatron-args"),
+                                  ("recipe=llama3_8b", "action=render"), ("recipe=smoke", "action=search")])
+def test_the_cli_validates_and_derives_a_job_once(cli, tmp_path, monkeypatch, args):
+    """The CLI hands the job it validated and its Layout on (launcher.validate.Checked): no action validates or
+    derives that job again (the hint search and the layout search derive other jobs, copies with changes)."""
+    import launcher.actions, launcher.megatron_lm.translate, launcher.plan.pictures, launcher.plan.search  # noqa: F401
+    import launcher.render  # noqa: F401  -- loaded first, so that their own bindings are counted too
+    from launcher.core import layout
+    from launcher.validate import sections
+
+    rules, derived = _counted(monkeypatch, sections.run_rules), _counted(monkeypatch, layout.derive)
+    code, _, err = cli(*args, f"output_dir={tmp_path}")
+    assert code == 0, err
+    job = rules[0]
+    assert sum(j is job for j in rules) == 1, "validated again"
+    assert sum(j is job for j in derived) == 1, f"derived {sum(j is job for j in derived)} times"

@@ -1,6 +1,6 @@
 """ZB-H1 + FP8 + linear biases is refused: Transformer Engine's delayed-wgrad ``backward_dw`` sets a bias
 gradient from the GEMM's bgrad, which is None under FP8 (the bias gradient is computed in B instead), and a
-stage that runs a second B before the first W then finds no bias grad to keep (launcher/validate.py
+stage that runs a second B before the first W then finds no bias grad to keep (launcher/validate/schedule.py
 zb_h1_rules cites the TE lines)."""
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import List, Optional, Tuple
 
 from launcher.core.schedules import place
-from launcher.schema import ClusterConfig, JobConfig, ModelConfig, ParallelConfig, PrecisionConfig
+from launcher.schema import ClusterConfig, JobConfig, ModelConfig, ParallelConfig, PrecisionConfig, Schedule
 
 
 @dataclass(frozen=True)
@@ -237,7 +237,7 @@ def _stage_counts(parallel: ParallelConfig, num_layers: int, p: int) -> list[int
     return counts
 
 
-def _chunk_layers(sizes: list[list[int]], kind: str = "interleaved") -> tuple:
+def _chunk_layers(sizes: list[list[int]], kind: str = Schedule.INTERLEAVED) -> tuple:
     """Global decoder-layer indices per [stage][chunk]: with VPP the model is cut into PP x VPP chunks,
     stage r holding chunks r, r + PP, r + 2 PP, ... (Megatron's interleaved assignment, layer ids in
     virtual-stage order); under zb_v, chunks r and 2 PP - 1 - r (the V, launcher.core.schedules.stage_of)."""
@@ -245,7 +245,7 @@ def _chunk_layers(sizes: list[list[int]], kind: str = "interleaved") -> tuple:
     chunks: list[list] = [[()] * v for _ in range(p)]
     nxt = 0
     for k in range(p * v):
-        r, c = place(kind if kind == "zb_v" and v == 2 else "interleaved", p, k)
+        r, c = place(kind if kind == Schedule.ZB_V and v == 2 else Schedule.INTERLEAVED, p, k)
         size = max(0, sizes[r][c])
         chunks[r][c] = tuple(range(nxt, nxt + size))
         nxt += size

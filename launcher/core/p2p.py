@@ -34,6 +34,7 @@ from collections import defaultdict, deque
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from launcher.core.schedules import Op, place, stage_of
+from launcher.schema import Schedule
 
 Event = tuple
 UP = "_up"
@@ -41,7 +42,7 @@ UP = "_up"
 
 
 # ------------------------------------------------------------------------------------------- planning
-def _neighbours(r: int, p: int, op: Op, placement: str = "1f1b", chunks: int = 1) -> Tuple[list, list]:
+def _neighbours(r: int, p: int, op: Op, placement: str = Schedule.ONE_F_ONE_B, chunks: int = 1) -> Tuple[list, list]:
     """(receives before, sends after) of one op on rank r of p, as (kind, peer, tag): F receives the activation
     from the previous pipeline stage and sends its output to the next; B/BW receive the output gradient from the
     next stage and send the input gradient to the previous (none at the pipeline's ends, nor between two chunks
@@ -66,7 +67,7 @@ def _neighbours(r: int, p: int, op: Op, placement: str = "1f1b", chunks: int = 1
     return [], []  # W: no communication
 
 
-def plan(ops: Sequence[Op], r: int, p: int, channel: str = "pp", placement: str = "1f1b",
+def plan(ops: Sequence[Op], r: int, p: int, channel: str = "pp", placement: str = Schedule.ONE_F_ONE_B,
          schedule: Optional[Sequence[Sequence[Op]]] = None) -> List[Event]:
     """The p2p program of rank ``r`` of ``p`` running ``ops``: ``("op", Op)`` compute events interleaved with
     posts and waits. Item ids are ``(r, n)``. Every receive is waited right before the op that consumes it; a send
@@ -169,7 +170,8 @@ def plan(ops: Sequence[Op], r: int, p: int, channel: str = "pp", placement: str 
     return program + [("wait", item) for item in lone_sends if item not in waited]
 
 
-def plan_all(schedule: Sequence[Sequence[Op]], channel: str = "pp", placement: str = "1f1b") -> List[List[Event]]:
+def plan_all(schedule: Sequence[Sequence[Op]], channel: str = "pp",
+             placement: str = Schedule.ONE_F_ONE_B) -> List[List[Event]]:
     """``plan`` for every rank of a schedule (``launcher.core.schedules.build_schedule``)."""
     p = len(schedule)
     return [plan(ops, r, p, channel, placement, schedule) for r, ops in enumerate(schedule)]

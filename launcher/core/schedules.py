@@ -12,9 +12,10 @@ import functools
 import heapq
 from dataclasses import dataclass
 
+from launcher.schema import Schedule
 
-ZERO_BUBBLE = ("zb_h1", "zb_v")
-"""Schedules that split the backward into B (input gradient) and W (weight gradient, deferred)."""
+
+ZERO_BUBBLE = Schedule.ZERO_BUBBLE  # the name its importers use; declared in launcher/schema.py
 
 
 @dataclass(frozen=True)
@@ -108,19 +109,19 @@ def stage_of(kind: str, p: int, rank: int, chunk: int) -> int:
     """The pipeline stage (0 = embedding side, 2p - 1 or vp - 1 = loss side) that model chunk ``chunk`` of
     ``rank`` holds: interleaved places chunk c at c * p + rank; ZB-V places chunk 0 at rank and chunk 1 at
     2p - 1 - rank (a V: down the ranks and back up, so rank 0 holds both the first and the last stage)."""
-    if kind == "zb_v":
+    if kind == Schedule.ZB_V:
         return rank if chunk == 0 else 2 * p - 1 - rank
     return chunk * p + rank
 
 
 def loss_rank(kind: str, p: int) -> int:
     """The pipeline rank holding the last stage (output layer, loss, MTP): p - 1, or 0 under ZB-V's V."""
-    return 0 if kind == "zb_v" else p - 1
+    return 0 if kind == Schedule.ZB_V else p - 1
 
 
 def place(kind: str, p: int, stage: int) -> tuple[int, int]:
     """(rank, chunk) holding pipeline ``stage``; the inverse of :func:`stage_of`."""
-    if kind == "zb_v":
+    if kind == Schedule.ZB_V:
         return (stage, 0) if stage < p else (2 * p - 1 - stage, 1)
     return stage % p, stage // p
 
@@ -145,7 +146,7 @@ def _zb_v(p: int, m: int, costs: tuple) -> tuple:
     dur = dict(zip("FBW", costs))
     end = {"F": [[inf] * m for _ in range(2 * p)], "B": [[inf] * m for _ in range(2 * p)]}  # [stage][mb] -> end
     f_end, b_end = end["F"], end["B"]
-    stage = [[stage_of("zb_v", p, r, c) for c in (0, 1)] for r in range(p)]
+    stage = [[stage_of(Schedule.ZB_V, p, r, c) for c in (0, 1)] for r in range(p)]
     out: list[list[Op]] = [[] for _ in range(p)]
     free = [0.0] * p
     held = [0] * p  # chunk-microbatches between F and W
@@ -203,10 +204,10 @@ def build_schedule(kind: str, p: int, m: int, v: int = 1, group: int | None = No
                    costs: tuple = (1.0, 1.0, 1.0)) -> list[list[Op]]:
     """The per-rank op lists for schedule ``kind`` (1f1b, interleaved, zb_h1, zb_v; ``costs``: zb_v's (T_F,
     T_B, T_W) per chunk, relative)."""
-    if kind == "interleaved" and v > 1:
+    if kind == Schedule.INTERLEAVED and v > 1:
         return schedule_interleaved(p, m, v, group)
-    if kind == "zb_h1":
+    if kind == Schedule.ZB_H1:
         return schedule_zb_h1(p, m)
-    if kind == "zb_v":
+    if kind == Schedule.ZB_V:
         return schedule_zb_v(p, m, costs)
     return schedule_1f1b(p, m)

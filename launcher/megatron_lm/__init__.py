@@ -29,11 +29,12 @@ recipes/recipe/<stem>.yaml, with a new recipes/model/ entry unless an existing o
 composed back, validated and planned. key=value settings go into the recipe (cluster= picks the profile)."""
 
 
-def do_megatron_args(job, args) -> int:
-    """action=megatron-args: print the job as a Megatron-LM pretrain_gpt.py launch (or --json)."""
+def do_megatron_args(job, args, checked=None) -> int:
+    """action=megatron-args: print the job as a Megatron-LM pretrain_gpt.py launch (or --json); ``checked``: the
+    CLI's validation of it (launcher.validate.Checked), whose layout the export reads."""
     import json
     from launcher.megatron_lm.translate import to_args
-    exported = to_args(job)
+    exported = to_args(job, checked.layout if checked else None)
     if getattr(args, "json", False):
         print(json.dumps({"args": exported.args, "nodes": exported.nodes, "gpus_per_node": exported.gpus_per_node,
                           "env": exported.env, "not_expressible": exported.not_expressible}, indent=2))
@@ -103,20 +104,21 @@ def _parse_import(argv: List[str]) -> dict:
 def _summarise(done) -> int:
     from launcher.actions import summary
     from launcher.problems import errors, report
-    from launcher.validate import validate
+    from launcher.validate import check
     for entry in done.report:
         print(entry.line())
     counts = {s: sum(e.status == s for e in done.report) for s in ("mapped", "ignored", "unsupported")}
     print(f"{counts['mapped']} mapped, {counts['ignored']} ignored, {counts['unsupported']} unsupported")
     where = f" and model entry {done.new_model}" if done.new_model else f" (model entry {done.model})"
     print(f"wrote {done.recipe_path}{where}")
-    problems = validate(done.job)
+    checked = check(done.job)
+    problems = checked.problems
     report(problems)
     if errors(problems):
         return 2
     from launcher.plan import plan_job
-    plan = plan_job(done.job).to_dict()
-    print(f"valid: {summary(done.job)}")
+    plan = plan_job(done.job, checked=checked).to_dict()
+    print(f"valid: {summary(done.job, checked.layout)}")
     print(f"plan: {plan['gflops_per_token']:.3f} GFLOP/token, peak {plan['peak_gb']:.1f} GB of "
           f"{plan['gpu_memory_gb']:.1f}, MFU {100 * plan['mfu']:.1f}%")
     return 0

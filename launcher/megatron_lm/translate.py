@@ -16,10 +16,10 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from launcher.core import derive
+from launcher.core import Layout, derive
 from launcher.core.cuda_env import job_env
 from launcher.megatron_lm.table import FLAGS, IGNORED, LAUNCHER_ONLY, REQUIRED, UNREAD, UNSUPPORTED, Flag, fmt
-from launcher.schema import (FP8_FORMATS, FP8_RECIPES, MOE_LOAD_BALANCING, SECTIONS, JobConfig)
+from launcher.schema import (FP8_FORMATS, FP8_RECIPES, JobConfig, MOE_LOAD_BALANCING, SECTIONS, Schedule)
 
 GPT2_BPE_VOCAB = 50257
 """Megatron-LM's GPT2BPETokenizer vocabulary (the GPT-2 encoder.json), used when --vocab-size is absent."""
@@ -408,7 +408,7 @@ def _layout(args: Args, v: dict) -> None:
         args.use("--data-parallel-sharding-strategy", "Megatron FSDP here shards optimizer state, gradients and "
                                                       "parameters (optim_grads_params) only", "unsupported")
     vpp = v["parallel.virtual_pipeline"]
-    v["schedule.kind"] = "interleaved" if vpp else "1f1b"
+    v["schedule.kind"] = Schedule.INTERLEAVED if vpp else Schedule.ONE_F_ONE_B
     if vpp:
         v["schedule.overlap_p2p_comm"] = not args.has("--no-overlap-p2p-communication")
         args.use("--no-overlap-p2p-communication", "schedule.overlap_p2p_comm=false")
@@ -638,10 +638,10 @@ def _section_rank(flag: str) -> int:
     return order.index(section) if section in order else len(order)
 
 
-def to_args(job: JobConfig) -> Export:
-    """The job as Megatron-LM arguments (the inverse of ``to_fields``)."""
+def to_args(job: JobConfig, lay: Layout | None = None) -> Export:
+    """The job as Megatron-LM arguments (the inverse of ``to_fields``; ``lay``: the job's layout, derived if None)."""
     v, out, missing = flatten(job), [], []
-    lay = derive(job)
+    lay = lay or derive(job)
     for f in FLAGS:
         if not f.when(v):
             continue
@@ -692,9 +692,9 @@ def to_args(job: JobConfig) -> Export:
 
 def _export_schedule(job: JobConfig, lay, missing: List[str]) -> List[str]:
     s, out = job.schedule, []
-    if s.kind == "zb_h1":
+    if s.kind == Schedule.ZB_H1:
         missing.append("schedule.kind=zb_h1 (Megatron-LM has no zero-bubble schedule; exported as 1f1b)")
-    if s.kind == "zb_v":
+    if s.kind == Schedule.ZB_V:
         missing.append("schedule.kind=zb_v (Megatron-LM has no zero-bubble schedule; exported as interleaved with "
                        "two chunks per rank: the same layers per chunk, placed interleaved instead of in a V)")
     layout = job.parallel.pipeline_model_parallel_layout

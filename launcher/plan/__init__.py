@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from launcher.core import Layout, derive, padded_vocab
+from launcher.core import Layout, padded_vocab
 from launcher.core.flops import flops_per_step, flops_per_token
 from launcher.plan.memory import GB, StageMemory, memory_per_stage, model_params
 from launcher.plan.timing import StepTime, step_time, throughput
 from launcher.problems import Problem
-from launcher.schema import JobConfig
-from launcher.validate import validate
+from launcher.schema import JobConfig, Schedule
+from launcher.validate import Checked, check
 
 __all__ = ["Plan", "PlanError", "plan_job", "oom_message", "flops_per_token", "flops_per_step"]
 
@@ -48,7 +48,8 @@ HINTS = {
                       ("more parallel.tensor (shards the vocabulary)", None),
                       ("fewer layers on the last stage (parallel.account_for_loss_in_pipeline_split=true or "
                        "parallel.last_stage_layers)", lambda j: j.parallel.account_for_loss_in_pipeline_split)],
-    "pending_wgrad": [("schedule.kind=1f1b (no deferred weight gradients)", lambda j: j.schedule.kind != "zb_h1"),
+    "pending_wgrad": [("schedule.kind=1f1b (no deferred weight gradients)",
+                       lambda j: j.schedule.kind != Schedule.ZB_H1),
                       ("more parallel.tensor (shards the deferred GEMM operands and the logits gradient), or a "
                        "smaller train.micro_batch_size", None)],
     "workspace": [("train.recompute=selective instead of full", lambda j: j.train.recompute != "full"),
@@ -207,17 +208,19 @@ def _layout(job: JobConfig, lay: Layout) -> dict:
             "recompute_modules": list(job.train.recompute_modules)}
 
 
-def plan_job(job: JobConfig) -> Plan:
+def plan_job(job: JobConfig, *, checked: Checked | None = None) -> Plan:
     """Memory per stage, FLOPs, step time, throughput and MFU for the job's layout.
 
+    ``checked``: the job's validation as the caller did it (the CLI hands its own on); validated here when None.
     Raises PlanError when the layout itself is invalid (validation errors on parallel/model/schedule/batch
     fields); other validation problems do not stop planning."""
-    problems = validate(job)
+    checked = checked or check(job)
+    problems = checked.problems
     blocking = layout_errors(problems)
     if blocking:
         raise PlanError("cannot plan an invalid layout:\n" + "\n".join(p.line() for p in blocking))
     warnings = [p.line() for p in problems if p.severity != "error" and p.field.startswith(LAYOUT_FIELDS)]
-    lay = derive(job)
+    lay = checked.layout
     st = step_time(job, lay)
     counts = model_params(job.model, 1, padded_vocab(job.model, 1)).as_dict()  # reported at TP 1: the whole model
     return Plan(

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from launcher.core import Layout, derive, moe_layer_pattern
 from launcher.core.flops import kv_channels, query_groups
 from launcher.core.schedules import Op, loss_rank, schedule_zb_h1, schedule_zb_v
-from launcher.schema import JobConfig, ModelConfig
+from launcher.schema import JobConfig, ModelConfig, Schedule
 
 GB = 1e9
 """Reports use GB = 10^9 bytes, as ClusterConfig.gpu_memory_gb does."""
@@ -322,7 +322,7 @@ def in_flight_microbatches(job: JobConfig, lay: Layout, stage: int) -> float:
     m = max(1, lay.microbatches)
     if p == 1:
         return 1.0
-    if job.schedule.kind == "interleaved" and v > 1:
+    if job.schedule.kind == Schedule.INTERLEAVED and v > 1:
         group = lay.microbatch_group
         chunks = 2 * (p - stage - 1) + (v - 1) * group + 1
         if job.parallel.moe_a2a_overlap:  # the combined 1F1B schedule warms up one chunk-microbatch more
@@ -579,11 +579,11 @@ def stage_memory(job: JobConfig, lay: Layout, stage: int, cache: dict | None = N
         logits += 2 * a * h * tokens / sp  # final norm input + output-layer input
         logits += tokens * vp / t * logit_bytes(job, mtp)
     pending = None
-    if job.schedule.kind in ("zb_h1", "zb_v") and p > 1:  # the op list's state of most memory, pending W's counted
+    if job.schedule.kind in Schedule.ZERO_BUBBLE and p > 1:  # the op list's state of most memory, pending W's counted
         if ("wgrad", last, n_moe, n_layers) not in cache:
             cache[("wgrad", last, n_moe, n_layers)] = stage_wgrad_bytes(job, lay, stage)
         w_mb = cache[("wgrad", last, n_moe, n_layers)]
-        if job.schedule.kind == "zb_v":  # states count chunk-microbatches, each half of the rank's layers
+        if job.schedule.kind == Schedule.ZB_V:  # states count chunk-microbatches, each half of the rank's layers
             costs = tuple(job.schedule.zb_v_costs or (1.0, 1.0, 1.0))
             states = tuple((f / 2, w / 2) for f, w in zb_v_states(p, max(1, lay.microbatches), costs)[stage])
         else:

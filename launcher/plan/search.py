@@ -16,7 +16,7 @@ from launcher.plan import layout_errors
 from launcher.core.flops import query_groups
 from launcher.plan.memory import GB, memory_per_stage
 from launcher.plan.timing import step_time, throughput, zb_v_costs_estimate
-from launcher.schema import JobConfig
+from launcher.schema import JobConfig, Schedule
 from launcher.validate import validate
 from launcher.validate.schedule import zb_h1_rules
 
@@ -67,10 +67,11 @@ def _with(job: JobConfig, **sections) -> JobConfig:
     return dataclasses.replace(job, **changes)
 
 
-def candidates(job: JobConfig):
-    """Yield (overrides, candidate job, its Layout) for every layout worth checking."""
+def candidates(job: JobConfig, base: Layout | None = None):
+    """Yield (overrides, candidate job, its Layout) for every layout worth checking (``base``: the job's own
+    layout, derived if None)."""
     model, cl = job.model, job.cluster
-    base = derive(job)  # world and TE do not change between candidates
+    base = base or derive(job)  # world and TE do not change between candidates
     world, te = base.world, base.transformer_engine
     # the job's all-to-all overlap, kept where a layout allows it (never switched on by the search: the planner
     # prices its GPU side only, and NVIDIA's two overlapped dropless Qwen3-30B H100 runs, 25.11 and 26.02, measured
@@ -89,7 +90,7 @@ def candidates(job: JobConfig):
             if world % (tp * cp):
                 continue
             for pp in _divisors(world // (tp * cp)):
-                for split, vps in _splits(job, pp):
+                for split, vps in _splits(job, pp, base):
                     for vp in vps:
                         for ep in eps:
                             for etp in _expert_tensor_sizes(job, tp):
@@ -109,7 +110,7 @@ EVEN = {"first_stage_layers": None, "last_stage_layers": None, "account_for_embe
 """The split fields of an even split (every candidate sets all of them)."""
 
 
-def _splits(job: JobConfig, pp: int) -> list[tuple[dict, list[int]]]:
+def _splits(job: JobConfig, pp: int, base: Layout) -> list[tuple[dict, list[int]]]:
     """(split fields, virtual sizes) worth trying at ``pp`` stages: the even split, the embedding and loss
     counted as layers (NVIDIA's way for 126 or 94 layers), and the job's own uneven or explicit split."""
     layers, par = job.model.num_layers, job.parallel
@@ -123,7 +124,7 @@ def _splits(job: JobConfig, pp: int) -> list[tuple[dict, list[int]]]:
         out.append((account, _even_virtual_sizes((layers + 2) // pp)))
     if pp == par.pipeline and par.pipeline_model_parallel_layout:
         own = dict(EVEN, pipeline_model_parallel_layout=par.pipeline_model_parallel_layout)
-        out.append((own, [derive(job).vpp]))
+        out.append((own, [base.vpp]))
     elif pp == par.pipeline and (par.first_stage_layers, par.last_stage_layers) != (None, None):
         first, last = par.first_stage_layers, par.last_stage_layers
         own = dict(EVEN, first_stage_layers=first, last_stage_layers=last)
@@ -203,28 +204,28 @@ def _schedules(job: JobConfig, pp: int, vp: int) -> list[str]:
     """Schedules tried at this layout: the schedule is a search dimension (1F1B and ZB-H1 for an
     uninterleaved pipeline, interleaved for VPP > 1 and ZB-V beside it for VPP = 2)."""
     if vp > 1:
-        return ["interleaved", "zb_v"] if vp == 2 and _zb_h1_allowed(job) else ["interleaved"]
+        return [Schedule.INTERLEAVED, Schedule.ZB_V] if vp == 2 and _zb_h1_allowed(job) else [Schedule.INTERLEAVED]
     if pp > 1 and _zb_h1_allowed(job):
-        return ["1f1b", "zb_h1"]
-    return ["1f1b"]
+        return [Schedule.ONE_F_ONE_B, Schedule.ZB_H1]
+    return [Schedule.ONE_F_ONE_B]
 
 
 def _batch_and_recompute(job, fixed, tp, cp, pp, vp, ep, split, fsdp=False, etp=None):
     for kind in _schedules(job, pp, vp):
-        if kind == "zb_v" and split != EVEN:  # validate.zb_v_rules: the V splits the layers evenly
+        if kind == Schedule.ZB_V and split != EVEN:  # validate.zb_v_rules: the V splits the layers evenly
             continue
         yield from _batch_and_recompute_for(job, fixed, kind, tp, cp, pp, vp, ep, split, fsdp, etp)
 
 
 def _batch_and_recompute_for(job, fixed, kind, tp, cp, pp, vp, ep, split, fsdp=False, etp=None):
-    zb = kind in ("zb_h1", "zb_v")
+    zb = kind in Schedule.ZERO_BUBBLE
     par = dict(tensor=tp, pipeline=pp, virtual_pipeline=vp if vp > 1 else None, context=cp, expert=ep,
                sequence_parallel=tp > 1, distributed_optimizer=True, data=None, megatron_fsdp=fsdp, **split)
     if job.model.num_experts:
         par["expert_tensor"] = etp
     overlap = fixed.overlap and ep > 1 and (pp == 1 or vp > 1) and not zb  # what this layout allows of it
-    sched = dict(kind=kind, overlap_p2p_comm=kind == "interleaved",
-                 batch_p2p_comm=job.schedule.batch_p2p_comm and not (kind == "interleaved" and pp == 2),
+    sched = dict(kind=kind, overlap_p2p_comm=kind == Schedule.INTERLEAVED,
+                 batch_p2p_comm=job.schedule.batch_p2p_comm and not (kind == Schedule.INTERLEAVED and pp == 2),
                  microbatch_group_size=None)
     layout = [f"parallel.tensor={tp}", f"parallel.pipeline={pp}",
               f"parallel.virtual_pipeline={vp if vp > 1 else 'null'}", f"parallel.context={cp}"]
@@ -233,7 +234,8 @@ def _batch_and_recompute_for(job, fixed, kind, tp, cp, pp, vp, ep, split, fsdp=F
     layout += [f"parallel.sequence_parallel={'true' if tp > 1 else 'false'}",
                "parallel.distributed_optimizer=true", *_split_overrides(split),
                f"parallel.megatron_fsdp={'true' if fsdp else 'false'}",
-               f"schedule.kind={kind}", f"schedule.overlap_p2p_comm={'true' if kind == 'interleaved' else 'false'}"]
+               f"schedule.kind={kind}",
+               f"schedule.overlap_p2p_comm={'true' if kind == Schedule.INTERLEAVED else 'false'}"]
     cluster = {}
     if fsdp and job.cluster.env.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":  # FSDP needs more than one queue
         cluster = dict(env={**job.cluster.env, "CUDA_DEVICE_MAX_CONNECTIONS": "8"})
@@ -253,15 +255,16 @@ def _batch_and_recompute_for(job, fixed, kind, tp, cp, pp, vp, ep, split, fsdp=F
             extra = [f"train.recompute_modules=[{','.join(mods)}]"]
             if job.model.num_experts:
                 extra.append(f"parallel.moe_a2a_overlap={'true' if a2a else 'false'}")
-            if kind == "zb_v":  # the V's order generated for this candidate's own chunk costs
+            if kind == Schedule.ZB_V:  # the V's order generated for this candidate's own chunk costs
                 costs = zb_v_costs_estimate(cand, lay, decimals=1)
                 cand = _with(cand, schedule=dict(zb_v_costs=costs))
                 extra.append(f"schedule.zb_v_costs=[{','.join(f'{c:g}' for c in costs)}]")
             yield layout + [f"train.micro_batch_size={mbs}", f"train.recompute={rec}"] + extra, cand, lay
 
 
-def search(job: JobConfig, top: int = 10) -> list[Candidate]:
-    """The ``top`` fitting layouts for job.model on job.nodes x gpus_per_node, fastest first.
+def search(job: JobConfig, top: int = 10, layout: Layout | None = None) -> list[Candidate]:
+    """The ``top`` fitting layouts for job.model on job.nodes x gpus_per_node, fastest first (``layout``: the job's
+    own layout, derived if None).
 
     Candidates are valid by construction; memory is predicted for all of them, the fitting ones are
     pre-ranked with the closed-form bubble, then the best few are re-timed with the schedule simulator and
@@ -271,7 +274,7 @@ def search(job: JobConfig, top: int = 10) -> list[Candidate]:
     fitted: set = set()  # layouts (all but recompute) that already fit with less recomputation
     statics: dict = {}  # per parallel layout: its split and static bytes (micro batch and recompute do not change them)
     hopeless: set = set()  # parallel layouts whose static bytes alone exceed the GPU
-    for overrides, cand, lay in candidates(job):
+    for overrides, cand, lay in candidates(job, layout):
         key = tuple(o for o in overrides if not o.startswith(("train.recompute=", "train.recompute_modules=",
                                                                "parallel.moe_a2a_overlap=")))
         if key in fitted:

@@ -21,6 +21,7 @@ from typing import Sequence
 
 from launcher.core.schedules import (  # noqa: F401  (re-exported: the planner's names)
     Op, build_schedule, schedule_1f1b, schedule_interleaved, schedule_zb_h1, schedule_zb_v, stage_of)
+from launcher.schema import Schedule
 
 
 @dataclass
@@ -63,7 +64,7 @@ def _per_rank(x: float | Sequence[float], p: int) -> list[float]:
 
 
 def simulate(schedule: list[list[Op]], t_f: float | Sequence[float], t_b: float | Sequence[float],
-             t_w: float | Sequence[float], t_comm: float = 0.0, placement: str = "interleaved") -> SimResult:
+             t_w: float | Sequence[float], t_comm: float = 0.0, placement: str = Schedule.INTERLEAVED) -> SimResult:
     """Replay per-rank op lists; costs are per model chunk, scalars or one value per rank. ``placement``: how
     chunks map to pipeline stages (``launcher.core.schedules.stage_of``: interleaved, or zb_v's V)."""
     p = len(schedule)
@@ -133,7 +134,7 @@ def simulate_kind(kind: str, p: int, m: int, t_f, t_b, t_w, v: int = 1, t_comm: 
                   group: int | None = None, costs: Sequence[float] | None = None) -> SimResult:
     """Build and replay schedule ``kind``; t_f/t_b/t_w are per microbatch per whole stage (divided by v
     for each model chunk of the interleaved schedule)."""
-    vv = v if kind == "interleaved" else 2 if kind == "zb_v" else 1
+    vv = v if kind == Schedule.INTERLEAVED else 2 if kind == Schedule.ZB_V else 1
     scale = (lambda x: [c / vv for c in x]) if isinstance(t_f, (list, tuple)) else (lambda x: x / vv)
     # zb_v: the order the ranks run, generated for schedule.zb_v_costs (``costs``; None: equal costs)
     order = build_schedule(kind, p, m, vv, group, tuple(costs) if costs else (1.0, 1.0, 1.0))

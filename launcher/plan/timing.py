@@ -20,7 +20,7 @@ from launcher.plan.memory import (DTYPE_BYTES, GRAD_BYTES_FP32, fsdp_layer_param
                                   recompute_fraction, recomputed_modules, sp_shards, stage_layers, stage_params)
 from launcher.core.schedules import ZERO_BUBBLE, loss_rank
 from launcher.plan.simulator import simulate_kind
-from launcher.schema import JobConfig
+from launcher.schema import JobConfig, Schedule
 
 HBM_EFFICIENCY = 0.8
 """Fraction of HBM bandwidth that element-wise kernels (norms, SwiGLU, RoPE, residual adds) reach."""
@@ -441,11 +441,11 @@ def _closed_form(kind: str, p: int, v: int, m: int, fs, bs, ws, t_comm: float):
     the mean stage; 1F1B (p-1)(F+B+W), interleaved (p-1)(F+B+W)/v, ZB-H1 (p-1)(F+B-W), plus 2(p-1) sends."""
     f, b, w = sum(fs) / p, sum(bs) / p, sum(ws) / p
     bubble = (p - 1) * (f + b + w)
-    if kind == "interleaved":
+    if kind == Schedule.INTERLEAVED:
         bubble /= v
-    elif kind == "zb_h1":
+    elif kind == Schedule.ZB_H1:
         bubble = (p - 1) * max(f + b - w, 0.0)
-    elif kind == "zb_v":  # ZB-H1's over two half-size chunks (the simulated op list at T_F = T_B = T_W)
+    elif kind == Schedule.ZB_V:  # ZB-H1's over two half-size chunks (the simulated op list at T_F = T_B = T_W)
         bubble = (p - 1) * max(f + b - w, 0.0) / 2
     busy = m * max(x + y + z for x, y, z in zip(fs, bs, ws))
     makespan = busy + bubble + 2 * (p - 1) * t_comm
@@ -458,13 +458,14 @@ def _pipeline(job: JobConfig, lay: Layout, costs: list[StageCosts], t_comm: floa
     (after the pipeline fills, each extra microbatch adds the slowest stage's F+B+W). ``exact=False`` uses
     the closed forms instead of the simulator (the search's first pass)."""
     p, v, m = lay.pp, lay.vpp, max(1, lay.microbatches)
-    kind = job.schedule.kind if p > 1 else "1f1b"
+    kind = job.schedule.kind if p > 1 else Schedule.ONE_F_ONE_B
     fs, bs, ws = [c.f for c in costs], [c.b for c in costs], [c.w for c in costs]
     if not exact or p == 1:
         return _closed_form(kind, p, v, m, fs, bs, ws, t_comm)
     group = lay.microbatch_group
     costs_v = job.schedule.zb_v_costs
-    unit = group if kind == "interleaved" else p if kind == "zb_v" else 1  # zb_v: steady per p microbatches
+    # zb_v: steady per p microbatches
+    unit = group if kind == Schedule.INTERLEAVED else p if kind == Schedule.ZB_V else 1
     cap = max(3 * p, 2 * unit)
     cap = -(-cap // unit) * unit
     if m <= cap + unit:

@@ -13,7 +13,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from launcher.schema import DataConfig, ModelConfig, TrainConfig
+from launcher.schema import DataConfig, ModelConfig, Schedule, TrainConfig
 
 
 def dataset_sizes(train: TrainConfig, steps: int) -> List[int]:
@@ -86,13 +86,13 @@ def _batches(dataset, *, start: int, train: TrainConfig, dp_rank: int, dp_size: 
     return iter(loader)
 
 
-def chunks_reading_data(num_chunks: int, kind: str = "1f1b") -> List[bool]:
+def chunks_reading_data(num_chunks: int, kind: str = Schedule.ONE_F_ONE_B) -> List[bool]:
     """Per model chunk of this rank: does it read batches (first or last pipeline stage of the whole
     pipeline: tokens/position ids for the embedding, labels/loss mask for the loss and MTP)? Under zb_v both
     are rank 0's (launcher.core.schedules.stage_of)."""
     from megatron.core import parallel_state as ps
 
-    if kind == "zb_v":
+    if kind == Schedule.ZB_V:
         from launcher.core.schedules import stage_of
 
         p, r = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()

@@ -13,6 +13,7 @@ import torch
 
 from launcher.rank import signals
 from launcher.rank.batch import masked_token_loss, slice_batch_for_context_parallel
+from launcher.schema import Schedule
 from models.backend import compute_device
 
 # Stop requests: the Slurm job script turns --signal=B:USR1 into a STOP file in the bundle (torchrun would
@@ -58,13 +59,13 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
 def schedule_func(kind: str, zb_v_costs=None) -> Callable:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    if kind in ("zb_h1", "zb_v"):  # no upstream zero-bubble schedule: ours, on Megatron's p2p and step functions
+    if kind in Schedule.ZERO_BUBBLE:  # no upstream zero-bubble schedule: ours, on Megatron's p2p and step functions
         from launcher.rank import zero_bubble
 
-        if kind == "zb_v" and zb_v_costs:  # schedule.zb_v_costs: the order generated for those chunk costs
+        if kind == Schedule.ZB_V and zb_v_costs:  # schedule.zb_v_costs: the order generated for those chunk costs
             return partial(zero_bubble.forward_backward_zb_v, costs=tuple(zb_v_costs))
         return getattr(zero_bubble, f"forward_backward_{kind}")
-    if kind not in ("1f1b", "interleaved"):
+    if kind not in (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED):
         raise NotImplementedError(f"schedule.kind={kind!r} is not available on the rank side; "
                                   "use 1f1b, interleaved, zb_h1 or zb_v")
     return get_forward_backward_func()  # picks interleaved when virtual_pipeline > 1
@@ -108,7 +109,7 @@ def auxiliary_losses(config, num_microbatches: int, step: int) -> Dict[str, floa
     return out
 
 
-def reduce_report(local_loss: float, stop: bool, kind: str = "1f1b") -> tuple:
+def reduce_report(local_loss: float, stop: bool, kind: str = Schedule.ONE_F_ONE_B) -> tuple:
     """World all-reduce: mean loss over the ranks that hold it (the last stage's rank, TP rank 0: pipeline rank
     p - 1, or 0 under zb_v's V), and whether any rank asked to stop. One small collective per step."""
     from megatron.core import parallel_state
@@ -222,9 +223,9 @@ class Loop:
         from launcher.rank import zero_bubble as zb
 
         self.recorder.start_step()
-        if self.kind in ("zb_h1", "zb_v"):
+        if self.kind in Schedule.ZERO_BUBBLE:
             yield partial(self.fwd_bwd, recorder=self.recorder), forward_step
-        elif self.kind == "1f1b":
+        elif self.kind == Schedule.ONE_F_ONE_B:
             with zb.recording_megatron_1f1b(self.recorder):
                 yield self.fwd_bwd, zb.recorded_forward(forward_step, self.recorder)
         else:  # interleaved: not recorded

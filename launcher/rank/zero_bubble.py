@@ -37,6 +37,7 @@ import torch
 
 from launcher.core import p2p
 from launcher.core.schedules import schedule_1f1b, schedule_zb_h1, schedule_zb_v
+from launcher.schema import Schedule
 from models.backend import compute_device
 
 
@@ -131,7 +132,7 @@ def forward_backward_zb_h1(*, forward_step_func, data_iterator, model, num_micro
             num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
             decoder_seq_length=decoder_seq_length, forward_only=True, collect_non_loss_data=collect_non_loss_data,
             first_val_step=first_val_step, p2p_communicator=p2p_communicator, pg_collection=pg_collection)
-    return _run("1f1b", order, forward_step_func, data_iterator, model, num_microbatches, seq_length,
+    return _run(Schedule.ONE_F_ONE_B, order, forward_step_func, data_iterator, model, num_microbatches, seq_length,
                 micro_batch_size, decoder_seq_length, False, collect_non_loss_data, first_val_step, recorder,
                 p2p_communicator, pg_collection)
 
@@ -145,9 +146,9 @@ def forward_backward_zb_v(*, forward_step_func, data_iterator, model, num_microb
     schedule.zb_v_costs) over this rank's two model chunks (chunk 0: stage r, chunk 1: stage 2p - 1 - r;
     ``models.builder`` builds them so). ``forward_only`` runs the F ops of the same order under no_grad
     (Megatron has no schedule for a V)."""
-    return _run("zb_v", partial(schedule_zb_v, costs=costs), forward_step_func, data_iterator, model, num_microbatches, seq_length,
-                micro_batch_size, decoder_seq_length, forward_only, collect_non_loss_data, first_val_step,
-                recorder, p2p_communicator, pg_collection)
+    return _run(Schedule.ZB_V, partial(schedule_zb_v, costs=costs), forward_step_func, data_iterator, model,
+                num_microbatches, seq_length, micro_batch_size, decoder_seq_length, forward_only,
+                collect_non_loss_data, first_val_step, recorder, p2p_communicator, pg_collection)
 
 
 _UP_GROUPS: dict = {}

@@ -18,12 +18,16 @@ Login-node code: no torch, no megatron.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from launcher.core import Layout
 from launcher.problems import Problem, errors
 from launcher.schema import JobConfig
 from launcher.validate.hints import verified_hint
-from launcher.validate.sections import raw_problems
+from launcher.validate.sections import raw_problems, run_rules
 
-__all__ = ["Problem", "errors", "validate", "raw_problems", "verified_hint", "RANK_ACTIONS", "rank_side_limits"]
+__all__ = ["Problem", "errors", "validate", "check", "Checked", "raw_problems", "verified_hint", "RANK_ACTIONS",
+           "rank_side_limits"]
 
 
 RANK_ACTIONS = ("validate", "render", "submit", "run")
@@ -40,5 +44,20 @@ def validate(job: JobConfig) -> list[Problem]:
     """Every problem of every section (errors and warnings), in section order, each hint verified: an
     alternative is printed only when the job with it applied no longer has that problem and has no new error
     (see ``verified_hint``)."""
-    problems = raw_problems(job)
-    return [verified_hint(job, p, problems) for p in problems]
+    return check(job).problems
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What validating a job found, handed on by the CLI to the action so that nothing after it validates or
+    derives the same job again: its problems (hints verified) and its layout (``launcher.core.derive``; None
+    when its sizes are typos too large to derive one from)."""
+
+    problems: list[Problem]
+    layout: Layout | None
+
+
+def check(job: JobConfig) -> Checked:
+    """``validate(job)`` with the layout its rules were stated against."""
+    problems, lay = run_rules(job)
+    return Checked([verified_hint(job, p, problems) for p in problems], lay)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from launcher.core import Layout
 from launcher.fields import is_allowed
 from launcher.problems import Problem
-from launcher.schema import JobConfig
+from launcher.schema import JobConfig, Schedule
 from launcher.validate.generic import Checks, round_up
 
 
@@ -90,13 +90,13 @@ def validate_schedule(job: JobConfig, lay: Layout) -> list[Problem]:
     if not is_allowed(s, "kind"):
         return c.problems  # reported by validate_choices
     vp, m = lay.vpp, lay.microbatches
-    if s.kind in ("zb_h1", "zb_v") and job.action not in ("plan", "search"):  # what the ZB executor supports
+    if s.kind in Schedule.ZERO_BUBBLE and job.action not in ("plan", "search"):  # what the ZB executor supports
         for ok, field, value, rule, hint in zb_h1_rules(job):
             c.need(ok, field, value, rule, hint)
-    if s.kind == "zb_v":
+    if s.kind == Schedule.ZB_V:
         for ok, field, value, rule, hint in zb_v_rules(job, lay):
             c.need(ok, field, value, rule, hint)
-    elif s.kind == "interleaved":
+    elif s.kind == Schedule.INTERLEAVED:
         c.need(vp > 1 and p.pipeline > 1, "schedule.kind", s.kind,
                "interleaved needs parallel.pipeline > 1 and parallel.virtual_pipeline > 1",
                "parallel.virtual_pipeline=2 or schedule.kind=1f1b")

@@ -39,9 +39,15 @@ SECTION_CHECKS: tuple[Callable[[JobConfig, Layout], list[Problem]], ...] = (
 
 def raw_problems(job: JobConfig) -> list[Problem]:
     """The problems as the rules state them, hints unchecked."""
+    return run_rules(job)[0]
+
+
+def run_rules(job: JobConfig) -> tuple[list[Problem], Layout | None]:
+    """The problems as the rules state them, and the layout they were stated against (None when the sizes are
+    typos too large to derive one from)."""
     problems = validate_sizes(job) + validate_finite(job)
     if errors(problems):
-        return problems
+        return problems, None
     problems += validate_bounds(job)
     lay = derive(job)
     for check in SECTION_CHECKS:
@@ -51,4 +57,4 @@ def raw_problems(job: JobConfig) -> list[Problem]:
             problems.append(Problem("config", f"{type(exc).__name__}: {exc}",
                                     "a validation rule could not be evaluated (a bug in launcher/validate/)",
                                     "fix the other reported problems first"))
-    return problems
+    return problems, lay
