@@ -37,7 +37,7 @@ from launcher.core import Layout, derive
 from launcher.core.checkpoint_dir import checkpoint_dir
 from launcher.core.cuda_env import job_env
 from launcher.core.paths import absolute
-from launcher.core.signal_lead import lead_for_render
+from launcher.core.signal_lead import lead_for_render, shutdown_timeout_s
 from launcher.schema import JobConfig
 
 TEMPLATES = ROOT / "slurm"
@@ -95,6 +95,8 @@ def template_context(job: JobConfig, bundle_dir: Path, signal_lead: dict | None 
         "exclusive": slurm.exclusive,
         "requeue": slurm.requeue,
         "signal_lead_s": signal_lead["seconds"],
+        # torchrun waits this long for ranks saving their stop checkpoint before it kills them (not its 30 s)
+        "shutdown_timeout_s": shutdown_timeout_s(signal_lead["seconds"]),
         "max_requeues": slurm.max_requeues,
         # torchrun restarts after a rank dies: on by default where a node can fail under a long job.
         "max_restarts": cluster.max_restarts if cluster.max_restarts is not None

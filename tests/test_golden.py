@@ -63,3 +63,38 @@ def test_golden_sbatch_has_the_essentials():
     assert "--rdzv-backend=c10d" in launch and "--nproc-per-node=8" in launch and "--nnodes=64" in launch
     env = (GOLDEN / "llama405b.env.sh").read_text()
     assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in env
+
+
+@pytest.mark.parametrize("overrides", [[], ["slurm.signal_lead_s=900"], ["slurm.time=00:10:00"]],
+                         ids=["derived", "explicit-lead", "short-limit"])
+def test_torchrun_waits_for_the_stop_checkpoint_as_long_as_a_stop_may_take(overrides):
+    """torchrun SIGKILLs its ranks 30 s after passing Ctrl-C/SIGTERM on unless told otherwise: under load (4 CPU
+    ranks at load 40-60) that killed a rank in the middle of its stop checkpoint (test_signals' Ctrl-C test, red);
+    on GPUs a large model's save takes minutes. Every launch.sh gives it the signal lead, at least 300 s."""
+    import re
+
+    from launcher.core.signal_lead import FLOOR_S, lead_for_render
+    from launcher.render import _time_limit_s
+
+    for base in (FIXED, ["recipe=smoke"]):  # multi-node c10d and single-node standalone
+        job = compose_job([*base, *overrides])
+        text = render_texts(job, Path("/x"))["launch.sh"]
+        (timeout,) = re.findall(r"^export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=(\d+)$", text, re.MULTILINE)
+        assert int(timeout) >= max(FLOOR_S, lead_for_render(job, _time_limit_s(job))["seconds"]), (base, overrides)
+
+
+def test_an_older_torch_without_the_shutdown_flag_gets_the_timeout_as_its_close_default(monkeypatch):
+    """The NGC 25.09 image's torch 2.9 has no --shutdown-timeout and ignores the variable: its signal path calls
+    PContext.close(death_sig) with the default timeout; the agent sets that default from launch.sh's variable."""
+    import argparse
+
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    from launcher.rank.agent import SHUTDOWN_ENV, shutdown_timeout_for_older_torch
+
+    monkeypatch.setattr(PContext.close, "__defaults__", PContext.close.__defaults__)  # restored after the test
+    monkeypatch.setenv(SHUTDOWN_ENV, "420")
+    shutdown_timeout_for_older_torch(argparse.Namespace(shutdown_timeout=None))  # a torch that reads it itself
+    assert PContext.close.__defaults__[1] == 30
+    shutdown_timeout_for_older_torch(argparse.Namespace())
+    assert PContext.close.__defaults__ == (None, 420)

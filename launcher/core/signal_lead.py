@@ -54,6 +54,16 @@ def derived_lead_s(*, limit_s: int, save_s: float, step_s: float, factor: float,
     return max(need, min(FLOOR_S, limit_s // 4))
 
 
+def shutdown_timeout_s(lead_s: int) -> int:
+    """torchrun's ``--shutdown-timeout``: how long it waits for its ranks after passing a stop signal on (Ctrl-C,
+    SIGTERM, SIGHUP) before it SIGKILLs them. Its default, 30 s, killed ranks that were saving their stop
+    checkpoint (a 4-rank CPU run at load 40-60: step 4 finished, the save did not) -- and a large model's save takes
+    minutes. A stop gets the time the signal lead allows one (``needed_s`` and its floor), at least ``FLOOR_S``:
+    a rank that cannot reach a step boundary still exits after its own grace (``launcher.rank.signals``), a second
+    Ctrl-C ends the run at once, and under Slurm ``KillWait`` bounds a SIGTERM stop whatever this says."""
+    return max(FLOOR_S, int(lead_s))
+
+
 def lead_for_render(job, limit_s: int, plan: Optional[dict] = None, ckpt_dir: Optional[Path] = None) -> dict:
     """The lead to render and what it rests on (kept in the bundle's meta.json). ``plan`` is the planner's
     to_dict() (params, step time), ``ckpt_dir`` the checkpoint dir to look for a measured save in."""

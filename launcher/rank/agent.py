@@ -7,13 +7,18 @@ The same agent as ``python -m torch.distributed.run`` (its argument parser and `
   error and written its traceback to ``logs/rank-N.log``);
 - a death signal (Ctrl-C's SIGINT, SIGTERM from ``scancel`` or preemption, SIGHUP): torchrun forwards it to the
   ranks, which finish the step in flight, checkpoint and exit (``launcher.rank.signals``), and waits for them
-  (its shutdown timeout, 30 s); then exit 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM), as a shell
+  (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` from launch.sh: the signal lead, ``launcher.core.signal_lead.shutdown_timeout_s``;
+  not torchrun's 30 s, which killed ranks in the middle of their stop checkpoint); then exit 128 + the signal's
+  number (130 for Ctrl-C, 143 for SIGTERM), as a shell
   does, with no traceback.
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
+
+SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 
 
 def main(argv=None) -> int:
@@ -23,6 +28,7 @@ def main(argv=None) -> int:
         from torch.distributed.run import parse_args, run
 
         args = parse_args(sys.argv[1:] if argv is None else argv)
+        shutdown_timeout_for_older_torch(args)
     except KeyboardInterrupt:  # Ctrl-C while importing torch: nothing to stop yet
         print("torchrun: SIGINT received while starting; no rank was started", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
@@ -38,6 +44,20 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
     return 0
+
+
+def shutdown_timeout_for_older_torch(args) -> None:
+    """A torch with ``--shutdown-timeout`` (pytorch PR #172596, 2026) reads ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` itself
+    (``LaunchConfig.shutdown_timeout``). Older ones (the NGC 25.09 image's 2.9) wait a fixed 30 s: its signal path calls
+    ``PContext.close(death_sig)`` with the default ``timeout=30`` (torch/distributed/elastic/multiprocessing/api.py),
+    so the default is what this sets there."""
+    raw = os.environ.get(SHUTDOWN_ENV, "").strip()
+    if hasattr(args, "shutdown_timeout") or not raw.isdigit():
+        return
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    death_sig, _ = PContext.close.__defaults__
+    PContext.close.__defaults__ = (death_sig, int(raw))
 
 
 def first_failure(exc) -> str:

@@ -3,7 +3,8 @@ preemption, torchrun passing on its own SIGTERM), SIGINT (Ctrl-C, passed on by t
 
 Each one makes the step loop stop at the next step boundary, every rank at the same step (the loop's per-step
 reduction), and save a checkpoint; a saved run loses nothing. SIGTERM is what Slurm sends first, ``KillWait``
-seconds (30 by default) before SIGKILL; torchrun likewise waits 30 s for its ranks after passing a signal on.
+seconds (30 by default) before SIGKILL; torchrun waits ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` s for its ranks after passing a
+signal on (launch.sh: the signal lead, at least 300 s; launcher/core/signal_lead.py ``shutdown_timeout_s``).
 
 Seen even while the main thread is blocked in a collective: Python's C-level handler writes the signal's number
 to a wake-up socket (``signal.set_wakeup_fd``) at once, and a watcher thread reads it there; a Python handler

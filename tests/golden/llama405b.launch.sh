@@ -13,7 +13,10 @@ rm -f "$BUNDLE/STOPPED" "$BUNDLE/FAILED" "$BUNDLE/DONE"
 export LAUNCHER_LAUNCH_ID="${SLURM_JOB_ID:+slurm-$SLURM_JOB_ID}"
 if [[ -z "$LAUNCHER_LAUNCH_ID" ]]; then LAUNCHER_LAUNCH_ID="local-$$-$(date +%s)"; fi
 # torchrun restarts every rank of this node up to 3 time(s) after one dies (cluster.max_restarts);
-# each restart resumes from the newest complete checkpoint.
+# each restart resumes from the newest complete checkpoint. After passing on a stop signal it waits this long
+# (the signal lead, at least 300 s; not its 30 s) for the ranks' stop checkpoint before it kills them. An
+# environment variable, not --shutdown-timeout: older torch (the NGC 25.09 image's) has no such flag (launcher.rank.agent applies it).
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300
 status=0
 # Multi-node: every node's torchrun meets at the c10d store on the first node (MASTER_ADDR from job.sbatch).
 python -m launcher.rank.agent \
