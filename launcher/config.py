@@ -33,7 +33,57 @@ def compose_dict(overrides: Sequence[str] = ()) -> DictConfig:
         with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base=None):
             return compose(config_name="config", overrides=list(overrides))
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
-        raise ConfigError(_one_line(exc), _type_problem(exc, list(overrides))) from None
+        raise ConfigError(_one_line(exc), _type_problem(exc, list(overrides))
+                          or _grammar_problem(exc, list(overrides))) from None
+
+
+GRAMMAR_RULE = ("Hydra's override grammar reads this value only inside quotes (it holds a character an unquoted "
+                "value may not: a space, ;()[]{}=,'\" or a non-ASCII letter)")
+"""Hydra's basic override grammar (https://hydra.cc/docs/advanced/override_grammar/basic/): an unquoted value is a
+primitive made of letters, digits and a few symbols; anything else must be a quoted string."""
+
+
+def _hydra_quoted(value: str) -> str:
+    """``value`` as a Hydra quoted string (double quotes unless it holds one; quotes inside escaped)."""
+    if '"' not in value:
+        return f'"{value}"'
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _grammar_problem(exc: Exception, overrides: list[str]) -> Optional[Problem]:
+    """Hydra's "LexerNoViableAltException: name=a;b ^ See https://hydra.cc/..." (a value its grammar cannot read
+    unquoted: shell metacharacters, a newline, non-ASCII letters) as our one line. The value is read again as the
+    quoted string it was surely meant to be: if the field's own rules refuse it, that is the line (with its checked
+    alternative); else the line names the grammar and offers the quoted override, shell-quoted, as typed."""
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    if not isinstance(exc, OverrideParseException):
+        return None
+    parser = OverridesParser.create()
+    for i, text in enumerate(overrides):
+        try:
+            parser.parse_override(text)
+            continue
+        except Exception:  # noqa: BLE001 - hydra raises several types for a bad override
+            pass
+        key, sep, value = text.partition("=")
+        if not sep:
+            return None
+        quoted = f"{key}={_hydra_quoted(value)}"
+        problem = Problem(key.lstrip("+~"), value, GRAMMAR_RULE, shlex.quote(quoted))
+        try:
+            job = compose_job([*overrides[:i], quoted, *overrides[i + 1:]])
+        except ConfigError as again:  # quoted, it is still not a value of the field (a number field, say)
+            return dataclasses.replace(again.problem, value=value) if again.problem else problem
+        from launcher.validate import raw_problems, verified_hint
+
+        found = raw_problems(job)
+        own = [p for p in found if p.field == problem.field and p.severity == "error"]
+        return verified_hint(job, own[0], found) if own else problem
+    return None
 
 
 def _register() -> None:

@@ -193,3 +193,37 @@ def test_a_path_with_a_part_longer_than_a_file_name_is_one_line(cli, tmp_path, f
     hint = {"output_dir": "output_dir=runs"}.get(field, f"{field}=null")
     assert said["validate"][0] == (f"error: {field}='{long}': its part '{'x' * 20}...' is 300 bytes, and a file or "
                                    f"directory name is at most 255; try {hint}")
+
+
+@pytest.mark.parametrize("value", ["a;b", "$(id)", "ü名前", "a\nb", "it's"])
+def test_a_run_name_hydra_cannot_read_is_the_name_rule_in_one_line(cli, tmp_path, value):
+    """Shell metacharacters, a newline or non-ASCII letters in name=: Hydra's grammar error ("LexerNoViableAltException:
+    name=a;b ^ See https://hydra.cc/...") named no rule and no alternative; read as the quoted string it was meant
+    to be, the name's own rule answers, with its checked alternative."""
+    for action in ("validate", "render"):
+        code, out, err = cli(f"name={value}", f"output_dir={tmp_path}", f"action={action}")
+        _no_traceback(out, err)
+        assert code == 2
+        assert [x for x in err.splitlines() if x.startswith("error:")] == [
+            f"error: name={value!r}: run names are letters, digits, '.', '_' and '-'; try name=my_run"], err
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_value_hydra_cannot_read_unquoted_is_offered_quoted(cli):
+    """A field that takes the string (model.name is free text): the line names the field and the grammar rule, and
+    the alternative is the same value quoted for Hydra (and for the shell), which validates."""
+    code, out, err = cli("model.name=tiny(v2)", "action=validate")
+    assert code == 2
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert lines == ["error: model.name='tiny(v2)': Hydra's override grammar reads this value only inside quotes (it "
+                     "holds a character an unquoted value may not: a space, ;()[]{}=,'\" or a non-ASCII letter); try "
+                     "'model.name=\"tiny(v2)\"'"]
+    assert cli('model.name="tiny(v2)"', "action=validate")[0] == 0
+
+
+def test_a_number_hydra_cannot_read_is_the_field_type_line():
+    from launcher.config import ConfigError, compose_dict
+
+    with pytest.raises(ConfigError) as caught:
+        compose_dict(["train.lr=1e-3;"])
+    assert caught.value.problem.line() == "error: train.lr='1e-3;': must be a number > 0; try train.lr=0.003"
