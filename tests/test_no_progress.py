@@ -125,3 +125,31 @@ def test_the_job_script_does_not_requeue_a_run_without_progress(slurm_cluster, t
     assert "not requeueing" in log and "requeueing job" not in log, log[-3000:]
     assert len(re.findall(r"^step\s+7 \|", log, re.MULTILINE)) == 2, log[-4000:]
     assert not Path(bundle.path / "DONE").exists()
+
+
+def test_a_data_file_truncated_after_render_is_not_retried(tmp_path):
+    """Item 2's other half: a data error on the ranks (a .bin truncated after the pre-flight) was retried by every
+    torchrun restart like a crash. Every restart now stops at once (FAILED): the file is named once, nothing trains."""
+    import shutil
+
+    shipped = ROOT / "data" / "assets" / "smoke_text_document"
+    (tmp_path / "data").mkdir()
+    for ext in (".bin", ".idx"):
+        shutil.copy(str(shipped) + ext, tmp_path / "data" / f"d{ext}")
+    render = subprocess.run([sys.executable, "-m", "launcher", "recipe=smoke", f"data.blend=[{tmp_path / 'data' / 'd'}]",
+                             "cluster.gpus_per_node=1", "parallel.tensor=1", "parallel.pipeline=1",
+                             "cluster.max_restarts=2", "train.train_steps=4", "train.eval_interval=0",
+                             "data.num_workers=0", f"output_dir={tmp_path / 'runs'}", "action=render"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert render.returncode == 0, render.stderr[-2000:]
+    bundle = next((tmp_path / "runs").iterdir())
+    os.truncate(tmp_path / "data" / "d.bin", 1000)
+    proc = subprocess.Popen(["bash", str(bundle / "launch.sh")], cwd=ROOT, env=_crash_env(10**6, 0),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    out, _ = communicate_on_progress(proc, 300, "the truncated-data run")
+    assert proc.returncode == 1, out[-3000:]
+    named = [line for line in out.splitlines() if line.startswith("error: data.blend=")]
+    assert len(named) == 1 and f"{tmp_path / 'data' / 'd.bin'} is 1,000 bytes" in named[0], out[-3000:]
+    assert not re.findall(r"^step\s+\d+ \|", out, re.MULTILINE) and "Traceback" not in out, out[-3000:]
+    assert out.rstrip().splitlines()[-1].startswith("launcher: failed: data.blend="), out[-2000:]
+    assert (bundle / "FAILED").read_text().startswith("data.blend=")
