@@ -38,7 +38,7 @@ from launcher.core.checkpoint_dir import checkpoint_dir
 from launcher.core.cuda_env import job_env
 from launcher.core.paths import absolute
 from launcher.core.signal_lead import lead_for_render, shutdown_timeout_s
-from launcher.schema import JobConfig
+from launcher.schema import JobConfig, Profiler
 
 TEMPLATES = ROOT / "slurm"
 MASTER_PORT = 29500
@@ -114,7 +114,7 @@ def template_context(job: JobConfig, bundle_dir: Path, signal_lead: dict | None 
         "env": sorted(job_env(job).items()),
         "secret_names": list(cluster.secret_env),
         # profile.kind=nsys: torchrun starts rank.sh, which runs the profiled ranks under Nsight Systems
-        "nsys": job.profile.kind == "nsys",
+        "nsys": job.profile.kind == Profiler.NSYS,
         "profile_ranks": " ".join(str(r) for r in job.profile.ranks),
         "step_start": job.profile.step_start, "step_end": job.profile.step_end,
     }

@@ -28,6 +28,18 @@ class Schedule:
     """Ours (no upstream schedule): the backward split into B (input gradient) and W (weight gradient, deferred)."""
 
 
+class Recompute:
+    """Activation recomputation (``train.recompute``; Megatron's recompute_granularity, same spelling) by name."""
+
+    NONE, SELECTIVE, FULL = "none", "selective", "full"
+
+
+class Profiler:
+    """The profilers (``profile.kind``) by name."""
+
+    NONE, NSYS, TORCH = "none", "nsys", "torch"
+
+
 # ---- Allowed values, declared once. Validation reads them from the field metadata (``choices_of``); the rank
 # side maps each name to its Megatron-Core value and a test checks the maps cover exactly these names.
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
@@ -44,7 +56,7 @@ FP8_FORMATS = ("hybrid", "e4m3")
 FP8_AMAX_ALGOS = ("max", "most_recent")
 TE_CHOICES = ("auto", "true", "false")
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 DATA_KINDS = ("indexed", "mock")
 CHECKPOINT_FORMATS = ("torch_dist",)
@@ -56,7 +68,7 @@ LAUNCHERS = ("slurm", "local")
 GPUS = ("H100", "H200", "GH200", "B200", "GB200", "A100", "cpu")
 BACKENDS = ("nccl", "gloo")
 ACTIONS = ("default", "render", "submit", "run", "plan", "search", "validate", "megatron-args", "list")
-PROFILERS = ("none", "nsys", "torch")
+PROFILERS = (Profiler.NONE, Profiler.NSYS, Profiler.TORCH)
 
 
 def choice(default: Any, allowed: Tuple[Any, ...], *, nullable: bool = False):
@@ -336,7 +348,7 @@ class TrainConfig:
     """Evaluate on the validation split every n steps (0 disables periodic eval)."""
     eval_iters: int = 2
     """Validation batches per evaluation."""
-    recompute: str = choice("selective", RECOMPUTE)
+    recompute: str = choice(Recompute.SELECTIVE, RECOMPUTE)
     """Activation recomputation: none, selective (core attention) or full."""
     recompute_num_layers: Optional[int] = None
     """Full recompute: layers per stage recomputed; null means all."""
@@ -507,7 +519,7 @@ class ProfileConfig:
     --use-pytorch-profiler, --profile-step-start/-end, --profile-ranks, --record-memory-history). Everything lands
     in the run bundle's profile/ folder."""
 
-    kind: str = choice("none", PROFILERS)
+    kind: str = choice(Profiler.NONE, PROFILERS)
     """nsys: the ranks in profile.ranks run under Nsight Systems (the bundle's rank.sh wraps them) and capture only
     steps step_start..step_end-1 (cudaProfilerStart/Stop, NVTX ranges); torch: torch.profiler writes a Chrome
     trace per profiled rank (profile/torch/rank<N>.*.pt.trace.json, TensorBoard's profiler plugin and Perfetto

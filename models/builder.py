@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from launcher.core import Layout, derive
-from launcher.schema import JobConfig, ModelConfig, ParallelConfig, PrecisionConfig, Schedule, ScheduleConfig
+from launcher.schema import JobConfig, ModelConfig, ParallelConfig, PrecisionConfig, Recompute, Schedule, ScheduleConfig
 from models import backend
 from models.seeds import layer_seed
 from models.zero_bubble import zb_tp_overlap
@@ -157,11 +157,11 @@ def _vpp(layout: Layout) -> Optional[int]:
 
 
 def _recompute_fields(recompute: str, num_layers: Optional[int], modules: Optional[List[str]] = None) -> dict:
-    if recompute in (None, "none"):
+    if recompute in (None, Recompute.NONE):
         return {}
-    if recompute == "selective":
+    if recompute == Recompute.SELECTIVE:
         return {"recompute_granularity": "selective", "recompute_modules": list(modules or ["core_attn"])}
-    if recompute == "full":
+    if recompute == Recompute.FULL:
         return {"recompute_granularity": "full", "recompute_method": "uniform",
                 "recompute_num_layers": num_layers or 1}
     raise ValueError(f"train.recompute={recompute!r}; use none, selective or full")

@@ -1,20 +1,26 @@
 """The names code branches on are declared once, beside the schema's allowed values (``launcher/schema.py``:
-``Schedule``), and product code (``launcher/``, ``models/``, ``data/``) uses the names: a string literal equal to
-one of them anywhere else fails here. Docstrings, comments and texts that merely contain a name (an override such
-as ``"schedule.kind=zb_h1"``) are not such literals; f-string expressions are checked like any code."""
+``Schedule``, ``Recompute``, ``Profiler``), and product code (``launcher/``, ``models/``, ``data/``) uses the names.
+A schedule kind is a word of its own: a string literal equal to one anywhere else fails here. ``none``, ``full``,
+``torch`` ... are words of other fields too (and Megatron's own recompute_granularity values), so those fail only
+where they are compared with ``train.recompute`` (or a ``recompute``/``granularity`` variable) or ``profile.kind``.
+Docstrings, comments and texts that merely contain a name (an override such as ``"schedule.kind=zb_h1"``) are not
+such literals; f-string expressions are checked like any code."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-from launcher.schema import SCHEDULES, Schedule
+from launcher.schema import PROFILERS, RECOMPUTE, SCHEDULES, Profiler, Recompute, Schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("launcher", "models", "data")
 DECLARED = {name: f"Schedule.{attr}" for attr, name in vars(Schedule).items() if isinstance(name, str)
             and not attr.startswith("_")}
 """Each declared name -> the name code writes instead of the literal."""
-DECLARING = {("launcher/schema.py", "Schedule")}
+COMPARED = {"recompute": {v: f"Recompute.{k}" for k, v in vars(Recompute).items() if k.isupper()},
+            "profile": {v: f"Profiler.{k}" for k, v in vars(Profiler).items() if k.isupper()}}
+"""Names that are words of other fields too: checked where compared with the field they name."""
+DECLARING = {("launcher/schema.py", name) for name in ("Schedule", "Recompute", "Profiler")}
 """(file, class) where the literals are the declaration itself."""
 
 
@@ -33,8 +39,39 @@ def name_literals(path: Path) -> list[tuple[int, str]]:
             and isinstance(n.value, str) and n.value in DECLARED]
 
 
+def _compared(node) -> str | None:
+    """'recompute' or 'profile' when ``node`` reads train.recompute (or a recompute/granularity variable) or a
+    profile's kind (``profile.kind``, ``p.kind``, the profiler's ``self.kind``)."""
+    if isinstance(node, ast.Attribute) and node.attr == "recompute" or isinstance(node, ast.Name) and node.id in (
+            "recompute", "granularity"):
+        return "recompute"
+    if isinstance(node, ast.Attribute) and node.attr == "kind" and (
+            isinstance(node.value, ast.Attribute) and node.value.attr == "profile"
+            or isinstance(node.value, ast.Name) and node.value.id in ("p", "self")):
+        return "profile"
+    return None
+
+
+def compared_literals(path: Path) -> list[tuple[int, str, str]]:
+    """(line, value, name to write) of every literal of a COMPARED name in a comparison with its field."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        field = next((f for f in map(_compared, operands) if f), None)
+        if field is None:
+            continue
+        for o in operands:
+            for c in [o] if isinstance(o, ast.Constant) else getattr(o, "elts", []):
+                if isinstance(c, ast.Constant) and c.value in COMPARED[field]:
+                    found.append((c.lineno, c.value, COMPARED[field][c.value]))
+    return found
+
+
 def test_the_declared_names_are_the_allowed_values():
-    assert set(SCHEDULES) == {v for k, v in vars(Schedule).items() if k.isupper() and isinstance(v, str)}
+    for allowed, names in ((SCHEDULES, Schedule), (RECOMPUTE, Recompute), (PROFILERS, Profiler)):
+        assert set(allowed) == {v for k, v in vars(names).items() if k.isupper() and isinstance(v, str)}
 
 
 def test_no_product_module_spells_a_declared_name():
@@ -44,8 +81,18 @@ def test_no_product_module_spells_a_declared_name():
     assert not found, "literals of declared names:\n" + "\n".join(found)
 
 
+def test_no_product_module_compares_a_field_with_a_literal_name():
+    found = [f"{path.relative_to(ROOT)}:{line}: {value!r} (write {name})"
+             for top in PRODUCT for path in sorted((ROOT / top).rglob("*.py"))
+             for line, value, name in compared_literals(path)]
+    assert not found, "literals compared with train.recompute / profile.kind:\n" + "\n".join(found)
+
+
 def test_the_check_finds_a_literal(tmp_path):
     planted = tmp_path / "planted.py"
     planted.write_text('"""zb_h1 in a docstring is prose."""\nX = "schedule.kind=zb_h1"\n'
                        'def f(kind):\n    return kind == "zb_h1" or f"{kind == \'1f1b\'}"\n')
     assert name_literals(planted) == [(4, "zb_h1"), (4, "1f1b")]
+    planted.write_text('def f(job, p):\n    return job.train.recompute in ("full", "x") or p.kind == "nsys" '
+                       'or job.model.position_embedding == "none"\n')
+    assert compared_literals(planted) == [(2, "full", "Recompute.FULL"), (2, "nsys", "Profiler.NSYS")]

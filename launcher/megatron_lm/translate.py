@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from launcher.core import Layout, derive
 from launcher.core.cuda_env import job_env
 from launcher.megatron_lm.table import FLAGS, IGNORED, LAUNCHER_ONLY, REQUIRED, UNREAD, UNSUPPORTED, Flag, fmt
-from launcher.schema import (FP8_FORMATS, FP8_RECIPES, JobConfig, MOE_LOAD_BALANCING, SECTIONS, Schedule)
+from launcher.schema import (FP8_FORMATS, FP8_RECIPES, JobConfig, MOE_LOAD_BALANCING, Recompute, SECTIONS, Schedule)
 
 GPT2_BPE_VOCAB = 50257
 """Megatron-LM's GPT2BPETokenizer vocabulary (the GPT-2 encoder.json), used when --vocab-size is absent."""
@@ -508,18 +508,18 @@ def _recompute(args: Args, v: dict) -> None:
     args.use("--recompute-activations", "train.recompute=selective")
     v["train.recompute"] = granularity or "none"
     v["train.recompute_num_layers"] = None
-    if granularity not in (None, "selective", "full"):
+    if granularity not in (None, Recompute.SELECTIVE, Recompute.FULL):
         args.use("--recompute-granularity", f"{granularity}: none, selective or full", "unsupported")
         v["train.recompute"] = "none"
         return
     args.use("--recompute-granularity", f"train.recompute={v['train.recompute']}")
     modules = args.values("--recompute-modules")
     if "train.recompute_modules" in flatten(JobConfig()):
-        if granularity == "selective":
+        if granularity == Recompute.SELECTIVE:
             v["train.recompute_modules"] = [] if modules in (None, ["core_attn"]) else list(modules)
             args.use("--recompute-modules", f"train.recompute_modules={modules}")
         args.use("--recompute-modules", "only selective recompute reads it", "ignored")
-    if granularity != "full":
+    if granularity != Recompute.FULL:
         for flag in ("--recompute-method", "--recompute-num-layers"):
             args.use(flag, "only full recompute reads it", "ignored")
         return
@@ -737,10 +737,10 @@ def _export_train(job: JobConfig, lay, missing: List[str]) -> List[str]:
     if t.lr_schedule == "wsd":
         out += ["--lr-wsd-decay-iters", str(t.wsd_decay_steps or max(1, lay.steps // 10)),
                 "--lr-wsd-decay-style", "linear"]
-    if t.recompute == "selective":
+    if t.recompute == Recompute.SELECTIVE:
         out += ["--recompute-granularity", "selective"] + (
             ["--recompute-modules", *t.recompute_modules] if getattr(t, "recompute_modules", None) else [])
-    elif t.recompute == "full":
+    elif t.recompute == Recompute.FULL:
         out += ["--recompute-granularity", "full", "--recompute-method", "uniform",
                 "--recompute-num-layers", str(t.recompute_num_layers or 1)]
     return out

@@ -13,7 +13,7 @@ from launcher.core.flops import flops_per_step, flops_per_token
 from launcher.plan.memory import GB, StageMemory, memory_per_stage, model_params
 from launcher.plan.timing import StepTime, step_time, throughput
 from launcher.problems import Problem
-from launcher.schema import JobConfig, Schedule
+from launcher.schema import JobConfig, Recompute, Schedule
 from launcher.validate import Checked, check
 
 __all__ = ["Plan", "PlanError", "plan_job", "oom_message", "flops_per_token", "flops_per_step"]
@@ -29,9 +29,10 @@ def layout_errors(problems: list[Problem]) -> list[Problem]:
 
 
 HINTS = {
-    "activations": [("train.recompute=full", lambda j: j.train.recompute == "full"),
+    "activations": [("train.recompute=full", lambda j: j.train.recompute == Recompute.FULL),
                     ("train.recompute=selective with train.recompute_modules such as [core_attn,moe_act] or "
-                     "[mla_up_proj,mlp]", lambda j: j.train.recompute == "full" or bool(j.train.recompute_modules)),
+                     "[mla_up_proj,mlp]",
+                     lambda j: j.train.recompute == Recompute.FULL or bool(j.train.recompute_modules)),
                     ("more parallel.pipeline / parallel.context / parallel.tensor, or a smaller "
                      "train.micro_batch_size", None)],
     "grads": [("precision.grad_reduce_in_fp32=false (bf16 gradient buffers)",
@@ -52,7 +53,7 @@ HINTS = {
                        lambda j: j.schedule.kind != Schedule.ZB_H1),
                       ("more parallel.tensor (shards the deferred GEMM operands and the logits gradient), or a "
                        "smaller train.micro_batch_size", None)],
-    "workspace": [("train.recompute=selective instead of full", lambda j: j.train.recompute != "full"),
+    "workspace": [("train.recompute=selective instead of full", lambda j: j.train.recompute != Recompute.FULL),
                   ("a smaller train.micro_batch_size", None)],
     "comm_buffers": [("a smaller train.micro_batch_size", None)],
     "reserve": [("cluster.memory_reserve_gb (only if you know the site's overhead is smaller)", None)],

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from launcher.core import Layout, derive, moe_layer_pattern
 from launcher.core.flops import kv_channels, query_groups
 from launcher.core.schedules import Op, loss_rank, schedule_zb_h1, schedule_zb_v
-from launcher.schema import JobConfig, ModelConfig, Schedule
+from launcher.schema import JobConfig, ModelConfig, Recompute, Schedule
 
 GB = 1e9
 """Reports use GB = 10^9 bytes, as ClusterConfig.gpu_memory_gb does."""
@@ -281,7 +281,7 @@ def layer_activation_bytes_per_token(job: JobConfig, lay: Layout, moe: bool, *, 
 
 def recomputed_modules(job: JobConfig) -> frozenset:
     """Submodules recomputed under train.recompute=selective (Megatron's default: core attention)."""
-    if job.train.recompute != "selective":
+    if job.train.recompute != Recompute.SELECTIVE:
         return frozenset()
     return frozenset(job.train.recompute_modules or ("core_attn",))
 
@@ -299,7 +299,7 @@ def logit_bytes(job: JobConfig, mtp: int) -> float:
 def recompute_fraction(job: JobConfig, lay: Layout, layers: int) -> float:
     """Share of a stage's ``layers`` under full recompute: all, or recompute_num_layers per model chunk
     (Megatron's block method recomputes the first n layers of each chunk)."""
-    if job.train.recompute != "full" or layers == 0:
+    if job.train.recompute != Recompute.FULL or layers == 0:
         return 0.0
     n = job.train.recompute_num_layers
     if n is None:

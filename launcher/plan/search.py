@@ -16,7 +16,7 @@ from launcher.plan import layout_errors
 from launcher.core.flops import query_groups
 from launcher.plan.memory import GB, memory_per_stage
 from launcher.plan.timing import step_time, throughput, zb_v_costs_estimate
-from launcher.schema import JobConfig, Schedule
+from launcher.schema import JobConfig, Recompute, Schedule
 from launcher.validate import validate
 from launcher.validate.schedule import zb_h1_rules
 
@@ -320,7 +320,7 @@ def _why(job: JobConfig, lay: Layout, st, peak: float, cap: float) -> str:
                     f"{job.cluster.memory_reserve_gb:g} (raise it to ask for headroom)")
     if lay.pp > 1:
         bits.append(f"bubble {100 * st.bubble_fraction:.0f}%")
-    if tr.recompute != "none":
+    if tr.recompute != Recompute.NONE:
         bits.append(f"recompute {tr.recompute} costs {st.breakdown_s.get('recompute', 0):.2f} s")
     comm = {k: st.breakdown_s.get(k, 0.0) for k in ("tp_comm", "cp_comm", "ep_comm", "dp_comm")}
     worst = max(comm, key=comm.get)

@@ -20,7 +20,7 @@ from launcher.plan.memory import (DTYPE_BYTES, GRAD_BYTES_FP32, fsdp_layer_param
                                   recompute_fraction, recomputed_modules, sp_shards, stage_layers, stage_params)
 from launcher.core.schedules import ZERO_BUBBLE, loss_rank
 from launcher.plan.simulator import simulate_kind
-from launcher.schema import JobConfig, Schedule
+from launcher.schema import JobConfig, Recompute, Schedule
 
 HBM_EFFICIENCY = 0.8
 """Fraction of HBM bandwidth that element-wise kernels (norms, SwiGLU, RoPE, residual adds) reach."""
@@ -206,9 +206,9 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
         parts["cp_comm"] += n * 3 * cpc
         parts["ep_comm"] += n * 2 * epc
         rec = 0.0
-        if job.train.recompute == "full":
+        if job.train.recompute == Recompute.FULL:
             rec = recompute_fraction(job, lay, len(kinds) - n_mtp) * (g + att + elem + cast_f + tp + cpc + epc)
-        elif job.train.recompute == "selective":
+        elif job.train.recompute == Recompute.SELECTIVE:
             rec = _selective_recompute(job, recomputed_modules(job), is_moe, att, g_attn, g_mlp, g_shared,
                                        moe_fixed + (epc if is_moe else 0.0))
         b += n * rec

@@ -22,6 +22,8 @@ from typing import Optional
 
 import torch
 
+from launcher.schema import Profiler
+
 
 SNAPSHOT: Optional["MemorySnapshot"] = None
 """This rank's memory snapshot (set by the rank entry), dumped by its error handler on out-of-memory."""
@@ -58,9 +60,9 @@ class StepProfiler:
     def before(self, step: int) -> None:
         if not self.active or step != self.start:
             return
-        if self.kind == "torch":
+        if self.kind == Profiler.TORCH:
             self._start_torch()
-        elif self.kind == "nsys" and torch.cuda.is_available():
+        elif self.kind == Profiler.NSYS and torch.cuda.is_available():
             torch.cuda.cudart().cudaProfilerStart()
             self._nvtx = torch.autograd.profiler.emit_nvtx(record_shapes=True)
             self._nvtx.__enter__()

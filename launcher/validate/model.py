@@ -8,7 +8,7 @@ from __future__ import annotations
 from launcher.core import Layout
 from launcher.fields import is_allowed
 from launcher.problems import Problem
-from launcher.schema import JobConfig, ModelConfig
+from launcher.schema import JobConfig, ModelConfig, Recompute
 from launcher.validate.generic import Checks, divisor_near, in_bounds, round_up
 
 
@@ -212,16 +212,17 @@ def validate_train(job: JobConfig, lay: Layout) -> list[Problem]:
     if t.recompute_num_layers is not None and t.recompute_num_layers >= 1 and is_allowed(t, "recompute"):
         # transformer_config.py: with full recompute "recompute_num_layers must be between 1 and
         # num_layers_per_pipeline_rank"; with selective "recompute_num_layers must be None".
-        c.need(t.recompute == "full", "train.recompute_num_layers", t.recompute_num_layers,
+        c.need(t.recompute == Recompute.FULL, "train.recompute_num_layers", t.recompute_num_layers,
                f"is only used with train.recompute=full (got {t.recompute})",
                "train.recompute_num_layers=null or train.recompute=full")
         # multi_token_prediction.py: "recompute_num_layers must be 1 for MTP recompute"
-        c.need(not (t.recompute == "full" and job.model.mtp_num_layers and t.recompute_num_layers != 1),
+        c.need(not (t.recompute == Recompute.FULL and job.model.mtp_num_layers and t.recompute_num_layers != 1),
                "train.recompute_num_layers",
                t.recompute_num_layers, "full recompute with multi-token prediction (model.mtp_num_layers > 0) "
                "recomputes one layer at a time", "train.recompute_num_layers=1 or train.recompute_num_layers=null")
         per_chunk = min((len(chunk) for stage in lay.chunk_layers for chunk in stage), default=0)
-        c.need(t.recompute != "full" or t.recompute_num_layers <= max(per_chunk, 1), "train.recompute_num_layers",
-               t.recompute_num_layers, f"must be at most the layers of one pipeline chunk ({per_chunk})",
+        c.need(t.recompute != Recompute.FULL or t.recompute_num_layers <= max(per_chunk, 1),
+               "train.recompute_num_layers", t.recompute_num_layers,
+               f"must be at most the layers of one pipeline chunk ({per_chunk})",
                f"train.recompute_num_layers={max(per_chunk, 1)} or train.recompute_num_layers=null")
     return c.problems

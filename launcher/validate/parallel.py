@@ -11,7 +11,7 @@ from launcher.core import Layout
 from launcher.core.cuda_env import PRE_BLACKWELL, max_connections
 from launcher.fields import get_value
 from launcher.problems import Problem
-from launcher.schema import JobConfig, ModelConfig, ParallelConfig
+from launcher.schema import JobConfig, ModelConfig, ParallelConfig, Recompute
 from launcher.validate.generic import Checks, divisor_near, in_bounds, round_up
 
 
@@ -203,7 +203,7 @@ def _validate_recompute_modules(c: Checks, job: JobConfig, lay: Layout) -> None:
     moe_norm = [m for m in mods if m in ("moe_act", "layernorm")]
     rules = [
         (not unknown, f"unknown module(s) {unknown}; known: {', '.join(RECOMPUTE_MODULES)}", without()),
-        (job.train.recompute == "selective", "apply to train.recompute=selective only",
+        (job.train.recompute == Recompute.SELECTIVE, "apply to train.recompute=selective only",
          f"train.recompute=selective or {f}=[]"),
         ("mla_up_proj" not in mods or model.multi_latent_attention, "mla_up_proj needs model.multi_latent_attention",
          without("mla_up_proj")),
@@ -234,7 +234,7 @@ def _validate_moe_overlap(c: Checks, job: JobConfig, lay: Layout) -> None:
         # transformer_config.py: "overlap_moe_expert_parallel_comm is supported with alltoall/flex token dispatcher"
         (model.moe_token_dispatcher_type in ("alltoall", "flex"), "needs model.moe_token_dispatcher_type=alltoall "
          "or flex"),
-        (job.train.recompute != "full", "cannot be combined with train.recompute=full"),
+        (job.train.recompute != Recompute.FULL, "cannot be combined with train.recompute=full"),
         (job.precision.dtype in ("bf16", "fp16"), "needs precision.dtype bf16 or fp16"),
         ((model.mtp_num_layers or 0) <= 1, "supports at most one MTP layer (model.mtp_num_layers <= 1)"),
         (lay.transformer_engine, "runs on GPU streams with Transformer Engine layers (GPU clusters only)"),

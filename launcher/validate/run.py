@@ -14,7 +14,7 @@ from launcher.core.determinism import ACCEPTED as ACCEPTED_DETERMINISTIC
 from launcher.core.paths import length_problem, path_values
 from launcher.fields import get_value, is_allowed
 from launcher.problems import Problem
-from launcher.schema import CheckpointConfig, DataConfig, JobConfig, LoggingConfig
+from launcher.schema import CheckpointConfig, DataConfig, JobConfig, LoggingConfig, Profiler
 from launcher.validate.generic import Checks, in_bounds
 
 
@@ -230,7 +230,7 @@ long data.blend prefix, data.tokenizer or checkpoint.load_hf is a file not found
 def validate_profile(job: JobConfig, lay: Layout) -> list[Problem]:
     """profile.*: a step range the run reaches, ranks that exist, nsys and memory snapshots only where CUDA is."""
     c, p = Checks(), job.profile
-    if p.kind != "none":
+    if p.kind != Profiler.NONE:
         c.need(p.step_end > p.step_start, "profile.step_end", p.step_end,
                f"must be after profile.step_start={p.step_start} (profiling stops before step_end)",
                f"profile.step_end={p.step_start + 2}")
@@ -241,7 +241,7 @@ def validate_profile(job: JobConfig, lay: Layout) -> list[Problem]:
         bad = [r for r in p.ranks if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < lay.world]
         c.need(bool(p.ranks) and not bad, "profile.ranks", list(p.ranks),
                f"must name global ranks of this job (0..{lay.world - 1})", "profile.ranks=[0]")
-        c.need(p.kind != "nsys" or job.cluster.gpu != "cpu", "profile.kind", p.kind,
+        c.need(p.kind != Profiler.NSYS or job.cluster.gpu != "cpu", "profile.kind", p.kind,
                "Nsight Systems captures CUDA work; this job runs on CPU", "profile.kind=torch")
     c.need(not p.memory_snapshot or job.cluster.gpu != "cpu", "profile.memory_snapshot", p.memory_snapshot,
            "records the CUDA caching allocator; this job runs on CPU, so there is nothing to record",
