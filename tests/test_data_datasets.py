@@ -149,3 +149,31 @@ def test_two_nodes_without_a_shared_filesystem(tmp_path):
     assert samples[0] == samples[1]
     for rank in range(2):
         assert any(Path(tmp_path / f"node{rank}").rglob("*.npy"))
+
+
+def test_a_cache_build_holds_the_nodes_build_lock(tmp_path, monkeypatch):
+    """Two jobs on one node share its cache folder and Megatron-Core writes the .npy files in place: a builder
+    must hold the folder's lock while it checks and writes (the health-probe test's two "nodes" on one machine
+    failed at load 40-60, once). Checked from a second open file description, as another process would."""
+    import fcntl
+
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+
+    from launcher.rank.datasets import build_gpt_datasets, node_cache_dir
+
+    held = []
+    real_build = BlendedMegatronDatasetBuilder.build
+
+    def build(self):
+        with open(os.path.join(node_cache_dir(str(tmp_path)), ".build.lock"), "a") as other:
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held.append(False)
+            except BlockingIOError:
+                held.append(True)
+        return real_build(self)
+
+    monkeypatch.setattr(BlendedMegatronDatasetBuilder, "build", build)
+    train, _, _ = build_gpt_datasets(data=_data(), seq_length=64, seed=1, train_samples=32, valid_samples=4,
+                                     test_samples=0, cache_dir=str(tmp_path))
+    assert len(train) >= 32 and held == [True]

@@ -15,6 +15,14 @@ We make the cache per node and build it once per node:
    computes and saves the indices itself instead of waiting for global rank 0;
 3. a world barrier; then every rank runs the normal builder, which now only loads (every lookup is a hit).
 
+Two jobs on one node (two 4-GPU jobs on an 8-GPU node, a test suite beside a smoke run, two "nodes" of a test on
+one machine) share that directory, and Megatron-Core writes its ``.npy`` files in place (``numpy.save`` to the
+final name, gpt_dataset.py ``_build_document_sample_shuffle_indices``): a builder that checks for a cache hit
+while another writes sees the files half there, builds again over them, or loads a half-written one. So a
+builder holds an exclusive ``flock`` on ``<cache dir>/.build.lock`` (:func:`_building`); the other job's builder
+waits, then finds every file complete (hits), and no rank reads before its own node's builder is past the lock.
+``flock`` is node-local on NFS/Lustre unless the mount shares locks: what it protects is the node's own folder.
+
 The indices are a deterministic function of (files, split, seed, sizes, sequence length), so every node's
 copy is identical. Building costs 0.01-0.1 s per dataset (measured), so doing it once per node is cheap.
 Call this from every rank after ``torch.distributed`` / ``parallel_state`` is initialised (or in a single
@@ -84,6 +92,17 @@ def _as_single_process():
         dist.is_initialized = saved
 
 
+@contextlib.contextmanager
+def _building(path_to_cache: str):
+    """Hold this node's cache-build lock (see the module docstring) while building into ``path_to_cache``."""
+    import fcntl
+
+    os.makedirs(path_to_cache, exist_ok=True)
+    with open(os.path.join(path_to_cache, ".build.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed, also if this process dies
+        yield
+
+
 def _local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
@@ -145,11 +164,12 @@ def build_gpt_datasets(*, data: Any, seq_length: int, seed: int, train_samples: 
         return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
 
     distributed = dist.is_available() and dist.is_initialized()
-    if distributed:
-        if _local_rank() == 0:
-            os.makedirs(config.path_to_cache, exist_ok=True)
-            with _as_single_process():
-                build()  # writes this node's caches
-        dist.barrier()
+    if not distributed:
+        with _building(config.path_to_cache):
+            return tuple(build())  # type: ignore[return-value]
+    if _local_rank() == 0:
+        with _building(config.path_to_cache), _as_single_process():
+            build()  # writes this node's caches (or finds another job's, complete)
+    dist.barrier()
     datasets = build()  # every rank: cache hits only
     return tuple(datasets)  # type: ignore[return-value]
