@@ -215,3 +215,35 @@ def test_profile_kind_torch_on_the_embedded_default_leaves_a_trace_in_the_bundle
     ops = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
     assert "aten::mm" in ops or "aten::addmm" in ops, sorted(ops)[:20]
     assert "export NCCL_ALGO=Ring" in (bundle / "env.sh").read_text()
+
+
+def test_a_run_that_ends_inside_the_profiled_range_names_the_steps_it_traced(tmp_path):
+    """profile.step_end past the run's last step (validate allows it: the range is clipped by the run): the trace is
+    written when the run ends, and its line names the steps it holds, not the range asked for."""
+    notes = []
+    prof = profiling.StepProfiler(kind="torch", start=2, end=50, active=True, bundle=tmp_path, rank=0,
+                                  note=notes.append)
+    x = torch.randn(8, 8)
+    for step in range(1, 5):
+        prof.before(step)
+        (x @ x).sum()
+        prof.after(step)
+    prof.close()
+    assert notes == [f"profile: torch trace of steps 2..4 on rank 0: {prof.written}"]
+    assert prof.written is not None and prof.written.is_file()
+
+
+def test_a_run_resumed_inside_the_profiled_range_profiles_the_rest_of_it(tmp_path):
+    """A requeue that resumes at step 4 of a 2..5 range: the profiler waited for step 2, which never came, and wrote
+    nothing; it now records the steps of the range this attempt runs, numbered as the run counts them."""
+    notes = []
+    prof = profiling.StepProfiler(kind="torch", start=2, end=6, active=True, bundle=tmp_path, rank=0,
+                                  note=notes.append)
+    x = torch.randn(8, 8)
+    for step in range(4, 8):
+        prof.before(step)
+        (x @ x).sum()
+        prof.after(step)
+    prof.close()
+    assert prof.written is not None and _spans(prof.written) == ["ProfilerStep#4", "ProfilerStep#5"]
+    assert notes == [f"profile: torch trace of steps 4..5 on rank 0: {prof.written}"]

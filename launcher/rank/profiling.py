@@ -50,6 +50,8 @@ class StepProfiler:
         self._torch = None
         self._nvtx = None
         self.written: Optional[Path] = None
+        self._first: Optional[int] = None  # the steps of the range this attempt ran (a requeue may resume inside it,
+        self._last: Optional[int] = None   # a run may end inside it)
 
     @classmethod
     def for_job(cls, job, bundle: Path, rank: int, note=None) -> "StepProfiler":
@@ -58,18 +60,20 @@ class StepProfiler:
                    note=note)
 
     def before(self, step: int) -> None:
-        if not self.active or step != self.start:
+        if not self.active or self._first is not None or not self.start <= step < self.end:
             return
+        self._first = step
         if self.kind == Profiler.TORCH:
-            self._start_torch()
+            self._start_torch(step)
         elif self.kind == Profiler.NSYS and torch.cuda.is_available():
             torch.cuda.cudart().cudaProfilerStart()
             self._nvtx = torch.autograd.profiler.emit_nvtx(record_shapes=True)
             self._nvtx.__enter__()
 
     def after(self, step: int) -> None:
-        if not self.active or not self.start <= step < self.end:
+        if not self.active or self._first is None or not self.start <= step < self.end:
             return
+        self._last = step
         if self._torch is not None:
             self._torch.step()
         if step == self.end - 1:
@@ -83,17 +87,19 @@ class StepProfiler:
             traces = sorted((profile_dir(self.bundle) / "torch").glob(f"rank{self.rank}.*.pt.trace.json"))
             self.written = traces[-1] if traces else None
             if self.note and self.written is not None:
-                self.note(f"profile: torch trace of steps {self.start}..{self.end - 1} on rank {self.rank}: "
-                          f"{self.written}")
+                self.note(f"profile: torch trace of steps {self._steps()} on rank {self.rank}: {self.written}")
         if self._nvtx is not None:
             nvtx, self._nvtx = self._nvtx, None
             nvtx.__exit__(None, None, None)
             torch.cuda.cudart().cudaProfilerStop()
             if self.note:
-                self.note(f"profile: nsys capture of steps {self.start}..{self.end - 1} closed on rank {self.rank} "
+                self.note(f"profile: nsys capture of steps {self._steps()} closed on rank {self.rank} "
                           f"({profile_dir(self.bundle)}/nsys-rank{self.rank}.nsys-rep once the rank exits)")
 
-    def _start_torch(self) -> None:
+    def _steps(self) -> str:
+        return f"{self._first}..{self._last if self._last is not None else self._first}"
+
+    def _start_torch(self, first: int) -> None:
         from torch.profiler import ProfilerAction, ProfilerActivity, profile, tensorboard_trace_handler
 
         out = profile_dir(self.bundle) / "torch"
@@ -110,7 +116,7 @@ class StepProfiler:
                        on_trace_ready=tensorboard_trace_handler(str(out), worker_name=f"rank{self.rank}"),
                        record_shapes=True, with_stack=False)
         # the spans read ProfilerStep#<our step number> (torch would start at #0)
-        prof.step_num, prof.current_action = start, schedule(start)
+        prof.step_num, prof.current_action = first, schedule(first)
         prof.start()
         self._torch = prof
 
