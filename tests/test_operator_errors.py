@@ -227,3 +227,15 @@ def test_a_number_hydra_cannot_read_is_the_field_type_line():
     with pytest.raises(ConfigError) as caught:
         compose_dict(["train.lr=1e-3;"])
     assert caught.value.problem.line() == "error: train.lr='1e-3;': must be a number > 0; try train.lr=0.003"
+
+
+@pytest.mark.parametrize("weight", ["0", "-1", "nan"])
+def test_a_blend_weight_that_is_not_positive_offers_the_blend_without_it(cli, tmp_path, weight):
+    """A dataset weighted 0 (or negative, or nan): the alternative was prose ("remove the dataset from the blend or
+    give it a positive weight"); it is now the blend without that dataset, checked like any alternative."""
+    for ext in (".bin", ".idx"):
+        shutil.copy(str(SHIPPED) + ext, tmp_path / f"other{ext}")
+    code, out, err = cli(f"data.blend=[{weight},{SHIPPED},1,{tmp_path / 'other'}]", "action=validate")
+    assert code == 2
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and lines[0].endswith(f"; try data.blend=[1,{tmp_path / 'other'}]"), lines

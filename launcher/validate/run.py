@@ -56,8 +56,9 @@ def blend_structure_problem(blend: list) -> Problem | None:
                        "data.blend=[0.3,path/a,0.7,path/b]")
     bad = [w for w, _ in pairs if not (w > 0 and math.isfinite(w))]
     if bad:
-        return Problem("data.blend", blend, f"weights must be positive finite numbers (got {bad[0]:g})",
-                       "remove the dataset from the blend or give it a positive weight")
+        kept = [f"{w:g},{p}" for w, p in pairs if w > 0 and math.isfinite(w)]  # the blend without those datasets
+        hint = f"data.blend=[{','.join(kept)}]" if kept else "a positive weight for each dataset"
+        return Problem("data.blend", blend, f"weights must be positive finite numbers (got {bad[0]:g})", hint)
     return None
 
 
