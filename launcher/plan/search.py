@@ -67,9 +67,11 @@ def _with(job: JobConfig, **sections) -> JobConfig:
     return dataclasses.replace(job, **changes)
 
 
-def candidates(job: JobConfig, base: Layout | None = None):
+def candidates(job: JobConfig, base: Layout | None = None, skip=None):
     """Yield (overrides, candidate job, its Layout) for every layout worth checking (``base``: the job's own
-    layout, derived if None)."""
+    layout, derived if None; ``skip(layout, batch)``: True for a layout (its overrides, a tuple; ``batch`` None)
+    or a layout and micro batch (``batch``: the micro batch override) whose candidates the caller drops whatever
+    the recomputation: those are not built)."""
     model, cl = job.model, job.cluster
     base = base or derive(job)  # world and TE do not change between candidates
     world, te = base.world, base.transformer_engine
@@ -95,7 +97,8 @@ def candidates(job: JobConfig, base: Layout | None = None):
                         for ep in eps:
                             for etp in _expert_tensor_sizes(job, tp):
                                 for fsdp in ((False, True) if pp == 1 and te and not model.num_experts else (False,)):
-                                    yield from _batch_and_recompute(job, fixed, tp, cp, pp, vp, ep, split, fsdp, etp)
+                                    yield from _batch_and_recompute(job, fixed, tp, cp, pp, vp, ep, split, fsdp, etp,
+                                                                    skip)
 
 
 def _expert_tensor_sizes(job: JobConfig, tp: int) -> list:
@@ -210,14 +213,14 @@ def _schedules(job: JobConfig, pp: int, vp: int) -> list[str]:
     return [Schedule.ONE_F_ONE_B]
 
 
-def _batch_and_recompute(job, fixed, tp, cp, pp, vp, ep, split, fsdp=False, etp=None):
+def _batch_and_recompute(job, fixed, tp, cp, pp, vp, ep, split, fsdp=False, etp=None, skip=None):
     for kind in _schedules(job, pp, vp):
         if kind == Schedule.ZB_V and split != EVEN:  # validate.zb_v_rules: the V splits the layers evenly
             continue
-        yield from _batch_and_recompute_for(job, fixed, kind, tp, cp, pp, vp, ep, split, fsdp, etp)
+        yield from _batch_and_recompute_for(job, fixed, kind, tp, cp, pp, vp, ep, split, fsdp, etp, skip)
 
 
-def _batch_and_recompute_for(job, fixed, kind, tp, cp, pp, vp, ep, split, fsdp=False, etp=None):
+def _batch_and_recompute_for(job, fixed, kind, tp, cp, pp, vp, ep, split, fsdp=False, etp=None, skip=None):
     zb = kind in Schedule.ZERO_BUBBLE
     par = dict(tensor=tp, pipeline=pp, virtual_pipeline=vp if vp > 1 else None, context=cp, expert=ep,
                sequence_parallel=tp > 1, distributed_optimizer=True, data=None, megatron_fsdp=fsdp, **split)
@@ -241,14 +244,22 @@ def _batch_and_recompute_for(job, fixed, kind, tp, cp, pp, vp, ep, split, fsdp=F
         cluster = dict(env={**job.cluster.env, "CUDA_DEVICE_MAX_CONNECTIONS": "8"})
         layout.append("cluster.env.CUDA_DEVICE_MAX_CONNECTIONS=8")
     recomputes = fixed.recomputes
+    # a zb_v candidate's own costs are among its overrides (and in the caller's keys): no skipping before they are
+    skip = None if kind == Schedule.ZB_V else skip
+    layout_key = tuple(layout)
     for mbs in MICRO_BATCH_SIZES:
+        if skip is not None and skip(layout_key, None):
+            continue
         sized = _with(job, parallel=par, schedule=sched, train=dict(micro_batch_size=mbs), **(
             {"cluster": cluster} if cluster else {}))
         lay = derive(sized)  # recomputation does not change the layout: one derivation serves all of them
         # The batch must split into micro-batches over DP, and ETP x EP must tile each stage's ranks.
         if not lay.microbatches or not lay.expert_dp:
             continue
+        batch = f"train.micro_batch_size={mbs}"
         for rec, mods in recomputes:
+            if skip is not None and skip(layout_key, batch):
+                continue
             a2a = overlap and rec != "full" and "moe" not in mods
             cand = _with(sized, train=dict(recompute=rec, recompute_modules=mods),
                          parallel=dict(par, moe_a2a_overlap=a2a))
@@ -274,7 +285,10 @@ def search(job: JobConfig, top: int = 10, layout: Layout | None = None) -> list[
     fitted: set = set()  # layouts (all but recompute) that already fit with less recomputation
     statics: dict = {}  # per parallel layout: its split and static bytes (micro batch and recompute do not change them)
     hopeless: set = set()  # parallel layouts whose static bytes alone exceed the GPU
-    for overrides, cand, lay in candidates(job, layout):
+    def dropped(layout_key: tuple, batch) -> bool:  # what the checks below drop, told before a candidate is built
+        return layout_key in hopeless or (batch is not None and layout_key + (batch,) in fitted)
+
+    for overrides, cand, lay in candidates(job, layout, skip=dropped):
         key = tuple(o for o in overrides if not o.startswith(("train.recompute=", "train.recompute_modules=",
                                                                "parallel.moe_a2a_overlap=")))
         if key in fitted:
