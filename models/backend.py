@@ -16,9 +16,8 @@ from typing import Any, Dict
 import torch
 
 from launcher.core import Layout
-from launcher.core.schedules import ZERO_BUBBLE
-from launcher.schema import FP8_FORMATS, FP8_RECIPES, ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig
-from launcher.schema import Schedule
+from launcher.schema import (FP8_FORMATS, FP8_RECIPES, ModelConfig, ParallelConfig, PrecisionConfig, Schedule,
+                             TrainConfig)
 
 
 def compute_device() -> torch.device:
@@ -118,7 +117,7 @@ def userbuffer_kwargs(*, model: ModelConfig, precision: PrecisionConfig, train: 
     """Arguments of Transformer Engine's ``initialize_ub`` for TP communication overlap, as Megatron-LM's
     ``_initialize_tp_communicators`` computes them: one [tokens per CP rank, hidden] buffer shape; TE's default
     buffers, except the dgrad reduce-scatter ones of a zero-bubble schedule (``ZB_UB_CFGS``)."""
-    cfgs = {k: dict(v) for k, v in ZB_UB_CFGS.items()} if schedule_kind in ZERO_BUBBLE else None
+    cfgs = {k: dict(v) for k, v in ZB_UB_CFGS.items()} if schedule_kind in Schedule.ZERO_BUBBLE else None
     return dict(shape=[model.seq_length * train.micro_batch_size // layout.cp, model.hidden_size],
                 tp_size=layout.tp, use_fp8=precision.fp8 is not None, ub_cfgs=cfgs, bootstrap_backend="nccl")
 

@@ -29,7 +29,6 @@ from typing import Callable, Deque, List, Optional, Tuple
 
 import torch
 
-from launcher.core.schedules import ZERO_BUBBLE
 from launcher.schema import Schedule
 
 ZB_ATTR = "zb_delayed_wgrad"
@@ -319,7 +318,7 @@ buffer"): overwritten by the next layer's backward before W. Column-parallel lay
 
 def zb_tp_overlap(kind: str, tp_comm_overlap: bool) -> dict:
     """TransformerConfig fields a zero-bubble schedule sets with userbuffer TP overlap (none otherwise)."""
-    return dict(ZB_TP_OVERLAP) if tp_comm_overlap and kind in ZERO_BUBBLE else {}
+    return dict(ZB_TP_OVERLAP) if tp_comm_overlap and kind in Schedule.ZERO_BUBBLE else {}
 
 
 def te_delayed_class(base):

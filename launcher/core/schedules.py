@@ -15,9 +15,6 @@ from dataclasses import dataclass
 from launcher.schema import Schedule
 
 
-ZERO_BUBBLE = Schedule.ZERO_BUBBLE  # the name its importers use; declared in launcher/schema.py
-
-
 @dataclass(frozen=True)
 class Op:
     """One scheduled operation of a pipeline rank."""

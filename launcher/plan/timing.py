@@ -18,7 +18,7 @@ from launcher.core import Layout, derive
 from launcher.core.flops import FMA, flops_per_step, kv_channels, layer_flops, query_groups
 from launcher.plan.memory import (DTYPE_BYTES, GRAD_BYTES_FP32, fsdp_layer_params, grad_groups, optimizer_shards,
                                   recompute_fraction, recomputed_modules, sp_shards, stage_layers, stage_params)
-from launcher.core.schedules import ZERO_BUBBLE, loss_rank
+from launcher.core.schedules import loss_rank
 from launcher.plan.simulator import simulate_kind
 from launcher.schema import JobConfig, Recompute, Schedule
 
@@ -132,7 +132,7 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
     pattern = lay.moe_pattern
     kinds = [pattern[i] for i in stage_layers(lay, stage)]
     last = stage == loss_rank(job.schedule.kind, lay.pp)
-    zero_bubble = job.schedule.kind in ZERO_BUBBLE and lay.pp > 1
+    zero_bubble = job.schedule.kind in Schedule.ZERO_BUBBLE and lay.pp > 1
     n_mtp = model.mtp_num_layers if last else 0
     kinds += [pattern[-1]] * n_mtp
     h = model.hidden_size
@@ -524,7 +524,7 @@ def step_time(job: JobConfig, lay: Layout | None = None, exact: bool = True) -> 
     hide_rs = 0.0
     if par.overlap_grad_reduce:  # behind the last microbatch's backward; under zero bubble its W only (a
         # bucket's reduce starts after the last W of its weights, launcher/rank/zero_bubble.py _grad_sync)
-        hide_rs = c.w if job.schedule.kind in ZERO_BUBBLE and p > 1 else c.b + c.w
+        hide_rs = c.w if job.schedule.kind in Schedule.ZERO_BUBBLE and p > 1 else c.b + c.w
     hide_ag = c.f if (par.overlap_param_gather and par.distributed_optimizer) else 0.0  # first forward
     dp_exposed = max(0.0, rs - hide_rs) + max(0.0, ag - hide_ag)
     # Optimizer: read/write fp32 master + 2 moments, read grads, write params, on this rank's shard.
