@@ -1,4 +1,6 @@
 """The typed job schema: the single source of truth for every field a recipe may set.
+One room (~600 lines): every section's dataclass and the names code branches on, with each field's docstring,
+which ``--help`` reads from this file's source; one file is the one place a new field is declared.
 
 Recipes (YAML under ``recipes/``) only choose values for these fields; Hydra's struct mode rejects any key
 that is not declared here. Each section is its own dataclass so that builders can take exactly the

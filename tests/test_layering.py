@@ -307,3 +307,31 @@ def test_the_checker_sees_imports_inside_functions(tmp_path, monkeypatch):
 def test_rank_entry_lives_in_the_rank_wing_and_launch_starts_it():
     assert not (ROOT / "launcher" / "train.py").exists()
     assert "-m launcher.rank --bundle" in (ROOT / "slurm" / "launch.sh.j2").read_text()
+
+
+ROOM_LINES = 620
+"""A product module over ~600 lines says in its docstring's first three lines why it is one room (issue 26)."""
+
+
+def long_modules_without_a_reason(modules: dict) -> list[str]:
+    out = []
+    for name, path in sorted(modules.items()):
+        if _wing(name) in ("tests",):
+            continue
+        text = path.read_text()
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if text.count("\n") > ROOM_LINES and "one room" not in " ".join(doc.splitlines()[:3]).lower():
+            out.append(f"{name}: {text.count(chr(10))} lines")
+    return out
+
+
+def test_no_product_module_is_long_without_saying_why():
+    assert long_modules_without_a_reason(_modules()) == []
+
+
+def test_a_long_module_without_a_reason_is_found(tmp_path):
+    long = tmp_path / "long.py"
+    long.write_text('"""A module."""\n' + "x = 1\n" * (ROOM_LINES + 1))
+    said = tmp_path / "said.py"
+    said.write_text('"""A module.\nOne room: why.\n"""\n' + "x = 1\n" * (ROOM_LINES + 1))
+    assert long_modules_without_a_reason({"launcher.long": long, "launcher.said": said}) == ["launcher.long: 622 lines"]

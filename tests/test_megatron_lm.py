@@ -19,8 +19,8 @@ from conftest import RECIPES, ROOT
 from launcher.config import compose_job
 from launcher.megatron_lm.importer import import_job, load_command
 from launcher.megatron_lm.table import COMBINED, FLAGS, IGNORED, LAUNCHER_ONLY, UNSUPPORTED
-from launcher.megatron_lm.translate import (Args, flatten, freq_and_dense, layer_pattern_text, parse_layer_pattern,
-                                            to_args)
+from launcher.megatron_lm.export import to_args
+from launcher.megatron_lm.translate import Args, flatten, freq_and_dense, layer_pattern_text, parse_layer_pattern
 from launcher.schema import JobConfig
 
 FIXTURES = ROOT / "tests" / "fixtures" / "megatron_lm"

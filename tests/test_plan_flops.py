@@ -41,7 +41,7 @@ def test_deepseek_moe_pattern_first_three_dense():
 def test_flops_per_token_equals_megatrons_own_function(model, extra, expected):
     """The reference values above, recomputed by Megatron-LM's ``num_floating_point_operations`` (shipped in the
     megatron-core wheel as ``megatron.training``) on the job as ``action=megatron-args`` exports it."""
-    from launcher.megatron_lm.translate import to_args
+    from launcher.megatron_lm.export import to_args
     from test_megatron_lm import megatron_or_skip
 
     parser, megatron_flops = megatron_or_skip()

@@ -33,7 +33,7 @@ def do_megatron_args(job, args, checked=None) -> int:
     """action=megatron-args: print the job as a Megatron-LM pretrain_gpt.py launch (or --json); ``checked``: the
     CLI's validation of it (launcher.validate.Checked), whose layout the export reads."""
     import json
-    from launcher.megatron_lm.translate import to_args
+    from launcher.megatron_lm.export import to_args
     exported = to_args(job, checked.layout if checked else None)
     if getattr(args, "json", False):
         print(json.dumps({"args": exported.args, "nodes": exported.nodes, "gpus_per_node": exported.gpus_per_node,

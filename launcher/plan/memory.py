@@ -1,4 +1,6 @@
 """Memory per pipeline stage: weights, gradients, optimizer state, FP8 copies, activations, buffers, reserve.
+One room (~650 lines): the terms of one sum, each beside its source, read top to bottom against Megatron-LM's
+theoretical_memory_usage.py; split, a reader would go back and forth between the terms and their total.
 
 The structure follows Megatron-LM ``megatron/training/theoretical_memory_usage.py`` (parameters split into
 TP-sharded, replicated and expert-sharded; bytes per parameter 18, or 6 + 12/d with the distributed optimizer;
