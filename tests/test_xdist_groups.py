@@ -28,7 +28,10 @@ def test_d(): _record("d")
 
 
 def test_one_group_runs_on_one_worker(tmp_path):
-    probe = ROOT / "tests" / f"test_zz_xdist_probe_{tmp_path.name}.py"  # under tests/: conftest.py must apply
+    # under tests/ (conftest.py must apply), named off pytest's test_*.py pattern: given on the command line it is
+    # collected here, while another session collecting tests/ meanwhile (a second checkout's suite, a helper's lane)
+    # does not pick it up and then miss it when it is gone
+    probe = ROOT / "tests" / f"_zz_xdist_probe_{tmp_path.name}.py"
     probe.write_text(PROBE)
     try:
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup", "-p",
