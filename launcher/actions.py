@@ -116,15 +116,13 @@ def preflight_data(job: JobConfig, lay: Layout | None = None) -> list[Problem]:
 
 
 def launch_preflight(job: JobConfig, checked: Checked | None = None) -> list[Problem]:
-    """What render or run would refuse, found by validate too: a checkpoint dir that takes no file, and a Slurm
+    """What render or run would refuse, found by validate too: a checkpoint dir that takes no file, a
+    checkpoint.load that does not exist (with nothing in checkpoint.dir to resume instead), and a Slurm
     time limit too short for the derived signal lead (the planner's save estimate, or a measured save).
     ``checked``: the job's validation so far (validated again when None)."""
-    from launcher.executor import checkpoint_dir_problem
+    from launcher.executor import checkpoint_dir_problem, checkpoint_load_problem
 
-    problems = []
-    unwritable = checkpoint_dir_problem(job)
-    if unwritable:
-        problems.append(unwritable)
+    problems = [p for p in (checkpoint_dir_problem(job), checkpoint_load_problem(job)) if p is not None]
     if job.cluster.launcher == "slurm" and job.slurm.signal_lead_s is None:
         from launcher.core.signal_lead import lead_for_render
         from launcher.plan import PlanError, plan_job

@@ -183,6 +183,25 @@ def checkpoint_dir_problem(job):
     return Problem("output_dir", job.output_dir, why + " (the bundle and its checkpoints go there)", "output_dir=runs")
 
 
+def checkpoint_load_problem(job):
+    """``checkpoint.load`` names nothing on this file system (the same one the write probe reads) while
+    ``checkpoint.dir`` holds no complete checkpoint of its own to resume instead: the ranks would refuse it after
+    the model build. Its alternative: the newest complete checkpoint beside the missing path, else null (start from
+    step 0). A Problem, else None."""
+    from launcher.problems import Problem
+
+    load = job.checkpoint.load
+    if not load or job.checkpoint.load_hf or Path(absolute(load)).exists():
+        return None
+    if job.checkpoint.dir and cdir.latest_checkpoint(Path(absolute(job.checkpoint.dir))) is not None:
+        return None  # the ranks resume checkpoint.dir's own checkpoints first and never read checkpoint.load
+    missing = Path(absolute(load))
+    near = next((found for found in (cdir.latest_checkpoint(missing.parent),
+                                     cdir.latest_checkpoint(missing.parent.parent)) if found is not None), None)
+    hint = f"checkpoint.load={near}" if near is not None else "checkpoint.load=null (start from step 0)"
+    return Problem("checkpoint.load", load, "no such checkpoint or directory", hint)
+
+
 def checkpoint_preflight(job, bundle: Bundle):
     """Login-node check before a local run: the checkpoint dir (or its nearest existing parent) takes a file
     and has room for one checkpoint (the planner's parameter count, launcher/core/checkpoint_dir.py

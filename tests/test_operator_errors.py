@@ -239,3 +239,26 @@ def test_a_blend_weight_that_is_not_positive_offers_the_blend_without_it(cli, tm
     assert code == 2
     lines = [x for x in err.splitlines() if x.startswith("error:")]
     assert len(lines) == 1 and lines[0].endswith(f"; try data.blend=[1,{tmp_path / 'other'}]"), lines
+
+
+def test_a_checkpoint_load_that_does_not_exist_is_refused_by_validate_with_the_one_beside_it(cli, tmp_path):
+    """Validate said valid and the ranks refused it after the model build. The alternative is checked: the newest
+    complete checkpoint beside the missing path (a mistyped step), else null; nothing is refused while
+    checkpoint.dir holds checkpoints of its own (resumed first; checkpoint.load is then never read)."""
+    missing = tmp_path / "ckpt" / "iter_0000050"
+    code, out, err = cli(f"checkpoint.load={missing}", f"output_dir={tmp_path}", "action=validate")
+    _no_traceback(out, err)
+    assert code == 2 and err.strip().splitlines()[-1] == (
+        f"error: checkpoint.load='{missing}': no such checkpoint or directory; try checkpoint.load=null (start from "
+        "step 0)"), err
+    for step in (20, 40):  # two complete checkpoints (a manifest with its files and step) beside the missing one
+        (tmp_path / "ckpt" / f"iter_{step:07d}").mkdir(parents=True)
+        (tmp_path / "ckpt" / f"iter_{step:07d}" / "launcher.json").write_text(json.dumps({"files": {}, "step": step}))
+    code, out, err = cli(f"checkpoint.load={missing}", f"output_dir={tmp_path}", "action=render")
+    assert code == 2 and err.strip().endswith(f"try checkpoint.load={tmp_path / 'ckpt' / 'iter_0000040'}"), err
+    assert not list(tmp_path.glob("smoke-*")), "render wrote a bundle"
+    code, out, err = cli(f"checkpoint.load={tmp_path / 'ckpt' / 'iter_0000040'}", f"output_dir={tmp_path}",
+                         "action=validate")
+    assert code == 0, err  # the alternative validates
+    code, out, err = cli(f"checkpoint.load={missing}", f"checkpoint.dir={tmp_path / 'ckpt'}", "action=validate")
+    assert code == 0, err  # checkpoint.dir's own checkpoints are resumed instead
