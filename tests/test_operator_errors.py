@@ -30,6 +30,18 @@ def _no_traceback(out: str, err: str) -> None:
     assert "Traceback" not in out + err, (out + err)[-3000:]
 
 
+def _same_line_from_validate_and_render(cli, overrides) -> dict:
+    """Both refuse (exit 2, no traceback) with the same single error line: {action: [error lines]}."""
+    said = {}
+    for action in ("validate", "render"):
+        code, out, err = cli(*overrides, f"action={action}")
+        _no_traceback(out, err)
+        assert code == 2, (action, out, err)
+        said[action] = [x for x in err.splitlines() if x.startswith("error:")]
+    assert said["validate"] == said["render"] and len(said["validate"]) == 1, said
+    return said
+
+
 @pytest.mark.parametrize("action", ["validate", "render"])
 def test_an_empty_dataset_in_the_blend_is_one_line(cli, tmp_path, action):
     empty = _empty_dataset(tmp_path / "empty_text_document")
@@ -145,13 +157,7 @@ def test_validate_refuses_what_render_would_refuse(cli, tmp_path, case):
                                 f"output_dir={tmp_path}"],
                  "checkpoint dir": ["checkpoint.dir=/proc/x/ckpt", f"output_dir={tmp_path}"],
                  "output dir": ["output_dir=/proc/x/runs"]}[case]
-    said = {}
-    for action in ("validate", "render"):
-        code, out, err = cli(*overrides, f"action={action}")
-        _no_traceback(out, err)
-        assert code == 2, (action, out, err)
-        said[action] = [x for x in err.splitlines() if x.startswith("error:")]
-    assert said["validate"] == said["render"] and len(said["validate"]) == 1, said
+    said = _same_line_from_validate_and_render(cli, overrides)
     field = {"slurm time": "slurm.time='00:05:00'", "checkpoint dir": "checkpoint.dir='/proc/x/ckpt'",
              "output dir": "output_dir='/proc/x/runs'"}[case]
     assert said["validate"][0].startswith(f"error: {field}: ") and "; try " in said["validate"][0]
@@ -183,13 +189,7 @@ def test_a_path_with_a_part_longer_than_a_file_name_is_one_line(cli, tmp_path, f
     failed on the ranks. One line from both, naming the part, and an alternative that validates."""
     long = tmp_path / ("x" * 300) / "sub"
     overrides = [f"{field}={long}"] + ([f"output_dir={tmp_path / 'runs'}"] if field != "output_dir" else [])
-    said = {}
-    for action in ("validate", "render"):
-        code, out, err = cli(*overrides, f"action={action}")
-        _no_traceback(out, err)
-        assert code == 2, (action, out, err)
-        said[action] = [x for x in err.splitlines() if x.startswith("error:")]
-    assert said["validate"] == said["render"] and len(said["validate"]) == 1, said
+    said = _same_line_from_validate_and_render(cli, overrides)
     hint = {"output_dir": "output_dir=runs"}.get(field, f"{field}=null")
     assert said["validate"][0] == (f"error: {field}='{long}': its part '{'x' * 20}...' is 300 bytes, and a file or "
                                    f"directory name is at most 255; try {hint}")
