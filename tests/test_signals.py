@@ -57,6 +57,19 @@ def test_a_rank_blocked_in_native_code_exits_143_after_the_grace():
     assert "SIGTERM and no step boundary within 1 s" in err and "unreachable" not in out
 
 
+def _scancel(signalled: list):
+    """What scancel does to a job step: SIGTERM to every process of the bundle (torchrun, ranks, loader workers);
+    the pids reached are appended to ``signalled``."""
+    def scancel(bundle):
+        for pid in bundle_processes(bundle):
+            try:
+                os.kill(pid, signal.SIGTERM)
+                signalled.append(pid)
+            except ProcessLookupError:
+                pass
+    return scancel
+
+
 def _start(tmp_path, name):
     overrides = [*TINY, *layout(pp=2), "train.train_steps=2000", "checkpoint.save_interval=0", "data.num_workers=1"]
     cmd = [sys.executable, "-m", "launcher", *overrides, "cluster.gpus_per_node=2", f"output_dir={tmp_path}",
@@ -107,14 +120,7 @@ def test_sigterm_to_every_process_as_scancel_sends_it_checkpoints_and_exits_143(
     workers. KillWait (30 s) later comes SIGKILL; the stop checkpoint must be written before."""
     proc = _start(tmp_path, "term")
     signalled = []
-
-    def scancel(bundle):
-        for pid in bundle_processes(bundle):
-            try:
-                os.kill(pid, signal.SIGTERM)
-                signalled.append(pid)
-            except ProcessLookupError:
-                pass
+    scancel = _scancel(signalled)
 
     code, out = _run_and_signal(proc, scancel)
     bundle_dir = next(tmp_path.glob("term-*"))
@@ -129,14 +135,7 @@ def test_sigterm_twice_still_checkpoints_and_exits_143(tmp_path):
     killed the ranks in the middle of their save; the second signal must change nothing."""
     proc = _start(tmp_path, "term2")
     signalled = []
-
-    def scancel(bundle):
-        for pid in bundle_processes(bundle):
-            try:
-                os.kill(pid, signal.SIGTERM)
-                signalled.append(pid)
-            except ProcessLookupError:
-                pass
+    scancel = _scancel(signalled)
 
     # torchrun logs "Sending process N closing signal SIGTERM" once it waits for its ranks: the second one then
     code, out = _run_and_signal(proc, scancel, then=[(r"closing signal SIGTERM", scancel)])
