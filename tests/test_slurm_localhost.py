@@ -69,15 +69,21 @@ class Job:
         self.info: dict[str, str] = {}
 
     def wait(self, timeout_s: float) -> dict[str, str]:
-        """Poll until the job reaches a final state (a requeued job passes through PENDING); bounded."""
-        deadline = time.monotonic() + timeout_s
+        """Poll until the job reaches a final state (a requeued job passes through PENDING). A hang detector on
+        progress: it fails only after ``timeout_s`` without a new line in the job's log or a new job state, so a
+        slow machine is not called hung (at load 50 a finished job's ranks took over 30 s to exit after the log's
+        last line, and a fixed total had failed a run that trained and requeued correctly)."""
+        deadline, seen = time.monotonic() + timeout_s, None
         while time.monotonic() < deadline:
             self.info = job_info(self.id) or self.info
             if self.info.get("JobState") in FINAL:
                 return self.info
+            now = (self.info.get("JobState"), len(log_of(self.bundle, self.id)))
+            if now != seen:
+                deadline, seen = time.monotonic() + timeout_s, now
             time.sleep(1)
-        raise AssertionError(f"job {self.id} not finished after {timeout_s:.0f} s: {self.info.get('JobState')}\n"
-                             f"--- log ---\n{log_of(self.bundle, self.id)}")
+        raise AssertionError(f"job {self.id} not finished, nothing new for {timeout_s:.0f} s: "
+                             f"{self.info.get('JobState')}\n--- log ---\n{log_of(self.bundle, self.id)}")
 
     def __enter__(self):
         return self
@@ -226,7 +232,7 @@ def test_smoke_training_checkpoints_on_usr1_and_resumes_after_requeue(slurm, tmp
             steps = len(re.findall(r"^step\s+\d+ \|", first_run, re.MULTILINE))
             assert steps <= signalled_at + 3, f"training ran {steps - signalled_at} steps past USR1 (STOP file)"
             time.sleep(0.5)
-        info = job.wait(30)
+        info = job.wait(120)
     log = log_of(bundle, job.id)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{log[-6000:]}"
     assert info["Restarts"] == "1", f"{info}\n{log[-6000:]}"
