@@ -22,16 +22,23 @@ def _spans(trace) -> list:
     return sorted({e["name"] for e in events if str(e.get("name", "")).startswith("ProfilerStep#")})
 
 
-def test_the_torch_profiler_covers_exactly_the_configured_steps(tmp_path):
+def _torch_profiled(tmp_path, *, start, end, rank, steps, n):
+    """A torch StepProfiler over profile.step_start..step_end-1 = start..end-1 on ``rank``, run through ``steps`` of
+    an n x n matmul and closed; returns it and the lines it said."""
     notes = []
-    prof = profiling.StepProfiler(kind="torch", start=2, end=4, active=True, bundle=tmp_path, rank=3,
+    prof = profiling.StepProfiler(kind="torch", start=start, end=end, active=True, bundle=tmp_path, rank=rank,
                                   note=notes.append)
-    x = torch.randn(32, 32)
-    for step in range(1, 7):
+    x = torch.randn(n, n)
+    for step in steps:
         prof.before(step)
         (x @ x).sum()
         prof.after(step)
     prof.close()
+    return prof, notes
+
+
+def test_the_torch_profiler_covers_exactly_the_configured_steps(tmp_path):
+    prof, notes = _torch_profiled(tmp_path, start=2, end=4, rank=3, steps=range(1, 7), n=32)
     traces = list((tmp_path / "profile" / "torch").glob("rank3.*.pt.trace.json"))
     assert len(traces) == 1 and prof.written == traces[0]
     assert _spans(traces[0]) == ["ProfilerStep#2", "ProfilerStep#3"]
@@ -220,15 +227,7 @@ def test_profile_kind_torch_on_the_embedded_default_leaves_a_trace_in_the_bundle
 def test_a_run_that_ends_inside_the_profiled_range_names_the_steps_it_traced(tmp_path):
     """profile.step_end past the run's last step (validate allows it: the range is clipped by the run): the trace is
     written when the run ends, and its line names the steps it holds, not the range asked for."""
-    notes = []
-    prof = profiling.StepProfiler(kind="torch", start=2, end=50, active=True, bundle=tmp_path, rank=0,
-                                  note=notes.append)
-    x = torch.randn(8, 8)
-    for step in range(1, 5):
-        prof.before(step)
-        (x @ x).sum()
-        prof.after(step)
-    prof.close()
+    prof, notes = _torch_profiled(tmp_path, start=2, end=50, rank=0, steps=range(1, 5), n=8)
     assert notes == [f"profile: torch trace of steps 2..4 on rank 0: {prof.written}"]
     assert prof.written is not None and prof.written.is_file()
 
@@ -236,14 +235,6 @@ def test_a_run_that_ends_inside_the_profiled_range_names_the_steps_it_traced(tmp
 def test_a_run_resumed_inside_the_profiled_range_profiles_the_rest_of_it(tmp_path):
     """A requeue that resumes at step 4 of a 2..5 range: the profiler waited for step 2, which never came, and wrote
     nothing; it now records the steps of the range this attempt runs, numbered as the run counts them."""
-    notes = []
-    prof = profiling.StepProfiler(kind="torch", start=2, end=6, active=True, bundle=tmp_path, rank=0,
-                                  note=notes.append)
-    x = torch.randn(8, 8)
-    for step in range(4, 8):
-        prof.before(step)
-        (x @ x).sum()
-        prof.after(step)
-    prof.close()
+    prof, notes = _torch_profiled(tmp_path, start=2, end=6, rank=0, steps=range(4, 8), n=8)
     assert prof.written is not None and _spans(prof.written) == ["ProfilerStep#4", "ProfilerStep#5"]
     assert notes == [f"profile: torch trace of steps 4..5 on rank 0: {prof.written}"]
