@@ -212,8 +212,9 @@ def checkpoint_preflight(job, bundle: Bundle):
     why = cdir.write_probe(probe_dir)
     if why:
         return f"checkpoint.dir={target}: {why}"
-    if job.checkpoint.load and not Path(absolute(job.checkpoint.load)).exists():
-        return f"checkpoint.load={job.checkpoint.load} does not exist"
+    missing = checkpoint_load_problem(job)  # the rule validate applies (launch_preflight), not a second one
+    if missing is not None:
+        return missing.line().removeprefix("error: ")
     try:
         params = json.loads((bundle.path / "plan.json").read_text())["params"]["total"]
     except (OSError, ValueError, KeyError, TypeError):
