@@ -66,14 +66,39 @@ def launcher_run(tmp_path: Path, overrides, nproc: int) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def _state(watch: Path) -> tuple:
+    """What a run has written under ``watch`` (its bundle, logs, checkpoints): file count and bytes."""
+    files = size = 0
+    for root, _, names in os.walk(watch):
+        for name in names:
+            try:
+                size += os.stat(os.path.join(root, name)).st_size
+                files += 1
+            except OSError:
+                pass
+    return files, size
+
+
+def wait_for(predicate, quiet: float, what: str, watch: Path | None = None):
+    """Wait until ``predicate()`` is truthy. A hang detector (issue 25), not a total-time bound: with ``watch``
+    it gives up only after ``quiet`` seconds in which nothing under ``watch`` changed (the runs' logs, bundles,
+    checkpoints grow while they progress; at load 30 on 2 cores a TP2 run took more than 120 s to its step-4
+    checkpoint, which a fixed 120 s wait called a hang); without it, after ``quiet`` seconds."""
+    last, state, look = time.monotonic(), None, 0.0
+    while True:
         value = predicate()
         if value:
             return value
+        now = time.monotonic()
+        if watch is not None and now >= look:
+            look = now + 1.0
+            new = _state(watch)
+            if new != state:
+                state, last = new, now
+        if now - last > quiet:
+            where = f" (nothing written under {watch} meanwhile)" if watch is not None else ""
+            raise AssertionError(f"no progress for {quiet:.0f} s{where} waiting for {what}")
         time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def the_bundle(tmp_path: Path):
@@ -97,13 +122,13 @@ def launcher_run_timed(tmp_path: Path, overrides, nproc: int, timeout: float = 2
     workers) may still be around then: the launcher must not wait for them."""
     proc = launcher_run(tmp_path, overrides, nproc)
     try:
-        bundle = wait_for(lambda: the_bundle(tmp_path), 60, "the bundle")
+        bundle = wait_for(lambda: the_bundle(tmp_path), 120, "the bundle", tmp_path)
         # a hang detector, generous: at load 38 on 2 cores the rank's imports alone took minutes (seen: no rank
         # within 240 s); a launcher that ended without starting one ends the wait (the asserts then say why)
         wait_for(lambda: any(rank_pids(bundle, r) for r in range(nproc)) or proc.poll() is not None, 3 * timeout,
-                 "a training rank")
+                 "a training rank", tmp_path)
         wait_for(lambda: not any(rank_pids(bundle, r) for r in range(nproc)) or proc.poll() is not None, timeout,
-                 "the training ranks to end")
+                 "the training ranks to end", tmp_path)
         gone = time.monotonic()
         code, out = finish(proc, 60)
         return code, out, bundle, time.monotonic() - gone
@@ -118,9 +143,9 @@ def test_kill9_of_one_rank_is_restarted_by_torchrun_and_ends_with_the_uninterrup
     full = train(tmp_path, "uninterrupted", 2, overrides)
     proc = launcher_run(tmp_path, overrides + ["cluster.max_restarts=1"], 2)
     try:
-        bundle = wait_for(lambda: the_bundle(tmp_path), 60, "the bundle")
-        wait_for(lambda: (bundle / "checkpoints" / "iter_0000004" / "launcher.json").is_file(), 120,
-                 "the first checkpoint")
+        bundle = wait_for(lambda: the_bundle(tmp_path), 120, "the bundle", tmp_path)
+        wait_for(lambda: (bundle / "checkpoints" / "iter_0000004" / "launcher.json").is_file(), 300,
+                 "the first checkpoint", tmp_path)
         (victim,) = rank_pids(bundle, 1)
         os.kill(victim, signal.SIGKILL)
         code, out = finish(proc, 240)
@@ -142,10 +167,10 @@ def test_launcher_returns_within_a_minute_when_a_rank_dies_without_restarts(tmp_
     overrides = TINY + layout(tp=2) + ["train.train_steps=400", "checkpoint.save_interval=2"]
     proc = launcher_run(tmp_path, overrides + ["cluster.max_restarts=0"], 2)
     try:
-        bundle = wait_for(lambda: the_bundle(tmp_path), 60, "the bundle")
+        bundle = wait_for(lambda: the_bundle(tmp_path), 120, "the bundle", tmp_path)
         # after a save: the checkpoint writer's helper process exists and may outlive the killed rank
-        wait_for(lambda: (bundle / "checkpoints" / "iter_0000004" / "launcher.json").is_file(), 120,
-                 "a checkpoint")
+        wait_for(lambda: (bundle / "checkpoints" / "iter_0000004" / "launcher.json").is_file(), 300,
+                 "a checkpoint", tmp_path)
         (victim,) = rank_pids(bundle, 1)
         os.kill(victim, signal.SIGKILL)
         killed_at = time.monotonic()
@@ -324,7 +349,7 @@ def test_a_second_run_is_refused_while_the_first_trains_on_the_dir(tmp_path):
     proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             start_new_session=True)
     try:
-        wait_for(lambda: (shared / "LOCK").is_file(), 120, "the first run's lock")
+        wait_for(lambda: (shared / "LOCK").is_file(), 300, "the first run's lock", tmp_path)
         second = write_bundle(tmp_path / "second", TINY + layout() + ["train.train_steps=2",
                                                                       f"checkpoint.dir={shared}"], 1)
         out = run_train(second, 1)
