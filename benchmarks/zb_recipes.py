@@ -2,8 +2,8 @@
 variants at the same layout (PP, TP, CP, EP, batch, recompute and overlaps as published), as the planner predicts
 them (no GPU involved: predictions, not measurements). The README's table is this script's output.
 
-Variants: ZB-H1 (parallel.virtual_pipeline=null) and ZB-V (virtual_pipeline=2, its op order generated for the
-planner's own chunk costs, schedule.zb_v_costs). Settings a variant has to change are listed (moe_a2a_overlap is
+Variants: ZB-H1 at the recipe's own virtual pipeline (over its chunks when VPP > 1) and ZB-V (virtual_pipeline=2,
+its op order generated for the planner's own chunk costs, schedule.zb_v_costs). Settings a variant has to change are listed (moe_a2a_overlap is
 Megatron's combined-1F1B schedule); userbuffer TP overlap stays on, without the sub-overlaps TE forbids or that
 would hold W's operands (models/zero_bubble.py ZB_TP_OVERLAP), their loss priced; a variant that does not validate
 for running is left out, with why.
@@ -32,10 +32,13 @@ def variants(job) -> list[tuple[str, list[str]]]:
     changed = []
     if job.parallel.moe_a2a_overlap:
         changed.append("parallel.moe_a2a_overlap=false")
-    return [(Schedule.ZB_H1, ["schedule.kind=zb_h1", "parallel.virtual_pipeline=null",
-                              "schedule.overlap_p2p_comm=false", *changed]),
-            (Schedule.ZB_V, ["schedule.kind=zb_v", "parallel.virtual_pipeline=2", "schedule.overlap_p2p_comm=false",
-                             *changed])]
+    # ZB-H1 at the recipe's own virtual pipeline (over its chunks when VPP > 1: schedules._zb_h1_interleaved);
+    # ZB-V at two chunks. The recipe's overlap_p2p_comm stays where there is a virtual pipeline (p2p.plan posts
+    # each receive one op early under it) and goes where there is none (Megatron's rule).
+    vpp = job.parallel.virtual_pipeline or 1
+    p2p_off = ["schedule.overlap_p2p_comm=false"] if job.schedule.overlap_p2p_comm else []
+    return [(Schedule.ZB_H1, ["schedule.kind=zb_h1", *(p2p_off if vpp == 1 else []), *changed]),
+            (Schedule.ZB_V, ["schedule.kind=zb_v", "parallel.virtual_pipeline=2", *changed])]
 
 
 def row(name: str, overrides: list[str]) -> dict:

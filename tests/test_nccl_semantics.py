@@ -265,6 +265,29 @@ def test_zb_v_programs_replay_without_deadlock_for_pp_2_to_16(costs):
             assert p2p.replay(p2p.plan_all(sched, placement="zb_v")) == 2 * (2 * p - 2) * m, (p, m)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_zb_h1_over_a_virtual_pipeline_replays_without_deadlock_for_pp_2_to_16(overlap):
+    """ZB-H1 over VPP 2 and 3 (Megatron's interleaved placement: stage p - 1 hands over to rank 0, so a rank pair
+    carries messages both ways, as in the V): single ops on one channel per direction, and with overlap_p2p_comm
+    every receive posted one op early; every message crosses once (2 x (pv - 1) per microbatch)."""
+    for p in PPS:
+        for v in (2, 3):
+            for m in (p, 2 * p):
+                sched = build_schedule("zb_h1", p, m, v)
+                programs = p2p.plan_all(sched, placement="interleaved", overlap=overlap)
+                assert p2p.replay(programs) == 2 * (p * v - 1) * m, (p, v, m)
+                if overlap:  # a receive posted before the op ahead of the one that needs it
+                    assert any(ev[0] == "post" and ev[2][0][0] == "recv" and programs[1][i + 1][0] == "op"
+                               for i, ev in enumerate(programs[1]))
+
+
+def test_zb_v_with_overlapped_receives_replays_without_deadlock():
+    for p in (2, 3, 4, 8, 16):
+        for m in (1, p, 2 * p + 1):
+            sched = build_schedule("zb_v", p, m)
+            assert p2p.replay(p2p.plan_all(sched, placement="zb_v", overlap=True)) == 2 * (2 * p - 2) * m, (p, m)
+
+
 def test_zb_v_needs_its_sends_in_the_receivers_order():
     """Without the peers' op lists the plan sends in production order; NCCL (no tags, in-order matching per pair)
     then hands a rank the wrong tensor or deadlocks: the replay catches it."""

@@ -68,7 +68,7 @@ def _neighbours(r: int, p: int, op: Op, placement: str = Schedule.ONE_F_ONE_B, c
 
 
 def plan(ops: Sequence[Op], r: int, p: int, channel: str = "pp", placement: str = Schedule.ONE_F_ONE_B,
-         schedule: Optional[Sequence[Sequence[Op]]] = None) -> List[Event]:
+         schedule: Optional[Sequence[Sequence[Op]]] = None, overlap: bool = False) -> List[Event]:
     """The p2p program of rank ``r`` of ``p`` running ``ops``: ``("op", Op)`` compute events interleaved with
     posts and waits. Item ids are ``(r, n)``. Every receive is waited right before the op that consumes it; a send
     is posted right after the op that produced it, in one group with the next receive from the same peer if that
@@ -80,7 +80,11 @@ def plan(ops: Sequence[Op], r: int, p: int, channel: str = "pp", placement: str 
     its communicator. There every op is a single ``isend``/``irecv`` (PyTorch gives each rank pair of a process
     group its own communicator) on one of two process groups: ``channel`` for messages to the higher rank,
     ``channel + UP`` for messages to the lower one; so each communicator carries one direction only and a send
-    waits for nothing but its own receive. Receives are posted and waited right before the op that needs them.
+    waits for nothing but its own receive. Receives are posted and waited right before the op that needs them;
+    with ``overlap`` (schedule.overlap_p2p_comm, as Megatron's interleaved schedule posts the next receive before
+    the current op's compute) each is posted one op earlier, so the transfer runs under that op. The pair's
+    communicator carries that one direction only, in the order both sides agree on, so an early receive delays
+    nothing but itself.
 
     Sends to one peer are posted in the order that peer receives (NCCL matches a pair's p2p ops in order, it
     has no tags; and posting a receive long before it is needed would hold up every later group on the rank's
@@ -132,6 +136,9 @@ def plan(ops: Sequence[Op], r: int, p: int, channel: str = "pp", placement: str 
                 src = ops[producer[tag]]
                 if src.kind == "F":
                     sent[(src.microbatch, src.chunk)] = item
+            elif overlap and i > 0:  # posted before the previous op (after that op's own receives), waited here
+                posts_before[i - 1].append(("post", item, [("recv", peer, ch, tag)], "pair"))
+                posts_before[i].append(("wait", item))
             else:
                 posts_before[i] += [("post", item, [("recv", peer, ch, tag)], "pair"), ("wait", item)]
             continue
@@ -171,10 +178,10 @@ def plan(ops: Sequence[Op], r: int, p: int, channel: str = "pp", placement: str 
 
 
 def plan_all(schedule: Sequence[Sequence[Op]], channel: str = "pp",
-             placement: str = Schedule.ONE_F_ONE_B) -> List[List[Event]]:
+             placement: str = Schedule.ONE_F_ONE_B, overlap: bool = False) -> List[List[Event]]:
     """``plan`` for every rank of a schedule (``launcher.core.schedules.build_schedule``)."""
     p = len(schedule)
-    return [plan(ops, r, p, channel, placement, schedule) for r, ops in enumerate(schedule)]
+    return [plan(ops, r, p, channel, placement, schedule, overlap) for r, ops in enumerate(schedule)]
 
 
 # ------------------------------------------------------------------------------------------- replay

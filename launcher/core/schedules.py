@@ -43,12 +43,20 @@ def schedule_1f1b(p: int, m: int) -> list[list[Op]]:
     return out
 
 
-def schedule_zb_h1(p: int, m: int) -> list[list[Op]]:
+def schedule_zb_h1(p: int, m: int, v: int = 1, group: int | None = None) -> list[list[Op]]:
     """ZB-H1 (Qi et al., ICLR 2024, Fig. 3): 1F1B's order of F and B (so at most p - r microbatches in flight
     on rank r, 1F1B's activations), with the weight-gradient passes split off and rank r running its W's r
     microbatches late (so rank r also holds up to r + 1 microbatches' weight-gradient operands: the planner
     counts them, launcher/plan/memory.py). The deferred W's fill the time rank r would wait for the next B from downstream,
-    which shrinks the bubble from (p-1)(T_F+T_B+T_W) to (p-1)(T_F+T_B-T_W); the remaining W's run at the end."""
+    which shrinks the bubble from (p-1)(T_F+T_B+T_W) to (p-1)(T_F+T_B-T_W); the remaining W's run at the end.
+
+    With ``v`` > 1 model chunks per rank (a virtual pipeline, ``group`` as in :func:`schedule_interleaved`): the
+    same rule over Megatron's interleaved order, :func:`_zb_h1_interleaved`."""
+    if v > 1:
+        if m % (group or p):  # validate refuses it, as for interleaved (whose order would name microbatches >= m)
+            raise ValueError(f"zb_h1 over {v} chunks needs the microbatches ({m}) divisible by the microbatch "
+                             f"group ({group or p})")
+        return [list(ops) for ops in _zb_h1_interleaved(p, m, v, group or p)]
     out = []
     for r in range(p):
         warm = min(p - r - 1, m)
@@ -66,6 +74,63 @@ def schedule_zb_h1(p: int, m: int) -> list[list[Op]]:
         ops += [Op("W", j) for j in range(w_next, m)]
         out.append(ops)
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _zb_h1_interleaved(p: int, m: int, v: int, group: int) -> tuple:
+    """ZB-H1's rule over a virtual pipeline (ours; the paper builds ZB-H1 on 1F1B only): each rank runs
+    Megatron's interleaved order of F and B (:func:`schedule_interleaved`, its BW split into B and W), so it holds
+    interleaved 1F1B's activations, and its W's go where that order would leave it waiting: list scheduling at
+    equal chunk costs (T_F = T_B = T_W, the paper's setting), where a rank that is free runs its next F/B if
+    that op's input exists, else its oldest pending W; and, as in ZB-H1, rank r never keeps more than r W's
+    pending (the one after the (r+1)-th runs first), which bounds the weight-gradient operands it holds to r + 1
+    chunk-microbatches (1/v of a stage each). The W's left run at the end. At equal costs the bubble is about a
+    third of interleaved 1F1B's (PP 8, VPP 4, 64 microbatches: 0.9% vs 2.7% of the step,
+    tests/test_schedules_zb.py); the planner replays this order with its own stage costs."""
+    base = schedule_interleaved(p, m, v, group)
+    seq = [[Op("B" if op.kind == "BW" else "F", op.microbatch, op.chunk) for op in ops] for ops in base]
+    n, inf = p * v, float("inf")
+    f_end = [[inf] * m for _ in range(n)]  # [stage][microbatch] -> end time
+    b_end = [[inf] * m for _ in range(n)]
+    out: list[list[Op]] = [[] for _ in range(p)]
+    free, pos = [0.0] * p, [0] * p
+    pending: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # (microbatch, chunk) after B, before W
+    total, count, t = 3 * m * v * p, 0, 0.0
+    events: list = []
+
+    def ready(r: int, op: Op) -> bool:
+        k, mb = op.chunk * p + r, op.microbatch
+        if op.kind == "F":
+            return k == 0 or f_end[k - 1][mb] <= t
+        return f_end[k][mb] <= t and (k == n - 1 or b_end[k + 1][mb] <= t)
+
+    while count < total:
+        for r in range(p):
+            if free[r] > t:
+                continue
+            if len(pending[r]) > r or (pending[r] and not (pos[r] < len(seq[r]) and ready(r, seq[r][pos[r]]))):
+                choice = Op("W", *pending[r].pop(0))
+            elif pos[r] < len(seq[r]) and ready(r, seq[r][pos[r]]):
+                choice, pos[r] = seq[r][pos[r]], pos[r] + 1
+                if choice.kind == "B":
+                    pending[r].append((choice.microbatch, choice.chunk))
+            else:
+                continue
+            out[r].append(choice)
+            free[r] = t + 1.0
+            k = choice.chunk * p + r
+            if choice.kind == "F":
+                f_end[k][choice.microbatch] = free[r]
+            elif choice.kind == "B":
+                b_end[k][choice.microbatch] = free[r]
+            heapq.heappush(events, free[r])
+            count += 1
+        while events and events[0] <= t:  # the next time anything finishes: a rank frees, an input appears
+            heapq.heappop(events)
+        if count < total and not events:
+            raise RuntimeError(f"zb_h1 list scheduling over a virtual pipeline is stuck for p={p}, m={m}, v={v}")
+        t = events[0] if events else t
+    return tuple(tuple(ops) for ops in out)
 
 
 def schedule_interleaved(p: int, m: int, v: int, group: int | None = None) -> list[list[Op]]:
@@ -199,12 +264,12 @@ def _zb_v(p: int, m: int, costs: tuple) -> tuple:
 
 def build_schedule(kind: str, p: int, m: int, v: int = 1, group: int | None = None,
                    costs: tuple = (1.0, 1.0, 1.0)) -> list[list[Op]]:
-    """The per-rank op lists for schedule ``kind`` (1f1b, interleaved, zb_h1, zb_v; ``costs``: zb_v's (T_F,
-    T_B, T_W) per chunk, relative)."""
+    """The per-rank op lists for schedule ``kind`` (1f1b, interleaved, zb_h1 (over v chunks when v > 1), zb_v;
+    ``costs``: zb_v's (T_F, T_B, T_W) per chunk, relative)."""
     if kind == Schedule.INTERLEAVED and v > 1:
         return schedule_interleaved(p, m, v, group)
     if kind == Schedule.ZB_H1:
-        return schedule_zb_h1(p, m)
+        return schedule_zb_h1(p, m, v, group)
     if kind == Schedule.ZB_V:
         return schedule_zb_v(p, m, costs)
     return schedule_1f1b(p, m)

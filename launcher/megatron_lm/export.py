@@ -113,7 +113,8 @@ def to_args(job: JobConfig, lay: Layout | None = None) -> Export:
 def _export_schedule(job: JobConfig, lay, missing: List[str]) -> List[str]:
     s, out = job.schedule, []
     if s.kind == Schedule.ZB_H1:
-        missing.append("schedule.kind=zb_h1 (Megatron-LM has no zero-bubble schedule; exported as 1f1b)")
+        missing.append("schedule.kind=zb_h1 (Megatron-LM has no zero-bubble schedule; exported as "
+                       + ("interleaved over the same chunks)" if lay.vpp > 1 else "1f1b)"))
     if s.kind == Schedule.ZB_V:
         missing.append("schedule.kind=zb_v (Megatron-LM has no zero-bubble schedule; exported as interleaved with "
                        "two chunks per rank: the same layers per chunk, placed interleaved instead of in a V)")

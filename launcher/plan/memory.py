@@ -360,10 +360,11 @@ def held_after_each_op(ops: list[Op]) -> list[tuple[int, int]]:
 
 
 @functools.lru_cache(maxsize=256)
-def zb_h1_states(p: int, m: int) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Per stage, the distinct (in flight, pending W) states of ``launcher.core.schedules.schedule_zb_h1(p, m)``,
-    the op list the rank executor runs literally (so planner and executor read one schedule)."""
-    return tuple(tuple(sorted(set(held_after_each_op(ops)))) for ops in schedule_zb_h1(p, m))
+def zb_h1_states(p: int, m: int, v: int = 1, group: int | None = None) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per stage, the distinct (in flight, pending W) states of ``launcher.core.schedules.schedule_zb_h1(p, m, v,
+    group)``, the op list the rank executor runs literally (so planner and executor read one schedule); with
+    ``v`` > 1 both count chunk-microbatches."""
+    return tuple(tuple(sorted(set(held_after_each_op(ops)))) for ops in schedule_zb_h1(p, m, v, group))
 
 
 @functools.lru_cache(maxsize=256)
@@ -588,6 +589,9 @@ def stage_memory(job: JobConfig, lay: Layout, stage: int, cache: dict | None = N
         if job.schedule.kind == Schedule.ZB_V:  # states count chunk-microbatches, each half of the rank's layers
             costs = tuple(job.schedule.zb_v_costs or (1.0, 1.0, 1.0))
             states = tuple((f / 2, w / 2) for f, w in zb_v_states(p, max(1, lay.microbatches), costs)[stage])
+        elif lay.vpp > 1:  # over a virtual pipeline: chunk-microbatches, each 1/v of the rank's layers
+            states = tuple((f / lay.vpp, w / lay.vpp) for f, w in
+                           zb_h1_states(p, max(1, lay.microbatches), lay.vpp, lay.microbatch_group)[stage])
         else:
             states = zb_h1_states(p, max(1, lay.microbatches))[stage]
         in_flight, n_pending = zb_peak_state(states, per_mb, w_mb, logits)

@@ -205,9 +205,12 @@ def _zb_h1_allowed(job: JobConfig) -> bool:
 
 def _schedules(job: JobConfig, pp: int, vp: int) -> list[str]:
     """Schedules tried at this layout: the schedule is a search dimension (1F1B and ZB-H1 for an
-    uninterleaved pipeline, interleaved for VPP > 1 and ZB-V beside it for VPP = 2)."""
+    uninterleaved pipeline; interleaved and ZB-H1 over the same chunks for VPP > 1, and ZB-V beside them for
+    VPP = 2)."""
     if vp > 1:
-        return [Schedule.INTERLEAVED, Schedule.ZB_V] if vp == 2 and _zb_h1_allowed(job) else [Schedule.INTERLEAVED]
+        if not _zb_h1_allowed(job):
+            return [Schedule.INTERLEAVED]
+        return [Schedule.INTERLEAVED, Schedule.ZB_H1] + ([Schedule.ZB_V] if vp == 2 else [])
     if pp > 1 and _zb_h1_allowed(job):
         return [Schedule.ONE_F_ONE_B, Schedule.ZB_H1]
     return [Schedule.ONE_F_ONE_B]
@@ -227,7 +230,8 @@ def _batch_and_recompute_for(job, fixed, kind, tp, cp, pp, vp, ep, split, fsdp=F
     if job.model.num_experts:
         par["expert_tensor"] = etp
     overlap = fixed.overlap and ep > 1 and (pp == 1 or vp > 1) and not zb  # what this layout allows of it
-    sched = dict(kind=kind, overlap_p2p_comm=kind == Schedule.INTERLEAVED,
+    overlap_p2p = vp > 1  # interleaved, and the zero-bubble executor over several chunks (p2p.plan)
+    sched = dict(kind=kind, overlap_p2p_comm=overlap_p2p,
                  batch_p2p_comm=job.schedule.batch_p2p_comm and not (kind == Schedule.INTERLEAVED and pp == 2),
                  microbatch_group_size=None)
     layout = [f"parallel.tensor={tp}", f"parallel.pipeline={pp}",
@@ -238,7 +242,7 @@ def _batch_and_recompute_for(job, fixed, kind, tp, cp, pp, vp, ep, split, fsdp=F
                "parallel.distributed_optimizer=true", *_split_overrides(split),
                f"parallel.megatron_fsdp={'true' if fsdp else 'false'}",
                f"schedule.kind={kind}",
-               f"schedule.overlap_p2p_comm={'true' if kind == Schedule.INTERLEAVED else 'false'}"]
+               f"schedule.overlap_p2p_comm={'true' if overlap_p2p else 'false'}"]
     cluster = {}
     if fsdp and job.cluster.env.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":  # FSDP needs more than one queue
         cluster = dict(env={**job.cluster.env, "CUDA_DEVICE_MAX_CONNECTIONS": "8"})
@@ -256,6 +260,8 @@ def _batch_and_recompute_for(job, fixed, kind, tp, cp, pp, vp, ep, split, fsdp=F
         # The batch must split into micro-batches over DP, and ETP x EP must tile each stage's ranks.
         if not lay.microbatches or not lay.expert_dp:
             continue
+        if kind == Schedule.ZB_H1 and vp > 1 and lay.microbatches % lay.microbatch_group:
+            continue  # its order is interleaved's, which needs whole microbatch groups (validate refuses it)
         batch = f"train.micro_batch_size={mbs}"
         for rec, mods in recomputes:
             if skip is not None and skip(layout_key, batch):

@@ -134,7 +134,7 @@ def simulate_kind(kind: str, p: int, m: int, t_f, t_b, t_w, v: int = 1, t_comm: 
                   group: int | None = None, costs: Sequence[float] | None = None) -> SimResult:
     """Build and replay schedule ``kind``; t_f/t_b/t_w are per microbatch per whole stage (divided by v
     for each model chunk of the interleaved schedule)."""
-    vv = v if kind == Schedule.INTERLEAVED else 2 if kind == Schedule.ZB_V else 1
+    vv = v if kind in (Schedule.INTERLEAVED, Schedule.ZB_H1) else 2 if kind == Schedule.ZB_V else 1
     scale = (lambda x: [c / vv for c in x]) if isinstance(t_f, (list, tuple)) else (lambda x: x / vv)
     # zb_v: the order the ranks run, generated for schedule.zb_v_costs (``costs``; None: equal costs)
     order = build_schedule(kind, p, m, vv, group, tuple(costs) if costs else (1.0, 1.0, 1.0))

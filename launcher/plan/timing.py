@@ -443,8 +443,8 @@ def _closed_form(kind: str, p: int, v: int, m: int, fs, bs, ws, t_comm: float):
     bubble = (p - 1) * (f + b + w)
     if kind == Schedule.INTERLEAVED:
         bubble /= v
-    elif kind == Schedule.ZB_H1:
-        bubble = (p - 1) * max(f + b - w, 0.0)
+    elif kind == Schedule.ZB_H1:  # over v chunks: each pass 1/v of a stage (schedules._zb_h1_interleaved)
+        bubble = (p - 1) * max(f + b - w, 0.0) / v
     elif kind == Schedule.ZB_V:  # ZB-H1's over two half-size chunks (the simulated op list at T_F = T_B = T_W)
         bubble = (p - 1) * max(f + b - w, 0.0) / 2
     busy = m * max(x + y + z for x, y, z in zip(fs, bs, ws))
@@ -465,7 +465,7 @@ def _pipeline(job: JobConfig, lay: Layout, costs: list[StageCosts], t_comm: floa
     group = lay.microbatch_group
     costs_v = job.schedule.zb_v_costs
     # zb_v: steady per p microbatches
-    unit = group if kind == Schedule.INTERLEAVED else p if kind == Schedule.ZB_V else 1
+    unit = group if kind == Schedule.INTERLEAVED or (kind == Schedule.ZB_H1 and v > 1) else p if kind == Schedule.ZB_V else 1
     cap = max(3 * p, 2 * unit)
     cap = -(-cap // unit) * unit
     if m <= cap + unit:

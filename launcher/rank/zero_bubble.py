@@ -119,22 +119,34 @@ def forward_backward_zb_h1(*, forward_step_func, data_iterator, model, num_micro
                            micro_batch_size: int, decoder_seq_length: Optional[int] = None,
                            forward_only: bool = False, collect_non_loss_data: bool = False,
                            first_val_step: Optional[bool] = None, recorder: Optional[Recorder] = None,
-                           order: Callable = schedule_zb_h1, p2p_communicator=None, pg_collection=None):
-    """Megatron's forward_backward_func interface, running the ZB-H1 order. ``forward_only`` (evaluation)
-    runs Megatron's 1F1B function: forwards are the same in both schedules. ``order`` is exchangeable for
+                           order: Optional[Callable] = None, p2p_communicator=None, pg_collection=None):
+    """Megatron's forward_backward_func interface, running the ZB-H1 order; with a list of several model chunks
+    (a virtual pipeline, placed as Megatron's interleaved schedule places them) the same rule over Megatron's
+    interleaved order (``schedule_zb_h1(p, m, v, group)``). ``forward_only`` (evaluation) runs Megatron's own
+    function for the placement: forwards are the same in both schedules. ``order(p, m)`` is exchangeable for
     tests (``schedule_1f1b`` runs 1F1B's order through this executor). ``p2p_communicator`` and
     ``pg_collection`` as in Megatron-Core's schedules (default: from parallel_state)."""
     from megatron.core.pipeline_parallel import schedules as S
+    from megatron.core.utils import get_model_config
 
+    chunks = len(model) if isinstance(model, list) else 1
     if forward_only:
-        return S.forward_backward_pipelining_without_interleaving(
-            forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-            num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
-            decoder_seq_length=decoder_seq_length, forward_only=True, collect_non_loss_data=collect_non_loss_data,
-            first_val_step=first_val_step, p2p_communicator=p2p_communicator, pg_collection=pg_collection)
-    return _run(Schedule.ONE_F_ONE_B, order, forward_step_func, data_iterator, model, num_microbatches, seq_length,
-                micro_batch_size, decoder_seq_length, False, collect_non_loss_data, first_val_step, recorder,
-                p2p_communicator, pg_collection)
+        run = (S.forward_backward_pipelining_with_interleaving if chunks > 1
+               else S.forward_backward_pipelining_without_interleaving)
+        return run(forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+                   num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+                   decoder_seq_length=decoder_seq_length, forward_only=True,
+                   collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+                   p2p_communicator=p2p_communicator, pg_collection=pg_collection)
+    if order is None:
+        if chunks > 1:  # Megatron's interleaved grouping (microbatch_group_size_per_vp_stage, default PP)
+            group = getattr(get_model_config(model[0]), "microbatch_group_size_per_vp_stage", None)
+            order = partial(schedule_zb_h1, v=chunks, group=group)
+        else:
+            order = schedule_zb_h1
+    return _run(Schedule.INTERLEAVED if chunks > 1 else Schedule.ONE_F_ONE_B, order, forward_step_func,
+                data_iterator, model, num_microbatches, seq_length, micro_batch_size, decoder_seq_length, False,
+                collect_non_loss_data, first_val_step, recorder, p2p_communicator, pg_collection)
 
 
 def forward_backward_zb_v(*, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int,
@@ -195,8 +207,11 @@ def _run(placement: str, order: Callable, forward_step_func, data_iterator, mode
     schedule = order(p, num_microbatches)
     if forward_only:  # evaluation: the F ops of the same order (a valid order of the forwards alone)
         schedule = [[op for op in ops if op.kind == "F"] for ops in schedule]
-    program = p2p.plan(schedule[rank], rank, p, placement=placement, schedule=schedule)
-    peers = {rank + 1: comm.next_rank, rank - 1: comm.prev_rank}
+    # overlap_p2p_comm: over several chunks each receive is posted one op early (launcher.core.p2p.plan)
+    program = p2p.plan(schedule[rank], rank, p, placement=placement, schedule=schedule,
+                       overlap=chunks > 1 and bool(getattr(config, "overlap_p2p_comm", False)))
+    # pipeline ranks as the program names them; the interleaved placement wraps (stage p - 1 -> p: rank p - 1 -> 0)
+    peers = {(rank + 1) % p: comm.next_rank, (rank - 1) % p: comm.prev_rank}
     groups = {"pp": comm.pp_group}
     if chunks > 1:
         groups["pp" + p2p.UP] = up_group(comm.pp_group)

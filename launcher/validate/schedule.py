@@ -96,23 +96,29 @@ def validate_schedule(job: JobConfig, lay: Layout) -> list[Problem]:
     if s.kind == Schedule.ZB_V:
         for ok, field, value, rule, hint in zb_v_rules(job, lay):
             c.need(ok, field, value, rule, hint)
-    elif s.kind == Schedule.INTERLEAVED:
-        c.need(vp > 1 and p.pipeline > 1, "schedule.kind", s.kind,
-               "interleaved needs parallel.pipeline > 1 and parallel.virtual_pipeline > 1",
-               "parallel.virtual_pipeline=2 or schedule.kind=1f1b")
-        c.need(not (p.pipeline == 2 and s.batch_p2p_comm and not s.overlap_p2p_comm), "schedule.batch_p2p_comm",
-               s.batch_p2p_comm, "interleaved with PP=2 and batched p2p trains silently wrong (Megatron-LM #750, #1450)",
-               "schedule.batch_p2p_comm=false or schedule.overlap_p2p_comm=true")
+    elif s.kind == Schedule.INTERLEAVED or (s.kind == Schedule.ZB_H1 and vp > 1):
+        if s.kind == Schedule.INTERLEAVED:
+            c.need(vp > 1 and p.pipeline > 1, "schedule.kind", s.kind,
+                   "interleaved needs parallel.pipeline > 1 and parallel.virtual_pipeline > 1",
+                   "parallel.virtual_pipeline=2 or schedule.kind=1f1b")
+            c.need(not (p.pipeline == 2 and s.batch_p2p_comm and not s.overlap_p2p_comm), "schedule.batch_p2p_comm",
+                   s.batch_p2p_comm, "interleaved with PP=2 and batched p2p trains silently wrong (Megatron-LM #750, "
+                   "#1450)", "schedule.batch_p2p_comm=false or schedule.overlap_p2p_comm=true")
+        # zb_h1 over a virtual pipeline runs Megatron's interleaved order of F and B (schedules._zb_h1_interleaved),
+        # so it needs what that order needs
         group = lay.microbatch_group
         if m:
             c.need(m % group == 0, "train.global_batch_size", job.train.global_batch_size,
-                   f"interleaved needs microbatches per step ({m}) divisible by the microbatch group size ({group})",
+                   f"{s.kind} needs microbatches per step ({m}) divisible by the microbatch group size ({group})",
                    f"train.global_batch_size={round_up(m, group) * job.train.global_batch_size // m}")
     else:
         c.need(vp == 1, "parallel.virtual_pipeline", p.virtual_pipeline,
                f"virtual pipeline stages need schedule.kind=interleaved (got {s.kind})", "schedule.kind=interleaved")
+        # megatron/training/arguments.py: "Setting args.overlap_p2p_comm ... to False" without a virtual pipeline;
+        # our zero-bubble executor overlaps receives only over several chunks (launcher.core.p2p.plan)
         c.need(not s.overlap_p2p_comm, "schedule.overlap_p2p_comm", True,
-               "p2p overlap is implemented only for the interleaved schedule", "schedule.overlap_p2p_comm=false")
+               "p2p overlap needs a virtual pipeline (interleaved, or zb_h1/zb_v with parallel.virtual_pipeline)",
+               "schedule.overlap_p2p_comm=false")
     if s.microbatch_group_size is not None:
         c.need(s.microbatch_group_size >= p.pipeline, "schedule.microbatch_group_size", s.microbatch_group_size,
                f"must be at least parallel.pipeline={p.pipeline}", f"schedule.microbatch_group_size={p.pipeline}")
