@@ -268,8 +268,16 @@ class Run:
 def train(tmp: Path, name: str, nproc: int, overrides: Sequence[str]) -> Run:
     bundle = write_bundle(tmp / name, overrides, nproc)
     proc = run_train(bundle, nproc)
-    assert proc.returncode == 0, f"{name} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (f"{name} failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                                  f"{proc.stderr[-6000:]}\n{rank_log_tails(bundle)}")
     return Run(bundle, proc)
+
+
+def rank_log_tails(bundle: Path, chars: int = 3000) -> str:
+    """The end of every rank's log (a crashed rank's stack is there, launcher.rank.console.open_rank_log; the
+    test's tmp dir is gone a few runs later)."""
+    return "".join(f"--- {f.name}\n{f.read_text(errors='replace')[-chars:]}\n"
+                   for f in sorted((Path(bundle) / "logs").glob("rank-*.log")))
 
 
 def run_until(bundle: Path, nproc: int, marker: str, timeout: int = 240) -> str:

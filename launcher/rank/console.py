@@ -10,6 +10,7 @@ checkpoints and the reason the run stopped. A failing rank prints one line to th
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import logging
 import os
 import sys
@@ -82,7 +83,10 @@ class Console:
 
 
 def open_rank_log(bundle: Path, rank: int) -> tuple[Console, Path]:
-    """Send fds 1 and 2 to <bundle>/logs/rank-N.log (appending: a requeued job keeps its history)."""
+    """Send fds 1 and 2 to <bundle>/logs/rank-N.log (appending: a requeued job keeps its history), and have a
+    rank that dies of a fatal signal (SIGSEGV, SIGBUS, SIGFPE, SIGABRT, SIGILL: a native crash in a kernel, a
+    collective or a library) leave every thread's Python stack there (``faulthandler``) instead of only torchrun's
+    "exited with code -11"."""
     logs = Path(bundle) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     path = logs / f"rank-{rank}.log"
@@ -93,6 +97,7 @@ def open_rank_log(bundle: Path, rank: int) -> tuple[Console, Path]:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    faulthandler.enable(file=sys.stderr, all_threads=True)  # fd 2: the rank log
     restart = os.environ.get("SLURM_RESTART_COUNT", "0")
     print(f"=== rank {rank} started {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}"
           f" (restart {restart}, pid {os.getpid()})", flush=True)
