@@ -125,12 +125,18 @@ def _zb_h1_interleaved(p: int, m: int, v: int, group: int) -> tuple:
                 b_end[k][choice.microbatch] = free[r]
             heapq.heappush(events, free[r])
             count += 1
-        while events and events[0] <= t:  # the next time anything finishes: a rank frees, an input appears
-            heapq.heappop(events)
-        if count < total and not events:
-            raise RuntimeError(f"zb_h1 list scheduling over a virtual pipeline is stuck for p={p}, m={m}, v={v}")
-        t = events[0] if events else t
+        t = _next_event(events, t, count < total, f"zb_h1 over a virtual pipeline, p={p}, m={m}, v={v}")
     return tuple(tuple(ops) for ops in out)
+
+
+def _next_event(events: list, t: float, more: bool, what: str) -> float:
+    """List scheduling's clock: the next time anything finishes after ``t`` (a rank frees, an input appears);
+    ``events`` is the min-heap of op end times. ``more``: ops are left, so there must be one."""
+    while events and events[0] <= t:
+        heapq.heappop(events)
+    if more and not events:
+        raise RuntimeError(f"list scheduling is stuck: {what}")
+    return events[0] if events else t
 
 
 def schedule_interleaved(p: int, m: int, v: int, group: int | None = None) -> list[list[Op]]:
@@ -254,11 +260,7 @@ def _zb_v(p: int, m: int, costs: tuple) -> tuple:
                     end[choice.kind][stage[r][choice.chunk]][choice.microbatch] = free[r]
                 heapq.heappush(events, free[r])
                 count += 1
-        while events and events[0] <= t:  # the next time anything finishes: a rank frees, an input appears
-            heapq.heappop(events)
-        if count < total and not events:
-            raise RuntimeError(f"zb_v list scheduling is stuck for p={p}, m={m}")
-        t = events[0] if events else t
+        t = _next_event(events, t, count < total, f"zb_v, p={p}, m={m}")
     return tuple(tuple(ops) for ops in out)
 
 
