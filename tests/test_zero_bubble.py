@@ -601,11 +601,14 @@ ZB_V_TRAIN = TINY + layout(pp=2) + ["train.train_steps=6", "checkpoint.save_inte
 
 @pytest.fixture(scope="module")
 def zb_v_and_1f1b_runs(tmp_path_factory):
-    """The same 6-step PP2 job under 1F1B and under ZB-V (checkpoints at step 3, evaluations at 3 and 6)."""
+    """The same 6-step PP2 job under 1F1B and under ZB-V with overlapped receives (checkpoints at step 3,
+    evaluations at 3 and 6)."""
     tmp = tmp_path_factory.mktemp("zbv")
     ref = train(tmp, "1f1b", 2, ZB_V_TRAIN + ["schedule.kind=1f1b"])
+    # overlap_p2p_comm: every receive posted one op early (launcher.core.p2p.plan), what the search sets for ZB-V
     v = train(tmp, "zb_v", 2, ZB_V_TRAIN + ["schedule.kind=zb_v", "parallel.virtual_pipeline=2",
-                                             "schedule.record_timeline=true", "schedule.zb_v_costs=[0.77,1,0.49]"])
+                                             "schedule.record_timeline=true", "schedule.zb_v_costs=[0.77,1,0.49]",
+                                             "schedule.overlap_p2p_comm=true"])
     return tmp, ref, v
 
 
