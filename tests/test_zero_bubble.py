@@ -694,3 +694,20 @@ def test_embedded_default_trains_with_zb_h1_and_1f1b_losses(tmp_path):
     assert len(runs["zb_h1"]) == 10
     assert runs["zb_h1"] == pytest.approx(runs["1f1b"], rel=RTOL)
     assert runs["zb_h1"][-1] < runs["zb_h1"][0]
+
+
+def test_the_pending_weight_gradient_hint_names_the_schedule_without_them_at_the_same_virtual_pipeline(cli):
+    """Over a virtual pipeline the way back from zero bubble is interleaved (1F1B refuses a virtual pipeline),
+    without one it is 1F1B; each hint validates."""
+    from launcher.config import compose_job
+    from launcher.plan import hint_for
+
+    for args, want, other in ((["recipe=mixtral", "schedule.kind=zb_h1"], "interleaved", "1f1b"),
+                              (["recipe=mixtral", "schedule.kind=zb_v", "parallel.virtual_pipeline=2"], "interleaved",
+                               "1f1b"),
+                              (["schedule.kind=zb_h1"], "1f1b", "interleaved")):
+        hint = hint_for("pending_wgrad", compose_job(args))
+        assert f"schedule.kind={want} " in hint and f"schedule.kind={other} " not in hint, (args, hint)
+        code, _, err = cli(*args, f"schedule.kind={want}", "action=validate")
+        assert code == 0, err
+    assert "schedule.kind=" not in hint_for("pending_wgrad", compose_job(["recipe=mixtral"]))

@@ -49,8 +49,11 @@ HINTS = {
                       ("more parallel.tensor (shards the vocabulary)", None),
                       ("fewer layers on the last stage (parallel.account_for_loss_in_pipeline_split=true or "
                        "parallel.last_stage_layers)", lambda j: j.parallel.account_for_loss_in_pipeline_split)],
+    # (a virtual pipeline stays: zero bubble over chunks goes back to interleaved, without them to 1F1B)
     "pending_wgrad": [("schedule.kind=1f1b (no deferred weight gradients)",
-                       lambda j: j.schedule.kind != Schedule.ZB_H1),
+                       lambda j: j.schedule.kind not in Schedule.ZERO_BUBBLE or (j.parallel.virtual_pipeline or 1) > 1),
+                      ("schedule.kind=interleaved (no deferred weight gradients)",
+                       lambda j: j.schedule.kind not in Schedule.ZERO_BUBBLE or (j.parallel.virtual_pipeline or 1) == 1),
                       ("more parallel.tensor (shards the deferred GEMM operands and the logits gradient), or a "
                        "smaller train.micro_batch_size", None)],
     "workspace": [("train.recompute=selective instead of full", lambda j: j.train.recompute != Recompute.FULL),
