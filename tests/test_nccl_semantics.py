@@ -211,7 +211,10 @@ for make in (lambda: torch.tensor([1.0]),                                  # hos
         results.append("refused")
 gloo = dist.new_group([0], backend="gloo")
 dist.all_reduce(torch.zeros(1), group=gloo); results.append("gloo group ok")
-print(results)
+print(results, flush=True)
+# tear the groups down before the interpreter does: left to exit, a gloo thread was once destroyed while running
+# ("terminate called without an active exception", SIGABRT after the results; suite_under_load at load 24)
+dist.destroy_process_group()
 """
     proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "init")], cwd=ROOT, capture_output=True,
                           text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
