@@ -274,10 +274,10 @@ def train(tmp: Path, name: str, nproc: int, overrides: Sequence[str]) -> Run:
 
 
 def rank_log_tails(bundle: Path, chars: int = 3000) -> str:
-    """The end of every rank's log (a crashed rank's stack is there, launcher.rank.console.open_rank_log; the
-    test's tmp dir is gone a few runs later)."""
+    """The end of every log in the bundle (a crashed rank's stack is in its own, launcher.rank.console.
+    open_rank_log; the test's tmp dir is gone a few runs later)."""
     return "".join(f"--- {f.name}\n{f.read_text(errors='replace')[-chars:]}\n"
-                   for f in sorted((Path(bundle) / "logs").glob("rank-*.log")))
+                   for f in sorted((Path(bundle) / "logs").glob("*")))
 
 
 def run_until(bundle: Path, nproc: int, marker: str, timeout: int = 240) -> str:

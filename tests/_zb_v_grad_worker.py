@@ -39,6 +39,7 @@ def main() -> int:
     from launcher.core import derive
     from launcher.rank import data, loop, optim, setup
     from launcher.rank.zero_bubble import Recorder
+    from launcher.schema import Schedule
     from models import build_model
 
     job = compose_job(overrides)
@@ -62,7 +63,7 @@ def main() -> int:
         dp_rank=ps.get_data_parallel_rank(), dp_size=layout.dp, num_chunks=len(chunks), reads=reads,
         cache_dir=str(out / "cache"))
     kind = job.schedule.kind
-    recorder = Recorder() if kind in ("zb_v", "zb_h1") else None
+    recorder = Recorder() if kind in Schedule.ZERO_BUBBLE else None
     kwargs = {"recorder": recorder} if recorder is not None else {}
     for step in range(steps):
         if step:
@@ -76,7 +77,7 @@ def main() -> int:
                                           num_microbatches=layout.microbatches, seq_length=job.model.seq_length,
                                           micro_batch_size=tr.micro_batch_size, forward_only=False, **kwargs)
     eval_losses = None
-    if kind in ("zb_v", "zb_h1"):  # evaluation: the V's forwards alone, or Megatron's function
+    if kind in Schedule.ZERO_BUBBLE:  # evaluation: the V's forwards alone, or Megatron's function
         iters2, _ = data.build_train_valid_iterators(  # the last step's batches again
             data=job.data, model=job.model, train=tr, steps=layout.steps,
             consumed_samples=(steps - 1) * tr.global_batch_size,

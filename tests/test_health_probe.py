@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 
-from _rank_harness import ROOT, TINY, layout, write_bundle
+from _rank_harness import ROOT, TINY, layout, rank_log_tails, write_bundle
 from launcher.rank.health import report, verdict
 
 
@@ -37,7 +37,7 @@ def test_two_node_job_on_one_machine_probes_before_training(tmp_path):
     outs = [p.communicate(timeout=240)[0] for p in procs]
     # torchrun's output ends in its failure table; what failed is in the ranks' own logs (once red at load 40-60,
     # with only torchrun's output kept)
-    logs = "".join(f"--- {f.name}\n{f.read_text(errors='replace')[-3000:]}" for f in sorted((bundle / "logs").glob("*")))
+    logs = rank_log_tails(bundle)
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs) + logs
     out = "".join(outs)
     health = [line for line in out.splitlines() if line.startswith("health: node ")]

@@ -99,7 +99,7 @@ def _zb_h1_interleaved(p: int, m: int, v: int, group: int) -> tuple:
     events: list = []
 
     def ready(r: int, op: Op) -> bool:
-        k, mb = op.chunk * p + r, op.microbatch
+        k, mb = stage_of(Schedule.INTERLEAVED, p, r, op.chunk), op.microbatch
         if op.kind == "F":
             return k == 0 or f_end[k - 1][mb] <= t
         return f_end[k][mb] <= t and (k == n - 1 or b_end[k + 1][mb] <= t)
@@ -118,7 +118,7 @@ def _zb_h1_interleaved(p: int, m: int, v: int, group: int) -> tuple:
                 continue
             out[r].append(choice)
             free[r] = t + 1.0
-            k = choice.chunk * p + r
+            k = stage_of(Schedule.INTERLEAVED, p, r, choice.chunk)
             if choice.kind == "F":
                 f_end[k][choice.microbatch] = free[r]
             elif choice.kind == "B":

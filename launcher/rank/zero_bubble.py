@@ -209,7 +209,7 @@ def _run(placement: str, order: Callable, forward_step_func, data_iterator, mode
         schedule = [[op for op in ops if op.kind == "F"] for ops in schedule]
     # overlap_p2p_comm: over several chunks each receive is posted one op early (launcher.core.p2p.plan)
     program = p2p.plan(schedule[rank], rank, p, placement=placement, schedule=schedule,
-                       overlap=chunks > 1 and bool(getattr(config, "overlap_p2p_comm", False)))
+                       overlap=bool(getattr(config, "overlap_p2p_comm", False)))
     # pipeline ranks as the program names them; the interleaved placement wraps (stage p - 1 -> p: rank p - 1 -> 0)
     peers = {(rank + 1) % p: comm.next_rank, (rank - 1) % p: comm.prev_rank}
     groups = {"pp": comm.pp_group}
