@@ -154,8 +154,6 @@ def _renumber(events: list, r: int) -> list:
 
 def main() -> int:
     out, specs = Path(sys.argv[1]), sys.argv[2:]
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29400 + os.getpid() % 1000))
     import torch
 
     import _nccl_emulation as emu
@@ -163,7 +161,9 @@ def main() -> int:
 
     emu.install()
     cpu_compat.apply()
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    from _rendezvous import init_single
+
+    init_single()
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel()

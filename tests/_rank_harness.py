@@ -313,18 +313,15 @@ def run_until(bundle: Path, nproc: int, marker: str, timeout: int = 240) -> str:
 
 def single_process_group() -> None:
     """A world-1 gloo process group + Megatron parallel state (TP=PP=EP=1) in this test process; idempotent."""
-    import socket
-
     import torch.distributed as dist
 
     from models import cpu_compat
 
     cpu_compat.apply()
     if not dist.is_initialized():
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        from _rendezvous import init_single
+
+        init_single()
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():

@@ -5,11 +5,12 @@ Why: on this 2-core machine a fresh rank spends about 3 CPU s importing torch + 
 1.5 s more) before it runs a line of ours, so a 4-rank run of a few steps is mostly start-up; the suite starts
 about a hundred such runs. Forked ranks start in milliseconds and run exactly the same code from
 ``launcher.rank.entry.main`` on: the same bundle, the same working directory, torchrun's environment variables
-(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_*), stdout/stderr into the caller's pipes, and
+(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, TORCHELASTIC_*; the leader hosts the rendezvous store, as
+torchrun's agent does), stdout/stderr into the caller's pipes, and
 torchrun's failure rule (one rank fails: the others get SIGTERM, the run exits 1).
 
 What it does not do (those tests keep the real torchrun, ``_rank_harness.run_train`` decides): restarts
-(``--max-restarts``) and the agent's store, and any run whose environment differs from the session's in a variable
+(``--max-restarts``), and any run whose environment differs from the session's in a variable
 that may be read at import time (``_rank_harness.IMPORT_TIME_PREFIXES``: its value in the warm server would be
 stale; the others are the run's own, os.environ is replaced in each rank). ``LAUNCHER_TEST_TORCHRUN=1`` sends every
 run through torchrun.
@@ -59,12 +60,6 @@ def _warm() -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(bundle: str, env: dict, script: str | None = None, argv: list | None = None) -> int:
@@ -118,21 +113,42 @@ def _leader(conn: socket.socket, request: dict, out_fd: int, err_fd: int) -> Non
     os.dup2(err_fd, 2)
     os.close(out_fd)
     os.close(err_fd)
-    nproc, port = int(request["nproc"]), _free_port()
+    nproc = int(request["nproc"])
     conn.sendall(json.dumps({"pid": os.getpid()}).encode() + b"\n")
-    base = dict(request["env"], MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nproc),
+    # torchrun's agent store: the leader hosts the rendezvous TCPStore on a port the kernel picks when it binds,
+    # and the ranks are its clients (TORCHELASTIC_USE_AGENT_STORE, as under torchrun's agent). A port found free
+    # and handed to rank 0 to bind later can be taken in between by any other process's socket: EADDRINUSE
+    # (suite_under_load at fe8e865, run 1). The ranks are forked first (no store thread yet) and wait for the port.
+    base = dict(request["env"], MASTER_ADDR="127.0.0.1", WORLD_SIZE=str(nproc), TORCHELASTIC_USE_AGENT_STORE="True",
                 LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_NAME="default",
                 ROLE_WORLD_SIZE=str(nproc), TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
                 TORCHELASTIC_RUN_ID="zygote")
-    ranks = {}
+    ranks, port_pipes = {}, []
     for rank in range(nproc):
+        read_end, write_end = os.pipe()
         pid = os.fork()
         if pid == 0:
             conn.close()
+            for fd in port_pipes + [write_end]:  # EOF, not a hang, if the leader dies before it writes
+                os.close(fd)
+            port = os.read(read_end, 32).decode().strip()
+            os.close(read_end)
+            if not port:
+                os._exit(1)
             os.chdir(request["cwd"])
-            env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
+            env = dict(base, MASTER_PORT=port, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
             os._exit(_rank_main(request["bundle"], env, request.get("script"), request.get("argv")))
+        os.close(read_end)
+        port_pipes.append(write_end)
         ranks[pid] = rank
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, nproc, True, timedelta(minutes=30), wait_for_workers=False)  # noqa: F841 (held)
+    for fd in port_pipes:
+        os.write(fd, f"{store.port}\n".encode())
+        os.close(fd)
     codes, failed = {}, None
     while len(codes) < nproc:
         try:

@@ -118,9 +118,11 @@ def test_nothing_reaches_for_the_network(tmp_path, monkeypatch):
 _NODE_SCRIPT = r"""
 import os, sys, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[1] + "/tests")
+from _rendezvous import join
 from launcher.schema import DataConfig
 from launcher.rank.datasets import build_gpt_datasets
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=int(sys.argv[3]), world_size=2)
+join(int(sys.argv[2]), int(sys.argv[3]), 2)
 data = DataConfig(kind="indexed", blend=[sys.argv[1] + "/data/assets/smoke_text_document"], split="98,2,0",
                   tokenizer=sys.argv[1] + "/data/assets/tokenizer.json")
 train, valid, _ = build_gpt_datasets(data=data, seq_length=64, seed=7, train_samples=100, valid_samples=10,
@@ -133,9 +135,10 @@ dist.destroy_process_group()
 
 def test_two_nodes_without_a_shared_filesystem(tmp_path):
     """Two ranks as two nodes (LOCAL_RANK 0 each), each with its own cache dir: each builds its own indices."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    from _rendezvous import host
+
+    store = host(2)  # served by this process while the two "nodes" run
+    port = str(store.port)
     procs = []
     for rank in range(2):
         env = dict(os.environ, LOCAL_RANK="0", PYTHONPATH=str(ROOT))

@@ -100,9 +100,9 @@ def _main(spec_file: str, out: str) -> None:
     import torch.distributed as dist
 
     warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29561"), RANK="0",
-                      WORLD_SIZE="1")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    from _rendezvous import init_single
+
+    init_single()
     specs = json.loads(Path(spec_file).read_text())
     result = {name: _saved_bytes(spec, str(Path(out).parent)) for name, spec in specs.items()}
     Path(out).write_text(json.dumps(result))
@@ -114,15 +114,10 @@ def _main(spec_file: str, out: str) -> None:
 def measured(tmp_path_factory):
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("torch") is None:
         pytest.skip("needs torch and megatron-core (the rank-side extra)")
-    import socket
-
     tmp = tmp_path_factory.mktemp("actreal")
     specs = {f"{name}@{d}": _job_yaml(ov + [f"model.num_layers={d}"]) for name, ov in CASES.items() for d in DEPTHS}
     (tmp / "specs.json").write_text(json.dumps(specs))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), MASTER_PORT=str(port))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
     proc = subprocess.run([sys.executable, __file__, str(tmp / "specs.json"), str(tmp / "out.json")], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -92,25 +92,25 @@ def _measure(config_yaml: str, tmp: str):
 def _worker(rank, world, port, specs, out_dir):
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from _rendezvous import join
+
+    join(port, rank, world)
     results = {name: _measure(spec, out_dir) for name, spec in specs.items()}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
 
 def _main(spec_file, out_dir):
-    import socket
     import warnings
 
     import torch.multiprocessing as mp
 
     warnings.filterwarnings("ignore")
     specs = json.loads(Path(spec_file).read_text())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(WORLD, port, specs, out_dir), nprocs=WORLD)
+    from _rendezvous import host
+
+    store = host(WORLD)  # served here while the spawned ranks run
+    mp.spawn(_worker, args=(WORLD, store.port, specs, out_dir), nprocs=WORLD)
 
 
 # ------------------------------------------------------------------------------------ test side (no torch)
@@ -121,7 +121,7 @@ def measured(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("memreal")
     specs = {name: _job_yaml(ov) for name, ov in LAYOUTS}
     (tmp / "specs.json").write_text(json.dumps(specs))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
     proc = subprocess.run([sys.executable, __file__, str(tmp / "specs.json"), str(tmp)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -14,7 +14,6 @@ rank applies the CPU bridges, initialises gloo and Megatron's parallel state, an
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -186,8 +185,9 @@ def _worker(world: int, rank: int, port: int, cp_sizes: list) -> None:
     from models import cpu_compat
 
     cpu_compat.apply()
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                         world_size=world, timeout=datetime.timedelta(seconds=60))
+    from _rendezvous import join
+
+    join(port, rank, world, timeout=datetime.timedelta(seconds=60))
     try:
         for cp in cp_sizes:
             _check_cp1() if cp == 1 else _check_cp(cp)
@@ -197,17 +197,14 @@ def _worker(world: int, rank: int, port: int, cp_sizes: list) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ tests
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _run_ranks(world: int, cp_sizes: list, timeout: float = 600.0) -> None:
     # ``timeout``: a hang detector (the ranks print only at their end, so there is no progress to watch), 10x the
     # 20-60 s these take on a busy 2-core machine; 120 s ran out at load average 67 (issue 25)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
-    port = str(_free_port())
+    from _rendezvous import host
+
+    store = host(world)  # served by this process while the ranks run
+    port = str(store.port)
     procs = [subprocess.Popen([sys.executable, __file__, str(world), str(rank), port, ",".join(map(str, cp_sizes))],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(world)]
