@@ -1,6 +1,6 @@
 """torchrun worker of benchmarks/zb_bench.py: the same job built twice in the same ranks (Megatron's 1F1B and
 our ZB-H1, same weights and data), trained in alternating steps so both see the same machine load, each step
-recorded (launcher.rank.zero_bubble.Recorder) and timed.
+recorded (launcher.rank.zero_bubble.Recorder: spans and their CPU seconds) and timed.
 
 Usage: torchrun --nproc_per_node=2 benchmarks/_zb_bench_worker.py OUT.json STEPS override [override ...]
 """
@@ -55,7 +55,7 @@ def main(kinds=(Schedule.ONE_F_ONE_B, Schedule.ZB_H1), build_run=None) -> int:
     layout = derive(job)
     setup.init_distributed(cluster=job.cluster, layout=layout, seed=job.train.seed)
     runs = {kind: build_run(job, layout, kind, str(out.parent / "cache")) for kind in kinds}
-    record = {kind: {"ms": [], "loss": [], "steps": []} for kind in runs}
+    record = {kind: {"ms": [], "loss": [], "steps": [], "cpu": []} for kind in runs}
     for _ in range(steps):
         for kind, (lp, iters) in runs.items():  # alternate: one step of each kind, in turn
             torch.distributed.barrier()
@@ -65,6 +65,7 @@ def main(kinds=(Schedule.ONE_F_ONE_B, Schedule.ZB_H1), build_run=None) -> int:
             record[kind]["ms"].append((time.perf_counter() - start) * 1e3)
             record[kind]["loss"].append(loss)
             record[kind]["steps"].append(list(lp.recorder.spans))
+            record[kind]["cpu"].append(lp.recorder.cpu_seconds)  # per span, for the one-core-per-rank replay
     mine = {"pp": ps.get_pipeline_model_parallel_rank(), "record": record}
     everyone = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, mine)

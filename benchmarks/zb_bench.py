@@ -55,9 +55,38 @@ def run(steps: int, work: Path) -> dict:
     res = {}
     for kind in (Schedule.ONE_F_ONE_B, Schedule.ZB_H1):
         per_step = [[[tuple(s) for s in r["record"][kind]["steps"][i]] for r in ranks] for i in range(steps)]
+        cpu = [[r["record"][kind]["cpu"][i] for r in ranks] for i in range(steps)]
         res[kind] = {"ms": ranks[0]["record"][kind]["ms"], "loss": ranks[0]["record"][kind]["loss"],
-                     "timelines": per_step[-1], "steps": per_step[1:]}
+                     "timelines": per_step[-1], "steps": per_step[1:], "cpu": cpu[1:]}
     return res
+
+
+def replayed(steps, cpu, planned, placement: str, labels: bool = True) -> list:
+    """Each recorded step replayed with a core per rank (``launcher.plan.simulator.replay``): every compute op's
+    measured CPU seconds through the planned order (checked against the executed one) and its dependencies, p2p
+    time not counted. On a machine with fewer cores than ranks this is the schedule's idle fraction the wall
+    clock cannot show (a descheduled rank's op looks long, the others' waits hide behind it); with a core per
+    rank it tracks the wall-clock figure less the p2p time."""
+    from launcher.core import timeline
+    from launcher.plan import simulator
+
+    out = []
+    for spans, seconds in zip(steps, cpu):
+        executed, durations = [], []
+        for tl, sec in zip(spans, seconds):
+            ops = sorted((s for s in zip(tl, sec) if s[0][0] in timeline.COMPUTE), key=lambda s: s[0][3])
+            executed.append([s for s, _ in ops])
+            durations.append([d for _, d in ops])
+        out.append(simulator.replay(planned, executed, durations, placement, labels=labels))
+    return out
+
+
+def wall_to_cpu(steps, cpu) -> float:
+    """Median over compute ops of wall / CPU seconds: 1.0 when every rank had a core to itself."""
+    from launcher.core import timeline
+
+    return statistics.median((s[4] - s[3]) / d for spans, sec in zip(steps, cpu) for tl, c in zip(spans, sec)
+                             for s, d in zip(tl, c) if s[0] in timeline.COMPUTE and d > 0)
 
 
 def median_span(steps, kind: str) -> float:
@@ -112,6 +141,16 @@ def main(argv=None) -> int:
                                     for z, o in zip(b["steps"], a["steps"]))
     print(f"paired (alternating steps, median of per-pair ratios): step time {paired:.3f}, idle fraction "
           f"{paired_idle:.3f}")
+    from launcher.core.schedules import build_schedule
+
+    for kind, r in res.items():
+        r["replay"] = replayed(r["steps"], r["cpu"], build_schedule(kind, P, MICROBATCHES), kind)
+    ra, rb = (statistics.median(x.bubble_fraction for x in r["replay"]) for r in (a, b))
+    ma, mb = (1e3 * statistics.median(x.makespan for x in r["replay"]) for r in (a, b))
+    print(f"replayed with a core per rank (each op's CPU seconds through the executed order, p2p not counted; "
+          f"wall/CPU per op {wall_to_cpu(a['steps'] + b['steps'], a['cpu'] + b['cpu']):.2f}): idle fraction 1f1b "
+          f"{ra:.3f}, zb_h1 {rb:.3f} (ratio {rb / ra:.3f}); fwd-bwd makespan 1f1b {ma:.1f} ms, zb_h1 {mb:.1f} ms "
+          f"(ratio {mb / ma:.3f})")
     same = all(abs(x - y) <= 1e-6 * abs(x) for x, y in zip(a["loss"], b["loss"]))
     print(f"losses equal (rel 1e-6): {same}; 1f1b {a['loss'][-1]:.6f} zb_h1 {b['loss'][-1]:.6f} at step {args.steps}")
     if args.figure:

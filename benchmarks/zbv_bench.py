@@ -49,8 +49,9 @@ def run(steps: int, work: Path, costs: str) -> dict:
     res = {}
     for kind in (Schedule.INTERLEAVED, Schedule.ZB_V):
         per_step = [[[tuple(s) for s in r["record"][kind]["steps"][i]] for r in ranks] for i in range(steps)]
+        cpu = [[r["record"][kind]["cpu"][i] for r in ranks] for i in range(steps)]
         res[kind] = {"ms": ranks[0]["record"][kind]["ms"], "loss": ranks[0]["record"][kind]["loss"],
-                     "steps": per_step[1:]}
+                     "steps": per_step[1:], "cpu": cpu[1:]}
     return res
 
 
@@ -87,6 +88,25 @@ def main(argv=None) -> int:
                                     for z, o in zip(b["steps"], a["steps"]))
     print(f"zb_v / interleaved: idle fraction {b['idle'] / a['idle']:.3f}, step time {b['step_ms'] / a['step_ms']:.3f}; "
           f"paired (median of per-pair ratios): idle {paired_idle:.3f}, step time {paired:.3f}")
+    from zb_bench import replayed, wall_to_cpu  # the same replay as the ZB-H1 benchmark
+
+    from launcher.core.schedules import build_schedule
+
+    costs = tuple(float(c) for c in args.costs.split(","))
+    for kind, r in res.items():  # Megatron's interleaved spans are recorded from outside: kinds only, not labels
+        r["replay"] = replayed(r["steps"], r["cpu"], build_schedule(kind, P, MICROBATCHES, 2, P, costs), kind,
+                               labels=kind == Schedule.ZB_V)
+        r["replay_idle"] = statistics.median(x.bubble_fraction for x in r["replay"])
+        r["replay_ms"] = 1e3 * statistics.median(x.makespan for x in r["replay"])
+    ratio = wall_to_cpu(a["steps"] + b["steps"], a["cpu"] + b["cpu"])
+    print(f"replayed with a core per rank (each op's CPU seconds through the executed order, p2p not counted; "
+          f"wall/CPU per op {ratio:.2f}, 1.0 when no rank waited for a core):")
+    print(f"{'schedule':12} {'fwd-bwd ms':>11} {'idle fraction':>14}")
+    for kind, r in res.items():
+        print(f"{kind:12} {r['replay_ms']:11.1f} {r['replay_idle']:14.3f}")
+    paired = statistics.median(z.bubble_fraction / o.bubble_fraction for z, o in zip(b["replay"], a["replay"]))
+    print(f"zb_v / interleaved, replayed: idle fraction {b['replay_idle'] / a['replay_idle']:.3f}, fwd-bwd time "
+          f"{b['replay_ms'] / a['replay_ms']:.3f}; paired idle {paired:.3f}")
     same = all(abs(x - y) <= 1e-6 * abs(x) for x, y in zip(a["loss"], b["loss"]))
     print(f"losses equal (rel 1e-6): {same}; interleaved {a['loss'][-1]:.6f} zb_v {b['loss'][-1]:.6f}")
     return 0

@@ -64,6 +64,28 @@ def test_zb_v_order_is_complete_causal_and_within_1f1b_memory(p, m, costs):
     assert len(res.timelines) == p and res.makespan > 0
 
 
+@pytest.mark.parametrize("p,m,costs,plain,best", [(4, 8, (1, 1, 0.5), 0.140, 0.091),
+                                                   (4, 8, (0.79, 0.93, 1.0), 0.079, 0.060),
+                                                   (8, 16, (1, 1, 1), 0.086, 0.068)])
+def test_zb_v_keeps_the_best_of_its_variants_for_the_costs(p, m, costs, plain, best):
+    """schedule_zb_v tries a few threshold pairs of its list-scheduling rule (W before F when many are held, F
+    before B when few are) and keeps the shortest at the given costs: never worse than the plain rule, and where
+    W is cheaper than B or F is cheaper than W (CPU's measured chunk costs) clearly better, at the same memory."""
+    from launcher.core.schedules import _zb_v, schedule_zb_v, zb_v_variants
+    from launcher.plan.memory import held_after_each_op
+    from launcher.plan.simulator import simulate
+
+    def idle(order):
+        return simulate([list(ops) for ops in order], *costs, placement="zb_v").bubble_fraction
+
+    chosen = schedule_zb_v(p, m, costs)
+    variants = [idle(_zb_v(p, m, costs, h, f)[0]) for h, f in zb_v_variants(p)]
+    assert idle(chosen) == pytest.approx(min(variants)) and zb_v_variants(p)[0] == (2 * p, 0)
+    assert variants[0] == pytest.approx(plain, abs=5e-4) and idle(chosen) == pytest.approx(best, abs=5e-4)
+    assert all(max(f + w for f, w in held_after_each_op(ops)) <= 2 * p for ops in chosen)
+    assert schedule_zb_v(p, m, costs) == chosen  # deterministic: ranks and planner generate the same list
+
+
 @pytest.mark.parametrize("p,m", [(2, 8), (4, 8), (4, 16)])
 def test_zb_v_simulated_idle_is_at_most_0_4_of_interleaved(p, m):
     """The paper's setting (T_F = T_B = T_W): ZB-V's simulated idle fraction is at most 0.4x interleaved 1F1B's
@@ -240,6 +262,87 @@ def test_recorder_times_gpu_ops_with_events_resolved_once_per_step():
         pass
     (span,) = cpu.spans
     assert span[:3] == ("W", 0, 0) and 0 <= span[3] <= span[4] < 1.0
+
+
+def test_recorder_keeps_each_spans_cpu_seconds_apart_from_its_wall_time():
+    """On CPU each span also carries the recording thread's CPU seconds: a rank descheduled (here: asleep) inside
+    an op shows a long wall span but little CPU time, which is what the benchmarks' one-core-per-rank replay
+    needs; on GPU there is none (events time the device)."""
+    import time
+
+    from launcher.rank.zero_bubble import Recorder
+
+    rec = Recorder()
+    rec.start_step()
+    with rec.span("F", 0):
+        time.sleep(0.3)
+    with rec.span("B", 0):
+        end = time.thread_time() + 0.05
+        while time.thread_time() < end:
+            pass
+    (f, b), (f_cpu, b_cpu) = rec.spans, rec.cpu_seconds
+    assert f[4] - f[3] >= 0.3 and f_cpu < 0.1 < 0.3  # asleep: wall, not CPU (a 3x bound: pathology only)
+    assert b_cpu >= 0.05 and b[4] - b[3] >= b_cpu * 0.99
+
+    class Event:  # torch.cuda.Event stands in: a GPU recorder has no host CPU time to give
+        def record(self):
+            pass
+
+    assert Recorder(event_factory=Event).cpu_seconds is None
+
+
+def test_recorded_forward_keeps_the_f_spans_of_every_chunk_on_the_last_rank():
+    """Megatron calls the loss function only for the chunk holding the output layer; under interleaving the last
+    rank's other chunks return without it, and their F span must be recorded at return, not lost waiting for a
+    loss that never comes (deciding by the rank, ``is_pipeline_last_stage``, lost them)."""
+    import torch
+
+    from launcher.rank.zero_bubble import Recorder, recorded_forward
+
+    class Chunk(torch.nn.Module):
+        def __init__(self, post_process):
+            super().__init__()
+            self.post_process = post_process
+
+    class Wrapped(torch.nn.Module):  # DDP / Float16Module hold the chunk as .module
+        def __init__(self, inner):
+            super().__init__()
+            self.module = inner
+
+    rec = Recorder()
+    rec.start_step()
+    step = recorded_forward(lambda it, model: ("out", lambda *a: "loss"), rec)
+    _, loss = step(None, Wrapped(Chunk(post_process=False)))  # chunk 0 of the last rank: Megatron drops loss
+    _, loss = step(None, Wrapped(Chunk(post_process=True)))  # the last stage: span ends when the loss ran
+    assert [s[:2] for s in rec.spans] == [("F", 0)]
+    assert loss() == "loss" and [s[:2] for s in rec.spans] == [("F", 0), ("F", 1)]
+
+
+def test_replay_runs_measured_op_costs_through_the_planned_order():
+    """launcher.plan.simulator.replay: per-op durations through the planned order's dependencies give the
+    simulation at those costs when they are the costs; a slow op delays what depends on it; an executed order
+    that differs from the planned one is refused (kinds always, labels when the recorder knows them)."""
+    from launcher.core.schedules import build_schedule
+    from launcher.plan.simulator import replay, simulate
+
+    p, m = 4, 8
+    planned = build_schedule("zb_v", p, m)
+    executed = [[(op.kind, op.microbatch, op.chunk, 0.0, 0.0) for op in ops] for ops in planned]
+    costs = {"F": 1.0, "B": 1.2, "W": 0.8}
+    durations = [[costs[op.kind] for op in ops] for ops in planned]
+    same = replay(planned, executed, durations, "zb_v")
+    assert same.makespan == pytest.approx(simulate(planned, 1.0, 1.2, 0.8, placement="zb_v").makespan)
+    durations[0][0] += 5.0  # the first F of stage 0 runs late: everything waits for it
+    assert replay(planned, executed, durations, "zb_v").makespan == pytest.approx(same.makespan + 5.0)
+    swapped = [list(ops) for ops in executed]
+    swapped[1][0], swapped[1][1] = swapped[1][1], swapped[1][0]
+    with pytest.raises(ValueError, match="rank 1"):
+        replay(planned, swapped, durations, "zb_v")
+    relabelled = [[(k, 0, 0, s, e) for k, _, _, s, e in ops] for ops in executed]
+    with pytest.raises(ValueError, match="rank 0"):
+        replay(planned, relabelled, durations, "zb_v")
+    assert replay(planned, relabelled, durations, "zb_v", labels=False).makespan == pytest.approx(
+        same.makespan + 5.0)
 
 
 # ------------------------------------------------------------------------- validation and planner pictures

@@ -64,10 +64,15 @@ def _per_rank(x: float | Sequence[float], p: int) -> list[float]:
 
 
 def simulate(schedule: list[list[Op]], t_f: float | Sequence[float], t_b: float | Sequence[float],
-             t_w: float | Sequence[float], t_comm: float = 0.0, placement: str = Schedule.INTERLEAVED) -> SimResult:
+             t_w: float | Sequence[float], t_comm: float = 0.0, placement: str = Schedule.INTERLEAVED,
+             durations: Sequence[Sequence[float]] | None = None) -> SimResult:
     """Replay per-rank op lists; costs are per model chunk, scalars or one value per rank. ``placement``: how
-    chunks map to pipeline stages (``launcher.core.schedules.stage_of``: interleaved, or zb_v's V)."""
+    chunks map to pipeline stages (``launcher.core.schedules.stage_of``: interleaved, or zb_v's V).
+    ``durations[r][i]``, when given, is the cost of rank r's i-th op instead (measured ops replayed through the
+    same dependencies: :func:`replay`)."""
     p = len(schedule)
+    if durations is not None and [len(d) for d in durations] != [len(ops) for ops in schedule]:
+        raise ValueError(f"durations: {[len(d) for d in durations]} per rank for {[len(o) for o in schedule]} ops")
     v = 1 + max((op.chunk for ops in schedule for op in ops), default=0)
     cost = {"F": _per_rank(t_f, p), "B": _per_rank(t_b, p), "W": _per_rank(t_w, p)}
     cost["BW"] = [b + w for b, w in zip(cost["B"], cost["W"])]
@@ -89,7 +94,7 @@ def simulate(schedule: list[list[Op]], t_f: float | Sequence[float], t_b: float 
                 if ready is None:
                     break
                 start = max(clock[r], ready)
-                end = start + cost[op.kind][r]
+                end = start + (cost[op.kind][r] if durations is None else durations[r][pos[r]])
                 for kind in (("B", "W") if op.kind == "BW" else (op.kind,)):
                     done[(kind, k, op.microbatch)] = end
                 timelines[r].append(Span(op, start, end))
@@ -109,6 +114,28 @@ def simulate(schedule: list[list[Op]], t_f: float | Sequence[float], t_b: float 
     busy = sum(s.end - s.start for tl in timelines for s in tl)
     bubble_fraction = 1.0 - busy / (p * makespan) if makespan else 0.0
     return SimResult(makespan, bubble_fraction, timelines, peak)
+
+
+def replay(planned: list[list[Op]], executed: Sequence[Sequence[tuple]], durations: Sequence[Sequence[float]],
+           placement: str = Schedule.INTERLEAVED, t_comm: float = 0.0, labels: bool = True) -> SimResult:
+    """An executed step replayed with one core per rank: each rank's measured op costs (``durations``, e.g. the
+    thread CPU seconds ``launcher.rank.zero_bubble.Recorder.cpu_seconds`` gives) through the planned order and its
+    dependencies (``simulate``). What a wall clock measures only when every rank has a core of its own; with ranks
+    sharing cores, a descheduled rank's op looks long and the others' waits hide behind it.
+
+    ``executed[r]``: rank r's compute spans ``(kind, microbatch, chunk, ...)`` in the order they ran. Their kinds
+    must equal the planned ones, op by op; so must microbatch and chunk with ``labels`` (our executor labels its
+    ops; Megatron's interleaved schedule recorded from outside only numbers calls: ``labels=False``)."""
+    if len(executed) != len(planned):
+        raise ValueError(f"executed: {len(executed)} ranks, planned: {len(planned)}")
+    for r, (ops, ran) in enumerate(zip(planned, executed)):
+        if [op.kind for op in ops] != [s[0] for s in ran]:
+            raise ValueError(f"rank {r}: executed kinds {[s[0] for s in ran][:12]}... differ from the planned "
+                             f"{[op.kind for op in ops][:12]}...")
+        wrong = [(op, s[:3]) for op, s in zip(ops, ran) if labels and (op.microbatch, op.chunk) != tuple(s[1:3])]
+        if wrong:
+            raise ValueError(f"rank {r}: executed op {wrong[0][1]} where {wrong[0][0]} was planned")
+    return simulate(planned, 0.0, 0.0, 0.0, t_comm, placement=placement, durations=durations)
 
 
 def _ready_time(op: Op, k: int, r: int, n_virtual: int, done: dict, t_comm: float) -> float | None:

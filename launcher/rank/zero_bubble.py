@@ -41,6 +41,15 @@ from launcher.schema import Schedule
 from models.backend import compute_device
 
 
+class _Stamp(float):
+    """A ``time.perf_counter()`` stamp that also carries ``time.thread_time()`` (``.cpu``), taken together."""
+
+    def __new__(cls, wall: float, cpu: float):
+        stamp = super().__new__(cls, wall)
+        stamp.cpu = cpu
+        return stamp
+
+
 class Recorder:
     """Spans of what this rank ran in the current step (opt-in: ``schedule.record_timeline``): seconds from the
     step's start; the step starts after a barrier so ranks share an origin.
@@ -63,9 +72,10 @@ class Recorder:
         self._origin = self.now()
 
     def now(self):
-        """A time stamp: a float on CPU, a recorded CUDA event on GPU."""
+        """A time stamp: a float on CPU (carrying this thread's CPU time, ``_Stamp``), a recorded CUDA event on
+        GPU."""
         if self._event is None:
-            return time.perf_counter()
+            return _Stamp(time.perf_counter(), time.thread_time())
         ev = self._event()
         ev.record()
         return ev
@@ -101,6 +111,15 @@ class Recorder:
     def history(self) -> List[List[tuple]]:
         """The last ``KEEP`` steps' spans, oldest first."""
         return [self.spans if raw is self._raw else self._resolve(origin, raw) for origin, raw in self._history]
+
+    @property
+    def cpu_seconds(self) -> Optional[List[float]]:
+        """This step's spans' CPU time on the recording thread (None on GPU): with ranks sharing cores, a span's
+        wall time includes the time its rank was descheduled, its CPU time does not (benchmarks replay these
+        through the executed order: ``launcher.plan.simulator.replay``)."""
+        if self._event is not None:
+            return None
+        return [e.cpu - s.cpu for _, _, _, s, e in self._raw]
 
     @contextlib.contextmanager
     def span(self, kind: str, microbatch: int, chunk: int = 0):
@@ -399,7 +418,7 @@ def recorded_forward(forward_step_func, recorder: Recorder):
             recorder.add("F", mb, 0, start, recorder.now())
             return result
 
-        if _is_last_stage():
+        if _holds_loss(model):
             return out, timed_loss
         recorder.add("F", mb, 0, start, recorder.now())
         return out, loss_func
@@ -407,10 +426,13 @@ def recorded_forward(forward_step_func, recorder: Recorder):
     return wrapped
 
 
-def _is_last_stage() -> bool:
-    from megatron.core import parallel_state
+def _holds_loss(model) -> bool:
+    """Whether Megatron will call this chunk's loss function: the chunk holds the output layer (``post_process``,
+    as Megatron's forward_step decides by the chunk's virtual stage). Not the rank's ``is_pipeline_last_stage``:
+    under interleaving the last rank's other chunks never call it, and their F spans would be lost."""
+    from megatron.core.utils import get_attr_wrapped_model
 
-    return parallel_state.is_pipeline_last_stage()
+    return bool(get_attr_wrapped_model(model, "post_process"))
 
 
 # ------------------------------------------------------------------------------------ writing it out
