@@ -7,8 +7,11 @@ ZB-H1 benchmark), 8 microbatches. ZB-V's order is generated for the chunk costs 
 (schedule.zb_v_costs, passed as --costs; default equal). Both schedules are built in the same ranks, same weights
 and data, trained in alternating steps; every step recorded.
 
-Caveat: 4 ranks on a machine with fewer cores share them; a descheduled rank inside an op counts as busy, so the
-measured idle fractions understate the bubble of both schedules (their ratio is still the comparison asked for).
+Caveat: 4 ranks on a machine with fewer cores share them; a descheduled rank inside an op counts as busy and an idle
+rank's core serves another, so the wall-clock idle fractions are not the pipeline's bubble. The benchmark also
+prints the replay (benchmarks/zb_bench.py ``replayed``): each op's thread CPU seconds through the executed order and
+its dependencies, what a core per rank would show less p2p time; "wall/CPU per op" says how much ranks waited for a
+core (1.0: not at all).
 
     .venv/bin/python benchmarks/zbv_bench.py [--steps 8] [--costs 1,1,1]
 """
