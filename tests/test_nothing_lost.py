@@ -102,7 +102,9 @@ def wait_for(predicate, quiet: float, what: str, watch: Path | None = None):
 
 
 def the_bundle(tmp_path: Path):
-    found = [p for p in (tmp_path / "runs").glob("*") if (p / "config.yaml").is_file()]
+    # not the hidden ``.bundle.*`` staging folder render.py writes and then renames: caught before its rename, it
+    # is a path that stops existing, and a wait on its checkpoints never ends (suite_under_load at 68e5b1d, run 1)
+    found = [p for p in (tmp_path / "runs").glob("*") if not p.name.startswith(".") and (p / "config.yaml").is_file()]
     return found[0] if found else None
 
 
