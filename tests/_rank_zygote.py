@@ -141,11 +141,9 @@ def _leader(conn: socket.socket, request: dict, out_fd: int, err_fd: int) -> Non
         os.close(read_end)
         port_pipes.append(write_end)
         ranks[pid] = rank
-    from datetime import timedelta
+    from _rendezvous import host
 
-    from torch.distributed import TCPStore
-
-    store = TCPStore("127.0.0.1", 0, nproc, True, timedelta(minutes=30), wait_for_workers=False)  # noqa: F841 (held)
+    store = host(nproc)  # served by this leader until the ranks end
     for fd in port_pipes:
         os.write(fd, f"{store.port}\n".encode())
         os.close(fd)
