@@ -286,18 +286,18 @@ def test_zb_h1_over_a_virtual_pipeline_replays_without_deadlock_for_pp_2_to_16(o
 
 def test_every_zb_v_variant_replays_without_deadlock():
     """schedule_zb_v picks one of several list-scheduling variants by the costs it is given, so every variant's
-    order (at costs that select each: equal, W cheap, F cheap) must replay under NCCL's rules, with and without
+    order (at costs that select each: equal, W cheap, F cheap, F cheaper than B and W) must replay under NCCL's rules, with and without
     overlapped receives."""
     from launcher.core.schedules import _zb_v, zb_v_variants
 
     for p in (2, 3, 4, 8):
         for m in (1, p, 2 * p + 1):
-            for costs in ((1.0, 1.0, 1.0), (1.0, 1.0, 0.5), (0.6, 1.0, 0.45)):
-                for h, f in zb_v_variants(p):
-                    sched = [list(ops) for ops in _zb_v(p, m, costs, h, f)[0]]
+            for costs in ((1.0, 1.0, 1.0), (1.0, 1.0, 0.5), (0.6, 1.0, 0.45), (0.75, 1.0, 0.97)):
+                for rule in zb_v_variants(p):
+                    sched = [list(ops) for ops in _zb_v(p, m, costs, *rule)[0]]
                     for overlap in (False, True):
                         programs = p2p.plan_all(sched, placement="zb_v", overlap=overlap)
-                        assert p2p.replay(programs) == 2 * (2 * p - 2) * m, (p, m, costs, h, f, overlap)
+                        assert p2p.replay(programs) == 2 * (2 * p - 2) * m, (p, m, costs, rule, overlap)
 
 
 def test_zb_v_with_overlapped_receives_replays_without_deadlock():

@@ -66,11 +66,13 @@ def test_zb_v_order_is_complete_causal_and_within_1f1b_memory(p, m, costs):
 
 @pytest.mark.parametrize("p,m,costs,plain,best", [(4, 8, (1, 1, 0.5), 0.140, 0.091),
                                                    (4, 8, (0.79, 0.93, 1.0), 0.079, 0.060),
+                                                   (4, 8, (0.75, 1, 0.97), 0.090, 0.066),
                                                    (8, 16, (1, 1, 1), 0.086, 0.068)])
 def test_zb_v_keeps_the_best_of_its_variants_for_the_costs(p, m, costs, plain, best):
-    """schedule_zb_v tries a few threshold pairs of its list-scheduling rule (W before F when many are held, F
-    before B when few are) and keeps the shortest at the given costs: never worse than the plain rule, and where
-    W is cheaper than B or F is cheaper than W (CPU's measured chunk costs) clearly better, at the same memory."""
+    """schedule_zb_v tries a few settings of its list-scheduling rule (W before F when many are held, F before B
+    when few are, a filler that ends before the next B arrives) and keeps the shortest at the given costs: never
+    worse than the plain rule, and where W is cheaper than B or F is cheaper than B and W (CPU's measured chunk
+    costs) clearly better, at the same memory."""
     from launcher.core.schedules import _zb_v, schedule_zb_v, zb_v_variants
     from launcher.plan.memory import held_after_each_op
     from launcher.plan.simulator import simulate
@@ -79,8 +81,8 @@ def test_zb_v_keeps_the_best_of_its_variants_for_the_costs(p, m, costs, plain, b
         return simulate([list(ops) for ops in order], *costs, placement="zb_v").bubble_fraction
 
     chosen = schedule_zb_v(p, m, costs)
-    variants = [idle(_zb_v(p, m, costs, h, f)[0]) for h, f in zb_v_variants(p)]
-    assert idle(chosen) == pytest.approx(min(variants)) and zb_v_variants(p)[0] == (2 * p, 0)
+    variants = [idle(_zb_v(p, m, costs, *rule)[0]) for rule in zb_v_variants(p)]
+    assert idle(chosen) == pytest.approx(min(variants)) and zb_v_variants(p)[0] == (2 * p, 0, None)
     assert variants[0] == pytest.approx(plain, abs=5e-4) and idle(chosen) == pytest.approx(best, abs=5e-4)
     assert all(max(f + w for f, w in held_after_each_op(ops)) <= 2 * p for ops in chosen)
     assert schedule_zb_v(p, m, costs) == chosen  # deterministic: ranks and planner generate the same list
