@@ -13,7 +13,7 @@ prints the replay (benchmarks/zb_bench.py ``replayed``): each op's thread CPU se
 its dependencies, what a core per rank would show less p2p time; "wall/CPU per op" says how much ranks waited for a
 core (1.0: not at all).
 
-    .venv/bin/python benchmarks/zbv_bench.py [--steps 8] [--costs 1,1,1]
+    .venv/bin/python benchmarks/zbv_bench.py [--steps 8] [--costs 1,1,1 | --costs measured]
 """
 from __future__ import annotations
 
@@ -62,14 +62,33 @@ def median_span(steps, kind: str) -> float:
     return statistics.median(e - s for step in steps for tl in step for k, _, _, s, e in tl if k == kind)
 
 
+def median_cpu(steps, cpu, kind: str) -> float:
+    """Median thread CPU seconds of the ``kind`` ops (what the replay runs; wall spans include core sharing)."""
+    return statistics.median(d for spans, sec in zip(steps, cpu) for tl, c in zip(spans, sec)
+                             for sp, d in zip(tl, c) if sp[0] == kind)
+
+
+def cpu_costs(res) -> str:
+    """ZB-V's measured chunk costs T_F,T_B,T_W relative to the largest, as schedule.zb_v_costs takes them."""
+    zb = res[Schedule.ZB_V]
+    t = [median_cpu(zb["steps"], zb["cpu"], k) for k in "FBW"]
+    return ",".join(f"{x / max(t):.2f}" for x in t)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--costs", default="1,1,1", help="schedule.zb_v_costs: relative chunk T_F,T_B,T_W")
+    parser.add_argument("--costs", default="1,1,1", help="schedule.zb_v_costs: relative chunk T_F,T_B,T_W, or "
+                        "'measured': a 3-step run first, its median CPU seconds per op kind (what a user profiles "
+                        "before setting schedule.zb_v_costs)")
     args = parser.parse_args(argv)
     from launcher.core import timeline
 
     load = Path("/proc/loadavg").read_text().split()[:3]
+    if args.costs == "measured":
+        with tempfile.TemporaryDirectory() as tmp:
+            args.costs = cpu_costs(run(3, Path(tmp), "1,1,1"))
+        print(f"calibration run (3 steps, zb_v at equal costs): chunk CPU seconds T_F,T_B,T_W = [{args.costs}]")
     with tempfile.TemporaryDirectory() as tmp:
         res = run(args.steps, Path(tmp), args.costs)
     print(f"machine load average before {' '.join(load)}, after {' '.join(Path('/proc/loadavg').read_text().split()[:3])}"
@@ -78,8 +97,8 @@ def main(argv=None) -> int:
     t_f, t_b, t_w = median_span(zb, "F"), median_span(zb, "B"), median_span(zb, "W")
     print(f"PP={P}, 2 chunks per rank, {MICROBATCHES} microbatches, {args.steps} steps (medians over the steps after "
           f"the first); zb_v order for chunk costs [{args.costs}]; measured chunk T_F {t_f * 1e3:.1f} ms, T_B "
-          f"{t_b * 1e3:.1f} ms, T_W {t_w * 1e3:.1f} ms (ratio {t_f / max(t_f, t_b, t_w):.2f},"
-          f"{t_b / max(t_f, t_b, t_w):.2f},{t_w / max(t_f, t_b, t_w):.2f})")
+          f"{t_b * 1e3:.1f} ms, T_W {t_w * 1e3:.1f} ms wall (ratio {t_f / max(t_f, t_b, t_w):.2f},"
+          f"{t_b / max(t_f, t_b, t_w):.2f},{t_w / max(t_f, t_b, t_w):.2f}); CPU seconds ratio [{cpu_costs(res)}]")
     print(f"{'schedule':12} {'step ms':>9} {'idle fraction':>14}")
     for kind, r in res.items():
         r["step_ms"] = statistics.median(r["ms"][1:])

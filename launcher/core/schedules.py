@@ -234,19 +234,21 @@ def zb_v_variants(p: int) -> list[tuple[int, int, float | None]]:
 def _zb_v_best(p: int, m: int, costs: tuple) -> tuple:
     best = None
     for w_first, f_first, slack in zb_v_variants(p):
-        try:
-            ops, makespan = _zb_v(p, m, costs, w_first, f_first, slack)
+        try:  # a variant whose clock passes the best makespan so far is dropped there (it cannot win): half the time
+            ops, makespan = _zb_v(p, m, costs, w_first, f_first, slack, bound=best[1] if best else float("inf"))
         except RuntimeError:  # a variant that stalls for these costs (none known) is skipped; the plain rule never does
             continue
-        if best is None or makespan < best[1] - 1e-9 * makespan:
+        if ops is not None and (best is None or makespan < best[1] - 1e-9 * makespan):
             best = (ops, makespan)
     return best[0]
 
 
-def _zb_v(p: int, m: int, costs: tuple, w_first: int, f_first: int, slack: float | None = None) -> tuple:
+def _zb_v(p: int, m: int, costs: tuple, w_first: int, f_first: int, slack: float | None = None,
+          bound: float = float("inf")) -> tuple:
     """One list-scheduled ZB-V order and its makespan at ``costs`` (the times the list scheduler assigned: the same
     as ``launcher.plan.simulator.simulate`` replaying the order at those costs with no communication time);
-    ``w_first``, ``f_first``, ``slack``: :func:`zb_v_variants`."""
+    ``w_first``, ``f_first``, ``slack``: :func:`zb_v_variants`. ``(None, inf)`` once the clock passes ``bound``
+    with ops left (the makespan would exceed it)."""
     limit, last, inf = 2 * p, 2 * p - 1, float("inf")
     dur = dict(zip("FBW", costs))
     end = {"F": [[inf] * m for _ in range(2 * p)], "B": [[inf] * m for _ in range(2 * p)]}  # [stage][mb] -> end
@@ -259,6 +261,7 @@ def _zb_v(p: int, m: int, costs: tuple, w_first: int, f_first: int, slack: float
     pending_b: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # (microbatch, chunk) forwarded, no B yet
     pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
     total, count, t = 3 * 2 * m * p, 0, 0.0
+    left = [2 * m * sum(costs)] * p  # compute each rank has still to place
     events: list = []  # end times of the ops run so far (min-heap)
 
     def b_inputs(k: int, mb: int) -> float:  # when B's inputs exist (inf: their op is not placed yet)
@@ -312,12 +315,16 @@ def _zb_v(p: int, m: int, costs: tuple, w_first: int, f_first: int, slack: float
                     held[r] -= 1
             if choice is not None:
                 out[r].append(choice)
+                left[r] -= dur[choice.kind]
                 free[r] = t + dur[choice.kind]
                 if choice.kind != "W":
                     end[choice.kind][stage[r][choice.chunk]][choice.microbatch] = free[r]
                 heapq.heappush(events, free[r])
                 count += 1
         t = _next_event(events, t, count < total, f"zb_v, p={p}, m={m}")
+        # each rank still has its own ops to run after t: past the bound, this variant cannot win
+        if count < total and max(max(t, f) + w for f, w in zip(free, left)) >= bound * (1 - 1e-9):
+            return None, inf
     return tuple(tuple(ops) for ops in out), max(free)
 
 
