@@ -2,10 +2,11 @@
 time, the same run, alternating steps, medians (as benchmarks/zb_bench.py does for ZB-H1 vs 1F1B).
 
 PP=4 on 4 processes (torchrun, gloo), one thread each; 8 layers (one per chunk), hidden 1024, FFN
-4096, sequence 128, a 64-token vocabulary so no stage is made slower by the output layer (balanced shapes, as in the
-ZB-H1 benchmark), 8 microbatches. ZB-V's order is generated for the chunk costs the first measured steps show
-(schedule.zb_v_costs, passed as --costs; default equal). Both schedules are built in the same ranks, same weights
-and data, trained in alternating steps; every step recorded.
+4096, sequence 128, two sequences per microbatch, a 64-token vocabulary so no stage is made slower by the output
+layer (balanced shapes, as in the ZB-H1 benchmark), 8 microbatches. ZB-V's order is generated for the chunk costs
+``--costs`` gives (schedule.zb_v_costs; default equal; ``measured``: a 3-step run's CPU seconds per op kind).
+Both schedules are built in the same ranks, same weights and data, trained in alternating steps; every step
+recorded.
 
 Caveat: 4 ranks on a machine with fewer cores share them; a descheduled rank inside an op counts as busy and an idle
 rank's core serves another, so the wall-clock idle fractions are not the pipeline's bubble. The benchmark also
@@ -31,11 +32,15 @@ sys.path.insert(0, str(ROOT))
 from launcher.schema import Schedule  # noqa: E402
 
 P, MICROBATCHES = 4, 8
+# two sequences per microbatch: a plain-torch stand-in for one such layer (F, an input-only B, the four weight GEMMs
+# as W; one thread) timed 27/35/29 ms at 128 tokens and 49/53/52 ms at 256 on this CPU: at 256 tokens F, B and W are
+# closer to the paper's T_F = T_B = T_W, where ZB-V's bubble is smallest
+MBS = 2
 JOB = ["data=mock", "schedule.kind=zb_v", "parallel.tensor=1", f"parallel.pipeline={P}",
        "parallel.virtual_pipeline=2", f"cluster.gpus_per_node={P}", "model.num_layers=8", "model.hidden_size=1024",
        "model.ffn_hidden_size=4096", "model.num_attention_heads=16", "model.num_query_groups=16",
        "model.seq_length=128", "model.vocab_size=64", "model.make_vocab_size_divisible_by=64",
-       "train.micro_batch_size=1", f"train.global_batch_size={MICROBATCHES}", "train.eval_interval=0",
+       f"train.micro_batch_size={MBS}", f"train.global_batch_size={MBS * MICROBATCHES}", "train.eval_interval=0",
        "logging.tensorboard=false", "checkpoint.save_at_end=false"]
 
 
@@ -95,10 +100,11 @@ def main(argv=None) -> int:
           f" (cores: {os.cpu_count()}, ranks: {P})")
     zb = res[Schedule.ZB_V]["steps"]
     t_f, t_b, t_w = median_span(zb, "F"), median_span(zb, "B"), median_span(zb, "W")
-    print(f"PP={P}, 2 chunks per rank, {MICROBATCHES} microbatches, {args.steps} steps (medians over the steps after "
-          f"the first); zb_v order for chunk costs [{args.costs}]; measured chunk T_F {t_f * 1e3:.1f} ms, T_B "
+    print(f"PP={P}, 2 chunks per rank, {MICROBATCHES} microbatches of {MBS} sequences, {args.steps} steps (medians "
+          f"over the steps after the first); zb_v order for chunk costs [{args.costs}]; measured chunk T_F {t_f * 1e3:.1f} ms, T_B "
           f"{t_b * 1e3:.1f} ms, T_W {t_w * 1e3:.1f} ms wall (ratio {t_f / max(t_f, t_b, t_w):.2f},"
-          f"{t_b / max(t_f, t_b, t_w):.2f},{t_w / max(t_f, t_b, t_w):.2f}); CPU seconds ratio [{cpu_costs(res)}]")
+          f"{t_b / max(t_f, t_b, t_w):.2f},{t_w / max(t_f, t_b, t_w):.2f}); CPU seconds ratio "
+          f"[{cpu_costs(res)}]")
     print(f"{'schedule':12} {'step ms':>9} {'idle fraction':>14}")
     for kind, r in res.items():
         r["step_ms"] = statistics.median(r["ms"][1:])

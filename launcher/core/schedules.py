@@ -234,7 +234,7 @@ def zb_v_variants(p: int) -> list[tuple[int, int, float | None]]:
 def _zb_v_best(p: int, m: int, costs: tuple) -> tuple:
     best = None
     for w_first, f_first, slack in zb_v_variants(p):
-        try:  # a variant whose clock passes the best makespan so far is dropped there (it cannot win): half the time
+        try:  # a variant whose ranks' remaining work passes the best makespan so far is dropped there (it cannot win)
             ops, makespan = _zb_v(p, m, costs, w_first, f_first, slack, bound=best[1] if best else float("inf"))
         except RuntimeError:  # a variant that stalls for these costs (none known) is skipped; the plain rule never does
             continue
