@@ -3,6 +3,7 @@ end with the shell's exit code (130, 143) and one final line, no traceback; a ra
 (blocked in a collective whose peer died) still exits soon after SIGTERM, as torchrun's teardown expects."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -30,6 +31,41 @@ def test_stop_signals_request_a_stop_and_a_boundary_cancels_the_grace_timer():
     assert not state._timer.is_alive() or state._timer.finished.is_set()
     state.step_s = 20.0
     assert state.grace_s() == 60.0
+
+
+_AGREE_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1] + "/tests")
+from _rendezvous import join
+join(int(sys.argv[2]), int(sys.argv[3]), 2)
+from megatron.core import parallel_state
+parallel_state.initialize_model_parallel()
+from launcher.rank.loop import STOP_REASONS, reduce_report
+seen = []
+for case in json.loads(sys.argv[4]):
+    loss, code = reduce_report(2.0, case[int(sys.argv[3])])
+    seen.append(None if code is None else STOP_REASONS[code])
+print("SEEN", json.dumps(seen), flush=True)
+"""
+
+
+def test_every_rank_reports_the_stop_reason_the_ranks_agree_on():
+    """scancel signals every process, but not at once: a rank whose SIGTERM lands after the step's reduction
+    learns the cause there, and prints "SIGTERM", not "another rank asked to stop" (make test at e390203: rank 0's
+    line said the latter and test_sigterm_to_every_process... failed). Two ranks, gloo, the loop's reduction."""
+    from _rendezvous import host
+
+    guard = "the Slurm time limit is 40 s away, less than 2 x the last save (9.0 s) + a step (1.0 s) + 5 s"
+    cases = [[None, None], [None, "SIGTERM"], ["STOP file", "SIGUSR1"], [guard, None], ["SIGINT (Ctrl-C)", "odd"]]
+    store = host(2)
+    procs = [subprocess.Popen([sys.executable, "-c", _AGREE_SCRIPT, str(ROOT), str(store.port), str(rank),
+                               json.dumps(cases)], env=dict(ENV, PYTHONPATH=str(ROOT)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    seen = [json.loads(next(x for x in out.splitlines() if x.startswith("SEEN"))[5:]) for out, _ in outs]
+    assert seen[0] == seen[1] == [None, "SIGTERM", "SIGUSR1", "the Slurm time limit is near", "SIGINT (Ctrl-C)"]
 
 
 def test_a_rank_blocked_in_native_code_exits_143_after_the_grace():

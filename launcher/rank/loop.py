@@ -109,9 +109,28 @@ def auxiliary_losses(config, num_microbatches: int, step: int) -> Dict[str, floa
     return out
 
 
-def reduce_report(local_loss: float, stop: bool, kind: str = Schedule.ONE_F_ONE_B) -> tuple:
+# Why a run stops, as every rank reports it: the step's reduction carries one count per reason (a rank that saw
+# none of its own learns the cause from the others: scancel signals each process, and a rank whose SIGTERM lands
+# after the step's all-reduce would otherwise print "another rank asked to stop"). Earlier entries win when ranks
+# saw different ones; a reason not listed is sent as the last.
+STOP_REASONS = ("SIGTERM", "SIGINT (Ctrl-C)", "SIGHUP", "SIGUSR1", "train.exit_after_minutes reached", "STOP file",
+                "the Slurm time limit is near", "another rank asked to stop")
+TIME_LIMIT = "the Slurm time limit is"  # launcher.core.signal_lead.StopGuard.reason's text starts so
+
+
+def stop_code(why: Optional[str]) -> Optional[int]:
+    """``why``'s index in STOP_REASONS (None: no reason)."""
+    if why is None:
+        return None
+    if why in STOP_REASONS:
+        return STOP_REASONS.index(why)
+    return STOP_REASONS.index("the Slurm time limit is near") if why.startswith(TIME_LIMIT) else len(STOP_REASONS) - 1
+
+
+def reduce_report(local_loss: float, why: Optional[str], kind: str = Schedule.ONE_F_ONE_B) -> tuple:
     """World all-reduce: mean loss over the ranks that hold it (the last stage's rank, TP rank 0: pipeline rank
-    p - 1, or 0 under zb_v's V), and whether any rank asked to stop. One small collective per step."""
+    p - 1, or 0 under zb_v's V), and the stop reason the ranks agree on (an index in STOP_REASONS, None: go on)
+    from this rank's ``why``. One small collective per step."""
     from megatron.core import parallel_state
 
     from launcher.core.schedules import loss_rank
@@ -120,10 +139,14 @@ def reduce_report(local_loss: float, stop: bool, kind: str = Schedule.ONE_F_ONE_
               == loss_rank(kind, parallel_state.get_pipeline_model_parallel_world_size())
               and parallel_state.get_tensor_model_parallel_rank() == 0)
     dev = compute_device()
-    t = torch.tensor([local_loss if holder else 0.0, float(holder), float(stop)], dtype=torch.float64,
-                     device=dev)
+    t = torch.zeros(2 + len(STOP_REASONS), dtype=torch.float64, device=dev)
+    t[0], t[1] = (local_loss, 1.0) if holder else (0.0, 0.0)
+    code = stop_code(why)
+    if code is not None:
+        t[2 + code] = 1.0
     torch.distributed.all_reduce(t)
-    return float(t[0] / t[1].clamp(min=1)), bool(t[2] > 0)
+    seen = [i for i, n in enumerate(t[2:].tolist()) if n > 0]
+    return float(t[0] / t[1].clamp(min=1)), (seen[0] if seen else None)
 
 
 def any_rank(flag: bool) -> bool:
@@ -244,7 +267,7 @@ class Loop:
             losses.append(_mean_lm_loss(out))
         for chunk in self.model:
             chunk.train()
-        loss, _ = reduce_report(sum(losses) / len(losses), False, self.kind)
+        loss, _ = reduce_report(sum(losses) / len(losses), None, self.kind)
         return loss
 
     def run(self, *, iterators, valid_iters: Callable, steps: int, on_step: Callable,
@@ -270,7 +293,7 @@ class Loop:
             start = time.perf_counter()
             out = self.train_step(iterators)
             why = local_reason()
-            loss, stop = reduce_report(out["local_loss"], why is not None, self.kind)
+            loss, agreed = reduce_report(out["local_loss"], why, self.kind)
             elapsed = time.perf_counter() - start
             self.signals.step_s = elapsed
             tflops = flops_per_token * tokens_per_step / elapsed / world / 1e12
@@ -298,11 +321,11 @@ class Loop:
                 torch.distributed.all_gather_object(times, elapsed * 1e3)
                 if on_note:
                     on_note(straggler_report(times, self.train.straggler_margin))
-            if stop:
-                # a rank that looked before another saw the STOP file (or the signal) looks again: the reason
-                # printed is the cause, not which rank noticed it first
+            if agreed is not None:
+                # every rank names the same cause, the one the ranks agreed on (its own words when it saw that
+                # one itself: the time-limit guard's figures), whichever rank noticed it first
                 self.signals.at_boundary()
-                self.stop_reason = why or local_reason() or "another rank asked to stop"
+                self.stop_reason = why if stop_code(why) == agreed else STOP_REASONS[agreed]
                 return "stopped"
             if save_interval and self.step % save_interval == 0:
                 on_checkpoint()
