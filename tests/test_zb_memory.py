@@ -53,6 +53,25 @@ def test_peak_state_weighs_activations_against_pending_w():
     assert zb_peak_state(last, 1.0, 1.2, while_in_flight=1.0) == (1, 3)
 
 
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_zb_v_bound_states_dominate_every_state_of_every_variant(p):
+    """The search's first pass prices ZB-V from ``zb_v_bound_states`` (no op list): every state any variant reaches,
+    at any costs and microbatch count, must sit under one of them, or a layout that does not fit would be kept."""
+    from launcher.core.schedules import _zb_v, zb_v_variants
+    from launcher.plan.memory import zb_v_bound_states
+
+    for m in (1, p - 1, p, 2 * p + 1, 4 * p):
+        m = max(1, m)
+        bound = zb_v_bound_states(p, m)
+        for costs in ((1.0, 1.0, 1.0), (0.3, 1.0, 0.6), (1.0, 0.6, 0.2), (0.5, 0.75, 1.0)):
+            for rule in zb_v_variants(p):
+                ops, _ = _zb_v(p, m, costs, *rule)
+                for rank in ops:
+                    for f, w in held_after_each_op(list(rank)):
+                        assert any(f <= bf and w <= bw for bf, bw in bound), (p, m, costs, rule, (f, w))
+    assert (2 * p, 0) in zb_v_bound_states(p, 4 * p)  # and no looser than needed: the V holds 2p in flight
+
+
 # ---------------------------------------------------------------------------------- the planner, at scale
 def test_llama3_8b_pp8_zb_h1_plans_pending_w_and_its_peak_is_the_last_stage():
     """Llama3-8B PP8, FP8 (1-byte W operands in TE's layers; the output layer's bf16): stage r's ZB-H1 memory

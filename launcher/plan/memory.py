@@ -373,6 +373,16 @@ def zb_v_states(p: int, m: int, costs: tuple = (1.0, 1.0, 1.0)) -> tuple[tuple[t
     return tuple(tuple(sorted(set(held_after_each_op(ops)))) for ops in schedule_zb_v(p, m, costs))
 
 
+def zb_v_bound_states(p: int, m: int) -> tuple[tuple[int, int], ...]:
+    """States that dominate every (in flight, pending W) state ``schedule_zb_v(p, m, costs)`` reaches on any rank, for
+    any costs: its F rule keeps at most 2p chunk-microbatches between F and W (``held < limit``), and there are 2m.
+    The peak over these is never below the op list's (``zb_peak_state`` grows with both counts): what the search's
+    first pass uses instead of generating the order at every candidate's microbatch count (up to 0.9 s each at PP8,
+    512 microbatches); where this bound decides a fit, the exact op list decides it instead."""
+    n = min(2 * p, 2 * m)
+    return tuple((i, n - i) for i in range(n + 1))
+
+
 def zb_peak_state(states, act_bytes: float, wgrad_bytes: float, while_in_flight: float = 0.0) -> tuple[int, int]:
     """The (in flight, pending W) state of most memory: in_flight * act_bytes + pending * wgrad_bytes, plus
     ``while_in_flight`` (the last stage's loss logits, held from its forward into its backward) when any
@@ -538,10 +548,11 @@ def fsdp_layer_params(job: JobConfig, lay: Layout) -> float:
 
 
 def stage_memory(job: JobConfig, lay: Layout, stage: int, cache: dict | None = None,
-                 static_cache: dict | None = None) -> StageMemory:
+                 static_cache: dict | None = None, zb_v_exact: bool = True) -> StageMemory:
     """Peak memory of one rank of ``stage``. ``cache``: shared by the stages of one job, so stages alike reuse
     the per-layer activation sums; ``static_cache``: shared by jobs that differ only in micro batch and
-    recomputation (the search), for the layer split and the weights, gradients and optimizer state."""
+    recomputation (the search), for the layer split and the weights, gradients and optimizer state;
+    ``zb_v_exact=False``: ZB-V's states from ``zb_v_bound_states`` (an upper bound) instead of its op list."""
     model = job.model
     cache = {} if cache is None else cache
     static_cache = {} if static_cache is None else static_cache
@@ -588,7 +599,9 @@ def stage_memory(job: JobConfig, lay: Layout, stage: int, cache: dict | None = N
         w_mb = cache[("wgrad", last, n_moe, n_layers)]
         if job.schedule.kind == Schedule.ZB_V:  # states count chunk-microbatches, each half of the rank's layers
             costs = tuple(job.schedule.zb_v_costs or (1.0, 1.0, 1.0))
-            states = tuple((f / 2, w / 2) for f, w in zb_v_states(p, max(1, lay.microbatches), costs)[stage])
+            held = (zb_v_states(p, max(1, lay.microbatches), costs)[stage] if zb_v_exact
+                    else zb_v_bound_states(p, max(1, lay.microbatches)))
+            states = tuple((f / 2, w / 2) for f, w in held)
         elif lay.vpp > 1:  # over a virtual pipeline: chunk-microbatches, each 1/v of the rank's layers
             states = tuple((f / lay.vpp, w / lay.vpp) for f, w in
                            zb_h1_states(p, max(1, lay.microbatches), lay.vpp, lay.microbatch_group)[stage])
@@ -622,13 +635,14 @@ def stage_memory(job: JobConfig, lay: Layout, stage: int, cache: dict | None = N
     return StageMemory(stage, n_layers, rp.total, in_flight, parts, n_pending if pending is not None else 0)
 
 
-def memory_per_stage(job: JobConfig, lay: Layout | None = None, static_cache: dict | None = None) -> list[StageMemory]:
-    """Peak memory of every pipeline stage (``lay``: the job's layout, derived if None; ``static_cache``: see
-    ``stage_memory``)."""
+def memory_per_stage(job: JobConfig, lay: Layout | None = None, static_cache: dict | None = None,
+                     zb_v_exact: bool = True) -> list[StageMemory]:
+    """Peak memory of every pipeline stage (``lay``: the job's layout, derived if None; ``static_cache``,
+    ``zb_v_exact``: see ``stage_memory``)."""
     lay = lay or derive(job)
     cache: dict = {}
     static_cache = {} if static_cache is None else static_cache
-    return [stage_memory(job, lay, r, cache, static_cache) for r in range(lay.pp)]
+    return [stage_memory(job, lay, r, cache, static_cache, zb_v_exact) for r in range(lay.pp)]
 
 
 def activation_formula_check(job: JobConfig) -> float:

@@ -303,28 +303,39 @@ def search(job: JobConfig, top: int = 10, layout: Layout | None = None) -> list[
         if layout_key in hopeless:
             continue
         static = statics.setdefault(layout_key, {})
-        stages = memory_per_stage(cand, lay, static)
+        # ZB-V: a bound on its op list's states first (memory.zb_v_bound_states); the op list itself only where the
+        # bound does not fit, and for the candidates returned (their printed peak): the same fits, a fraction of the time
+        stages = memory_per_stage(cand, lay, static, zb_v_exact=False)
         if max(sum(s.parts[k] for k in STATIC_PARTS) for s in stages) > cap:
             hopeless.add(layout_key)  # weights, grads and optimizer alone do not fit: no batch or recompute helps
             continue
         peak = max(s.total for s in stages)
+        if peak > cap and cand.schedule.kind == Schedule.ZB_V:
+            peak = _exact_peak(cand, lay, static)
         if peak <= cap:
             fitted.add(key)
-            fitting.append((overrides, cand, lay, peak, step_time(cand, lay, exact=False).step_s))
+            fitting.append((overrides, cand, lay, peak, step_time(cand, lay, exact=False).step_s, static))
     fitting.sort(key=lambda x: x[4])
     results: list[Candidate] = []
-    for overrides, cand, lay, peak, _ in fitting:
+    for overrides, cand, lay, peak, _, static in fitting:
         if len(results) >= max(2 * top, 12):
             break
         if layout_errors(validate(cand)):
             continue
         st = step_time(cand, lay)
         perf = throughput(cand, st, lay)
+        if cand.schedule.kind == Schedule.ZB_V:
+            peak = _exact_peak(cand, lay, static)
         results.append(Candidate(overrides, perf["tokens_per_s"], perf["tflops_per_gpu"], perf["mfu"], st.step_s,
                                  peak / GB, job.cluster.gpu_memory_gb, st.bubble_fraction,
                                  _why(cand, lay, st, peak, cap)))
     results.sort(key=lambda c: -c.tokens_per_s)
     return results[:top]
+
+
+def _exact_peak(job: JobConfig, lay: Layout, static: dict) -> float:
+    """The peak from the op list the ranks run (``memory_per_stage`` exact)."""
+    return max(s.total for s in memory_per_stage(job, lay, static))
 
 
 TIGHT_FIT = 0.95
