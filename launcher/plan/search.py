@@ -303,14 +303,15 @@ def search(job: JobConfig, top: int = 10, layout: Layout | None = None) -> list[
         if layout_key in hopeless:
             continue
         static = statics.setdefault(layout_key, {})
-        # ZB-V: a bound on its op list's states first (memory.zb_v_bound_states); the op list itself only where the
-        # bound does not fit, and for the candidates returned (their printed peak): the same fits, a fraction of the time
-        stages = memory_per_stage(cand, lay, static, zb_v_exact=False)
+        # zero bubble: a bound on its op list's states first (memory.zb_v_bound_states, zb_h1_bound_states); the op
+        # list itself only where the bound does not fit, and for the candidates returned (their printed peak): the
+        # same fits, a fraction of the time (generating the order at 512 microbatches took up to 0.9 s a candidate)
+        stages = memory_per_stage(cand, lay, static, zb_exact=False)
         if max(sum(s.parts[k] for k in STATIC_PARTS) for s in stages) > cap:
             hopeless.add(layout_key)  # weights, grads and optimizer alone do not fit: no batch or recompute helps
             continue
         peak = max(s.total for s in stages)
-        if peak > cap and cand.schedule.kind == Schedule.ZB_V:
+        if peak > cap and cand.schedule.kind in Schedule.ZERO_BUBBLE:
             peak = _exact_peak(cand, lay, static)
         if peak <= cap:
             fitted.add(key)
@@ -324,7 +325,7 @@ def search(job: JobConfig, top: int = 10, layout: Layout | None = None) -> list[
             continue
         st = step_time(cand, lay)
         perf = throughput(cand, st, lay)
-        if cand.schedule.kind == Schedule.ZB_V:
+        if cand.schedule.kind in Schedule.ZERO_BUBBLE:
             peak = _exact_peak(cand, lay, static)
         results.append(Candidate(overrides, perf["tokens_per_s"], perf["tflops_per_gpu"], perf["mfu"], st.step_s,
                                  peak / GB, job.cluster.gpu_memory_gb, st.bubble_fraction,
