@@ -61,7 +61,7 @@ def main(kinds=(Schedule.ONE_F_ONE_B, Schedule.ZB_H1), build_run=None) -> int:
             torch.distributed.barrier()
             start = time.perf_counter()
             res = lp.train_step(iters)
-            loss, _ = reduce_report(res["local_loss"], False, kind)
+            loss, _ = reduce_report(res["local_loss"], None, kind)
             record[kind]["ms"].append((time.perf_counter() - start) * 1e3)
             record[kind]["loss"].append(loss)
             record[kind]["steps"].append(list(lp.recorder.spans))
