@@ -373,6 +373,24 @@ def zb_v_states(p: int, m: int, costs: tuple = (1.0, 1.0, 1.0)) -> tuple[tuple[t
     return tuple(tuple(sorted(set(held_after_each_op(ops)))) for ops in schedule_zb_v(p, m, costs))
 
 
+def _front(states) -> tuple:
+    """The states no other state matches or exceeds in both counts, in ``states``' order: the only candidates for
+    ``zb_peak_state``, whose memory grows with both (an op list of PP 16 x VPP 6 has hundreds of states a stage)."""
+    return tuple(s for s in states if not any(o != s and o[0] >= s[0] and o[1] >= s[1] for o in states))
+
+
+@functools.lru_cache(maxsize=256)
+def zb_h1_front(p: int, m: int, v: int = 1, group: int | None = None) -> tuple:
+    """``zb_h1_states``' per-stage ``_front``."""
+    return tuple(_front(st) for st in zb_h1_states(p, m, v, group))
+
+
+@functools.lru_cache(maxsize=256)
+def zb_v_front(p: int, m: int, costs: tuple = (1.0, 1.0, 1.0)) -> tuple:
+    """``zb_v_states``' per-stage ``_front``."""
+    return tuple(_front(st) for st in zb_v_states(p, m, costs))
+
+
 def zb_v_bound_states(p: int, m: int) -> tuple[tuple[int, int], ...]:
     """States that dominate every (in flight, pending W) state ``schedule_zb_v(p, m, costs)`` reaches on any rank, for
     any costs: its F rule keeps at most 2p chunk-microbatches between F and W (``held < limit``), and there are 2m.
@@ -383,6 +401,7 @@ def zb_v_bound_states(p: int, m: int) -> tuple[tuple[int, int], ...]:
     return tuple((i, n - i) for i in range(n + 1))
 
 
+@functools.lru_cache(maxsize=1024)
 def zb_h1_bound_states(p: int, m: int, v: int = 1, group: int | None = None) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Per stage, two states that dominate every (in flight, pending W) state of ``schedule_zb_h1(p, m, v, group)``:
     its F/B order is 1F1B's (v = 1: at most A = min(p - r, m) in flight on rank r) or Megatron's interleaved one
@@ -617,12 +636,12 @@ def stage_memory(job: JobConfig, lay: Layout, stage: int, cache: dict | None = N
         w_mb = cache[("wgrad", last, n_moe, n_layers)]
         if job.schedule.kind == Schedule.ZB_V:  # states count chunk-microbatches, each half of the rank's layers
             costs = tuple(job.schedule.zb_v_costs or (1.0, 1.0, 1.0))
-            held = (zb_v_states(p, max(1, lay.microbatches), costs)[stage] if zb_exact
+            held = (zb_v_front(p, max(1, lay.microbatches), costs)[stage] if zb_exact
                     else zb_v_bound_states(p, max(1, lay.microbatches)))
             states = tuple((f / 2, w / 2) for f, w in held)
         else:  # over a virtual pipeline: chunk-microbatches, each 1/v of the rank's layers
             args = (p, max(1, lay.microbatches), lay.vpp, lay.microbatch_group if lay.vpp > 1 else None)
-            held = zb_h1_states(*args)[stage] if zb_exact else zb_h1_bound_states(*args)[stage]
+            held = zb_h1_front(*args)[stage] if zb_exact else zb_h1_bound_states(*args)[stage]
             states = held if lay.vpp == 1 else tuple((f / lay.vpp, w / lay.vpp) for f, w in held)
         in_flight, n_pending = zb_peak_state(states, per_mb, w_mb, logits)
         logits = logits if in_flight else 0.0
