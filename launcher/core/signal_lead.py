@@ -101,6 +101,10 @@ def job_end_from_env(environ=None) -> Optional[float]:
     return end if math.isfinite(end) and end > 0 else None
 
 
+TIME_LIMIT_REASON = "the Slurm time limit is"
+"""How ``StopGuard.reason`` begins (the ranks' stop-reason reduction recognises it: launcher/rank/loop.py)."""
+
+
 class StopGuard:
     """Rank side: stop for a checkpoint once the job's time left is below needed_s, with this run's own latest
     save time (the resumed checkpoint's, then each new save's) and its slowest recent step (the last 20).
@@ -128,5 +132,5 @@ class StopGuard:
         left, need = self.job_end - self.clock(), self.needed()
         if left >= need:
             return None
-        return (f"the Slurm time limit is {max(left, 0):.0f} s away, less than {self.factor:g} x the last save "
+        return (f"{TIME_LIMIT_REASON} {max(left, 0):.0f} s away, less than {self.factor:g} x the last save "
                 f"({self.save_s:.1f} s) + a step ({max(self.steps, default=0.0):.1f} s) + {self.margin_s:g} s")

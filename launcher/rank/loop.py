@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import signal
 import statistics
 import time
 from functools import partial
@@ -11,6 +12,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from launcher.core.signal_lead import TIME_LIMIT_REASON
 from launcher.rank import signals
 from launcher.rank.batch import masked_token_loss, slice_batch_for_context_parallel
 from launcher.schema import Schedule
@@ -113,9 +115,9 @@ def auxiliary_losses(config, num_microbatches: int, step: int) -> Dict[str, floa
 # none of its own learns the cause from the others: scancel signals each process, and a rank whose SIGTERM lands
 # after the step's all-reduce would otherwise print "another rank asked to stop"). Earlier entries win when ranks
 # saw different ones; a reason not listed is sent as the last.
-STOP_REASONS = ("SIGTERM", "SIGINT (Ctrl-C)", "SIGHUP", "SIGUSR1", "train.exit_after_minutes reached", "STOP file",
-                "the Slurm time limit is near", "another rank asked to stop")
-TIME_LIMIT = "the Slurm time limit is"  # launcher.core.signal_lead.StopGuard.reason's text starts so
+STOP_FILE, EXIT_AFTER = "STOP file", "train.exit_after_minutes reached"
+STOP_REASONS = (*(signals.reason(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)),
+                EXIT_AFTER, STOP_FILE, f"{TIME_LIMIT_REASON} near", "another rank asked to stop")
 
 
 def stop_code(why: Optional[str]) -> Optional[int]:
@@ -124,7 +126,7 @@ def stop_code(why: Optional[str]) -> Optional[int]:
         return None
     if why in STOP_REASONS:
         return STOP_REASONS.index(why)
-    return STOP_REASONS.index("the Slurm time limit is near") if why.startswith(TIME_LIMIT) else len(STOP_REASONS) - 1
+    return STOP_REASONS.index(f"{TIME_LIMIT_REASON} near") if why.startswith(TIME_LIMIT_REASON) else len(STOP_REASONS) - 1
 
 
 def reduce_report(local_loss: float, why: Optional[str], kind: str = Schedule.ONE_F_ONE_B) -> tuple:
@@ -283,8 +285,8 @@ class Loop:
 
         def local_reason() -> Optional[str]:
             return (self.signals.requested
-                    or ("train.exit_after_minutes reached" if deadline is not None and time.time() > deadline
-                        else "STOP file" if stop_file is not None and stop_file.exists()
+                    or (EXIT_AFTER if deadline is not None and time.time() > deadline
+                        else STOP_FILE if stop_file is not None and stop_file.exists()
                         else stop_check() if stop_check is not None else None))  # e.g. close to the time limit
 
         while self.step < steps:

@@ -28,6 +28,11 @@ MIN_GRACE_S = 15.0
 _NAMES = {signal.SIGINT: "SIGINT (Ctrl-C)"}
 
 
+def reason(sig: signal.Signals) -> str:
+    """How a stop signal is named as a run's stop reason."""
+    return _NAMES.get(sig, sig.name)
+
+
 class StopSignals:
     """The process's stop request (one per rank process; ``install`` from the main thread)."""
 
@@ -67,7 +72,7 @@ class StopSignals:
         """A stop signal arrived (called by the watcher thread; tests call it directly)."""
         with self._lock:
             if self.requested is None:
-                self.requested = _NAMES.get(sig, sig.name)
+                self.requested = reason(sig)
             if sig != signal.SIGUSR1 and self._timer is None and not self._boundary:
                 self._timer = threading.Timer(self.grace_s(), self._give_up, args=(sig,))
                 self._timer.daemon = True
@@ -86,7 +91,7 @@ class StopSignals:
     def _give_up(self, sig: signal.Signals) -> None:
         if self._boundary:
             return
-        sys.stderr.write(f"rank {os.environ.get('RANK', '?')}: {_NAMES.get(sig, sig.name)} and no step boundary "
+        sys.stderr.write(f"rank {os.environ.get('RANK', '?')}: {reason(sig)} and no step boundary "
                          f"within {self.grace_s():.0f} s (blocked in a collective, or still starting): exiting "
                          "without a checkpoint\n")
         sys.stderr.flush()
