@@ -88,6 +88,29 @@ def cpu_costs(res) -> str:
     return ",".join(f"{x / max(t):.2f}" for x in t)
 
 
+def stage_cpu(res) -> dict:
+    """ZB-V's median thread CPU seconds per (rank, chunk, op kind): where the V puts extra work (rank 0 holds the
+    embedding and the output layer + loss)."""
+    zb = res[Schedule.ZB_V]
+    out: dict = {}
+    for spans, sec in zip(zb["steps"], zb["cpu"]):
+        for r, (tl, c) in enumerate(zip(spans, sec)):
+            for sp, d in zip(tl, c):
+                out.setdefault((r, sp[2], sp[0]), []).append(d)
+    return {key: statistics.median(v) for key, v in out.items()}
+
+
+def print_stage_cpu(res) -> None:
+    cost = stage_cpu(res)
+    ranks = sorted({r for r, _, _ in cost})
+    print("zb_v median CPU ms per op, by rank and chunk (F/B/W):")
+    for r in ranks:
+        cells = [f"chunk {c}: " + "/".join(f"{1e3 * cost.get((r, c, k), float('nan')):.1f}" for k in "FBW")
+                 for c in (0, 1)]
+        total = sum(v for (rr, _, k), v in cost.items() if rr == r and k in "FBW")
+        print(f"  rank {r}: {'  '.join(cells)}  (sum {1e3 * total:.1f})")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8)
@@ -113,6 +136,7 @@ def main(argv=None) -> int:
           f"{t_b * 1e3:.1f} ms, T_W {t_w * 1e3:.1f} ms wall (ratio {t_f / max(t_f, t_b, t_w):.2f},"
           f"{t_b / max(t_f, t_b, t_w):.2f},{t_w / max(t_f, t_b, t_w):.2f}); CPU seconds ratio "
           f"[{cpu_costs(res)}]")
+    print_stage_cpu(res)
     print(f"{'schedule':12} {'step ms':>9} {'idle fraction':>14}")
     for kind, r in res.items():
         r["step_ms"] = statistics.median(r["ms"][1:])

@@ -240,7 +240,61 @@ def _zb_v_best(p: int, m: int, costs: tuple) -> tuple:
             continue
         if ops is not None and (best is None or makespan < best[1] - 1e-9 * makespan):
             best = (ops, makespan)
+    per_stage = zb_v_stage_costs(p, costs)
+    mean = tuple(sum(t[k] for t in per_stage) / len(per_stage) for k in range(3))
+    if any(t != per_stage[0] for t in per_stage):
+        # stages that differ: the orders for their mean triple compete too, timed at the stages' own costs (the list
+        # rule is a heuristic: for a few cost sets its per-stage order is the longer one), so an order generated for
+        # per-stage costs is never longer at those costs than the one for their mean
+        ops = _zb_v_best(p, m, mean)
+        makespan = zb_v_makespan(p, ops, costs)
+        if makespan < best[1] - 1e-9 * makespan:
+            best = (ops, makespan)
     return best[0]
+
+
+def zb_v_makespan(p: int, order, costs: tuple) -> float:
+    """The makespan of a ZB-V op list run at ``costs`` (``zb_v_stage_costs``), no communication time: each op starts
+    when its rank is free and its inputs exist (F after the previous stage's F, B after the next stage's B or, on
+    the last stage, its own F, W after its B) -- ``launcher.plan.simulator.simulate`` with placement zb_v."""
+    per_stage = zb_v_stage_costs(p, costs)
+    end: dict = {}
+    pos, clock, left = [0] * p, [0.0] * p, sum(len(ops) for ops in order)
+    while left:
+        moved = False
+        for r in range(p):
+            while pos[r] < len(order[r]):
+                op = order[r][pos[r]]
+                k = stage_of(Schedule.ZB_V, p, r, op.chunk)
+                dep = (("F", k - 1) if op.kind == "F" else ("B", k + 1) if op.kind == "B" else ("B", k))
+                if op.kind == "F" and k == 0:
+                    ready = 0.0
+                elif op.kind == "B" and k == 2 * p - 1:
+                    ready = end[("F", k, op.microbatch)]
+                elif (dep[0], dep[1], op.microbatch) in end:
+                    ready = end[(dep[0], dep[1], op.microbatch)]
+                else:
+                    break
+                clock[r] = max(clock[r], ready) + per_stage[k]["FBW".index(op.kind)]
+                end[(op.kind, k, op.microbatch)] = clock[r]
+                pos[r] += 1
+                left -= 1
+                moved = True
+        if not moved:
+            raise RuntimeError(f"zb_v order deadlocks at p={p}")
+    return max(clock)
+
+
+def zb_v_stage_costs(p: int, costs: tuple) -> tuple:
+    """schedule.zb_v_costs as one (T_F, T_B, T_W) per pipeline stage 0..2p-1: three numbers apply to every stage,
+    6p are one triple per stage in model order (stage s on rank s for s < p, else on rank 2p - 1 - s: rank 0's
+    two chunks hold the embedding and the output layer + loss)."""
+    costs = tuple(float(c) for c in costs)
+    if len(costs) == 3:
+        return (costs,) * (2 * p)
+    if len(costs) != 6 * p:
+        raise ValueError(f"zb_v costs: 3 or 6 x {p} numbers, got {len(costs)}")
+    return tuple(costs[3 * s:3 * s + 3] for s in range(2 * p))
 
 
 def _zb_v(p: int, m: int, costs: tuple, w_first: int, f_first: int, slack: float | None = None,
@@ -250,7 +304,9 @@ def _zb_v(p: int, m: int, costs: tuple, w_first: int, f_first: int, slack: float
     ``w_first``, ``f_first``, ``slack``: :func:`zb_v_variants`. ``(None, inf)`` once the clock passes ``bound``
     with ops left (the makespan would exceed it)."""
     limit, last, inf = 2 * p, 2 * p - 1, float("inf")
-    dur = dict(zip("FBW", costs))
+    per_stage = zb_v_stage_costs(p, costs)
+    # dur[r][c][kind]: rank r's chunk c runs stage stage_of(zb_v, p, r, c)
+    dur = [[dict(zip("FBW", per_stage[stage_of(Schedule.ZB_V, p, r, c)])) for c in (0, 1)] for r in range(p)]
     end = {"F": [[inf] * m for _ in range(2 * p)], "B": [[inf] * m for _ in range(2 * p)]}  # [stage][mb] -> end
     f_end, b_end = end["F"], end["B"]
     stage = [[stage_of(Schedule.ZB_V, p, r, c) for c in (0, 1)] for r in range(p)]
@@ -261,7 +317,7 @@ def _zb_v(p: int, m: int, costs: tuple, w_first: int, f_first: int, slack: float
     pending_b: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # (microbatch, chunk) forwarded, no B yet
     pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
     total, count, t = 3 * 2 * m * p, 0, 0.0
-    left = [2 * m * sum(costs)] * p  # compute each rank has still to place
+    left = [m * sum(sum(d.values()) for d in dur[r]) for r in range(p)]  # compute each rank has still to place
     events: list = []  # end times of the ops run so far (min-heap)
 
     def b_inputs(k: int, mb: int) -> float:  # when B's inputs exist (inf: their op is not placed yet)
@@ -282,16 +338,17 @@ def _zb_v(p: int, m: int, costs: tuple, w_first: int, f_first: int, slack: float
 
     def filler(r: int) -> str | None:
         """F or W for a rank with no B ready (None: wait for the next event)."""
-        fill = [k for k, ok in (("F", not (pending_w[r] and held[r] >= w_first) and forward(r, take=False)),
-                                ("W", pending_w[r])) if ok]
+        f = None if pending_w[r] and held[r] >= w_first else forward(r, take=False)
+        fill = ([("F", dur[r][f.chunk]["F"])] if f else []) + \
+            ([("W", dur[r][pending_w[r][0][1]]["W"])] if pending_w[r] else [])  # (kind, its duration)
         if slack is None or not fill:
-            return fill[0] if fill else None
+            return fill[0][0] if fill else None
         gap = min((b_inputs(stage[r][c], mb) for mb, c in pending_b[r]), default=inf) - t
-        fits = [k for k in fill if dur[k] <= gap * (1 + 1e-12)]
+        fits = [k for k, d in fill if d <= gap * (1 + 1e-12)]
         if fits:
             return fits[0]
         # the B arrives soon (its upstream op is placed: an event the clock reaches): idle until then
-        return None if gap < slack * min(dur[k] for k in fill) else fill[0]
+        return None if gap < slack * min(d for _, d in fill) else fill[0][0]
 
     while count < total:
         for r in range(p):
@@ -315,8 +372,8 @@ def _zb_v(p: int, m: int, costs: tuple, w_first: int, f_first: int, slack: float
                     held[r] -= 1
             if choice is not None:
                 out[r].append(choice)
-                left[r] -= dur[choice.kind]
-                free[r] = t + dur[choice.kind]
+                left[r] -= dur[r][choice.chunk][choice.kind]
+                free[r] = t + dur[r][choice.chunk][choice.kind]
                 if choice.kind != "W":
                     end[choice.kind][stage[r][choice.chunk]][choice.microbatch] = free[r]
                 heapq.heappush(events, free[r])

@@ -60,10 +60,12 @@ def zb_v_rules(job: JobConfig, lay: Layout) -> list[tuple]:
          "zb_v splits the layers evenly over its 2 x parallel.pipeline stages (uneven splits assume the "
          "interleaved placement, with the last stage on the last rank; in the V it is on rank 0)",
          f"parallel.{uneven}={'false' if uneven and uneven.startswith('account') else 'null'}"),
-        (job.schedule.zb_v_costs is None or (len(job.schedule.zb_v_costs) == 3
+        # launcher.core.schedules.zb_v_stage_costs: one triple for every stage, or one per stage (2 x PP of them)
+        (job.schedule.zb_v_costs is None or (len(job.schedule.zb_v_costs) in (3, 6 * lay.pp)
                                               and all(c > 0 for c in job.schedule.zb_v_costs)),
-         "schedule.zb_v_costs", job.schedule.zb_v_costs, "three relative per-chunk costs [T_F, T_B, T_W], each > 0",
-         "schedule.zb_v_costs=null (equal costs) or schedule.zb_v_costs=[1,1,1]"),
+         "schedule.zb_v_costs", job.schedule.zb_v_costs, "relative chunk costs, each > 0: three [T_F, T_B, T_W] for "
+         f"every stage, or {6 * lay.pp} (one triple per pipeline stage 0..{2 * lay.pp - 1}, 2 x parallel.pipeline "
+         "stages)", "schedule.zb_v_costs=null (equal costs) or schedule.zb_v_costs=[1,1,1]"),
         # megatron/core/transformer/multi_token_prediction.py:635 (mtp_on_this_rank, 0.19.2): without a custom
         # layout the MTP layers go where parallel_state's pipeline rank is the last one, rank p - 1, which in
         # the V holds the middle stages; the loss (and the data MTP reads) is on rank 0
