@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 from launcher.config import RECIPES_DIR  # noqa: E402
 from launcher.config import compose_job  # noqa: E402
 from launcher.plan import PlanError, plan_job  # noqa: E402
-from launcher.plan.timing import zb_v_costs_estimate  # noqa: E402
+from launcher.plan.timing import zb_v_costs_best  # noqa: E402
 from launcher.schema import Schedule  # noqa: E402
 from launcher.validate import validate  # noqa: E402
 
@@ -44,7 +44,7 @@ def variants(job) -> list[tuple[str, list[str]]]:
 def row(name: str, overrides: list[str]) -> dict:
     job = compose_job([f"recipe={name}", *overrides])
     if job.schedule.kind == Schedule.ZB_V:  # the order tuned to this job's chunk costs
-        costs = zb_v_costs_estimate(job)
+        costs, _ = zb_v_costs_best(job)
         overrides = [*overrides, f"schedule.zb_v_costs=[{','.join(f'{c:g}' for c in costs)}]"]
         job = compose_job([f"recipe={name}", *overrides])
     errors = [p.line() for p in validate(job) if p.severity == "error"]

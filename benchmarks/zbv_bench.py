@@ -88,6 +88,20 @@ def cpu_costs(res) -> str:
     return ",".join(f"{x / max(t):.2f}" for x in t)
 
 
+def stage_costs(res) -> str:
+    """ZB-V's measured costs per pipeline stage (rank r's chunk c is stage_of(zb_v, P, r, c)): one T_F,T_B,T_W per
+    stage 0..2P-1, relative to the largest, as schedule.zb_v_costs takes them (6 x P numbers)."""
+    from launcher.core.schedules import stage_of
+
+    cost = stage_cpu(res)
+    per = [None] * (2 * P)
+    for r in range(P):
+        for c in (0, 1):
+            per[stage_of(Schedule.ZB_V, P, r, c)] = [cost[(r, c, k)] for k in "FBW"]
+    top = max(x for t in per for x in t)
+    return ",".join(f"{x / top:.3f}" for t in per for x in t)
+
+
 def stage_cpu(res) -> dict:
     """ZB-V's median thread CPU seconds per (rank, chunk, op kind): where the V puts extra work (rank 0 holds the
     embedding and the output layer + loss)."""
@@ -114,16 +128,19 @@ def print_stage_cpu(res) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--costs", default="1,1,1", help="schedule.zb_v_costs: relative chunk T_F,T_B,T_W, or "
-                        "'measured': a 3-step run first, its median CPU seconds per op kind (what a user profiles "
-                        "before setting schedule.zb_v_costs)")
+    parser.add_argument("--costs", default="1,1,1", help="schedule.zb_v_costs: relative chunk T_F,T_B,T_W (or one "
+                        "triple per stage, 6 x PP numbers), 'measured': a 3-step run first, its median CPU seconds per "
+                        "op kind (what a user profiles before setting schedule.zb_v_costs), or 'measured-stages': "
+                        "the same per pipeline stage")
     args = parser.parse_args(argv)
     from launcher.core import timeline
 
     load = Path("/proc/loadavg").read_text().split()[:3]
-    if args.costs == "measured":
+    if args.costs in ("measured", "measured-stages"):
         with tempfile.TemporaryDirectory() as tmp:
-            args.costs = cpu_costs(run(3, Path(tmp), "1,1,1"))
+            calibration = run(3, Path(tmp), "1,1,1")
+        print_stage_cpu(calibration)
+        args.costs = (stage_costs if args.costs == "measured-stages" else cpu_costs)(calibration)
         print(f"calibration run (3 steps, zb_v at equal costs): chunk CPU seconds T_F,T_B,T_W = [{args.costs}]")
     with tempfile.TemporaryDirectory() as tmp:
         res = run(args.steps, Path(tmp), args.costs)

@@ -144,7 +144,8 @@ class Plan:
                   "loss counted as a layer" if lay["account_for_loss"] else "",
                   f"layout {lay['pipeline_layout']}" if lay["pipeline_layout"] else "",
                   "Megatron-FSDP" if lay["megatron_fsdp"] else "",
-                  "MoE all-to-all overlap" if lay["moe_a2a_overlap"] else ""]
+                  "MoE all-to-all overlap" if lay["moe_a2a_overlap"] else "",
+                  lay.get("zb_v_costs_hint", "")]
         extras = [e for e in extras if e]
         parts = list(self.stages[0].parts)
         mem = Table(title=title, title_justify="left")
@@ -212,6 +213,21 @@ def _layout(job: JobConfig, lay: Layout) -> dict:
             "recompute_modules": list(job.train.recompute_modules)}
 
 
+def _zb_v_costs_hint(job: JobConfig, lay: Layout, st: StepTime) -> str:
+    """What the job's ZB-V order is generated for and, where the planner's own choice of chunk costs
+    (``zb_v_costs_best``) times shorter, that choice with the bubble its order gives."""
+    from launcher.plan.timing import zb_v_costs_best
+
+    own = list(job.schedule.zb_v_costs or (1.0, 1.0, 1.0))
+    text = f"zb_v order for schedule.zb_v_costs=[{','.join(f'{c:g}' for c in own)}]"
+    best, tuned = zb_v_costs_best(job, lay)
+    if tuned.step_s >= st.step_s * (1 - 1e-4):
+        return text + " (as short as the planner's estimates give)"
+    return (text + f" (bubble {100 * st.bubble_fraction:.1f}%); for this job's stage costs set "
+            f"schedule.zb_v_costs=[{','.join(f'{c:g}' for c in best)}] (bubble {100 * tuned.bubble_fraction:.1f}%, "
+            f"step {tuned.step_s:.3f} s instead of {st.step_s:.3f} s)")
+
+
 def plan_job(job: JobConfig, *, checked: Checked | None = None) -> Plan:
     """Memory per stage, FLOPs, step time, throughput and MFU for the job's layout.
 
@@ -227,8 +243,11 @@ def plan_job(job: JobConfig, *, checked: Checked | None = None) -> Plan:
     lay = checked.layout
     st = step_time(job, lay)
     counts = model_params(job.model, 1, padded_vocab(job.model, 1)).as_dict()  # reported at TP 1: the whole model
+    layout = _layout(job, lay)
+    if job.schedule.kind == Schedule.ZB_V and lay.pp > 1:
+        layout["zb_v_costs_hint"] = _zb_v_costs_hint(job, lay, st)
     return Plan(
-        name=job.name, layout=_layout(job, lay), stages=memory_per_stage(job, lay),
+        name=job.name, layout=layout, stages=memory_per_stage(job, lay),
         gpu_memory_gb=job.cluster.gpu_memory_gb, flops_per_token=flops_per_token(job.model),
         flops_per_step=flops_per_step(job.model, lay.tokens_per_step),
         params=counts, step=st, perf=throughput(job, st, lay), warnings=warnings)

@@ -15,7 +15,7 @@ from launcher.core import Layout, derive
 from launcher.plan import layout_errors
 from launcher.core.flops import query_groups
 from launcher.plan.memory import GB, memory_per_stage
-from launcher.plan.timing import step_time, throughput, zb_v_costs_estimate
+from launcher.plan.timing import step_time, throughput, zb_v_costs_best, zb_v_costs_estimate
 from launcher.schema import JobConfig, Recompute, Schedule
 from launcher.validate import validate
 from launcher.validate.schedule import zb_h1_rules
@@ -324,6 +324,12 @@ def search(job: JobConfig, top: int = 10, layout: Layout | None = None) -> list[
         if layout_errors(validate(cand)):
             continue
         st = step_time(cand, lay)
+        if cand.schedule.kind == Schedule.ZB_V:  # per-stage costs where the planner times their order shorter
+            costs, tuned = zb_v_costs_best(cand, lay, decimals=1)
+            if costs != cand.schedule.zb_v_costs:
+                cand, st = _with(cand, schedule=dict(zb_v_costs=costs)), tuned
+                overrides = [o for o in overrides if not o.startswith("schedule.zb_v_costs=")] + [
+                    f"schedule.zb_v_costs=[{','.join(f'{c:g}' for c in costs)}]"]
         perf = throughput(cand, st, lay)
         if cand.schedule.kind in Schedule.ZERO_BUBBLE:
             peak = _exact_peak(cand, lay, static)
