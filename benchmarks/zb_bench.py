@@ -41,12 +41,26 @@ JOB = ["data=mock", "schedule.kind=1f1b", "parallel.tensor=1", f"parallel.pipeli
        "checkpoint.save_at_end=false"]
 
 
-def run(steps: int, work: Path) -> dict:
+# --tiny: the same job at a toy shape, so tests/test_benchmarks.py runs the benchmark end to end in seconds (its
+# figures mean nothing at that size; it checks the workers, the replay and the printout still work together)
+TINY_SHAPE = {"model.hidden_size": "64", "model.ffn_hidden_size": "128", "model.num_attention_heads": "4",
+              "model.num_query_groups": "4", "model.seq_length": "32"}
+
+
+def job(tiny: bool = False) -> list[str]:
+    """JOB, at TINY_SHAPE with ``tiny``."""
+    if not tiny:
+        return list(JOB)
+    return [f"{k}={TINY_SHAPE[k]}" if k in TINY_SHAPE else f"{k}={v}" if v is not None else k
+            for k, v in ((a.split("=", 1) + [None])[:2] for a in JOB)]
+
+
+def run(steps: int, work: Path, tiny: bool = False) -> dict:
     """Both schedules in one torchrun, alternating steps (benchmarks/_zb_bench_worker.py)."""
     out = work / "record.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={P}", "--standalone",
-           str(ROOT / "benchmarks" / "_zb_bench_worker.py"), str(out), str(steps), *JOB,
+           str(ROOT / "benchmarks" / "_zb_bench_worker.py"), str(out), str(steps), *job(tiny),
            f"train.train_steps={steps}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode:
@@ -100,13 +114,14 @@ def median_span(steps, kind: str) -> float:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--tiny", action="store_true", help="a toy shape (the test's smoke run; figures meaningless)")
     parser.add_argument("--figure", type=Path, help="also draw both executed timelines into this PNG")
     args = parser.parse_args(argv)
     from launcher.core import timeline
 
     load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else "?"
     with tempfile.TemporaryDirectory() as tmp:
-        res = run(args.steps, Path(tmp))
+        res = run(args.steps, Path(tmp), args.tiny)
     print(f"machine load average before {' '.join(load)}, after "
           f"{' '.join(Path('/proc/loadavg').read_text().split()[:3]) if load != '?' else '?'} "
           f"(cores: {os.cpu_count()}; a load above the core count slows and jitters every span)")
@@ -120,7 +135,7 @@ def main(argv=None) -> int:
     t_bw = median_span(res[Schedule.ONE_F_ONE_B]["steps"], "BW")
     busy = MICROBATCHES * (t_f + t_b + t_w)
     pred = {Schedule.ONE_F_ONE_B: (P - 1) * (t_f + t_b + t_w), Schedule.ZB_H1: (P - 1) * max(t_f + t_b - t_w, 0.0)}
-    shape = {k.split(".")[-1]: v for k, v in (a.split("=", 1) for a in JOB) if k.startswith("model.")}
+    shape = {k.split(".")[-1]: v for k, v in (a.split("=", 1) for a in job(args.tiny)) if k.startswith("model.")}
     print(f"PP={P}, {MICROBATCHES} microbatches, 1 thread per rank; hidden {shape['hidden_size']}, FFN "
           f"{shape['ffn_hidden_size']}, {shape['num_layers']} layers, seq {shape['seq_length']}, vocabulary "
           f"{shape['vocab_size']}; {args.steps} steps (medians over the steps after the first)")

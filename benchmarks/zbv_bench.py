@@ -44,11 +44,25 @@ JOB = ["data=mock", "schedule.kind=zb_v", "parallel.tensor=1", f"parallel.pipeli
        "logging.tensorboard=false", "checkpoint.save_at_end=false"]
 
 
-def run(steps: int, work: Path, costs: str) -> dict:
+# --tiny: the same job at a toy shape, so tests/test_benchmarks.py runs the benchmark end to end in seconds (its
+# figures mean nothing at that size; it checks the workers, the replay and the printout still work together)
+TINY_SHAPE = {"model.hidden_size": "64", "model.ffn_hidden_size": "128", "model.num_attention_heads": "4",
+              "model.num_query_groups": "4", "model.seq_length": "32"}
+
+
+def job(tiny: bool = False) -> list[str]:
+    """JOB, at TINY_SHAPE with ``tiny``."""
+    if not tiny:
+        return list(JOB)
+    return [f"{k}={TINY_SHAPE[k]}" if k in TINY_SHAPE else f"{k}={v}" if v is not None else k
+            for k, v in ((a.split("=", 1) + [None])[:2] for a in JOB)]
+
+
+def run(steps: int, work: Path, costs: str, tiny: bool = False) -> dict:
     out = work / "record.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={P}", "--standalone",
-           str(ROOT / "benchmarks" / "_zbv_bench_worker.py"), str(out), str(steps), *JOB,
+           str(ROOT / "benchmarks" / "_zbv_bench_worker.py"), str(out), str(steps), *job(tiny),
            f"train.train_steps={steps}", f"schedule.zb_v_costs=[{costs}]"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode:
@@ -128,6 +142,7 @@ def print_stage_cpu(res) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--tiny", action="store_true", help="a toy shape (the test's smoke run; figures meaningless)")
     parser.add_argument("--costs", default="1,1,1", help="schedule.zb_v_costs: relative chunk T_F,T_B,T_W (or one "
                         "triple per stage, 6 x PP numbers), 'measured': a 3-step run first, its median CPU seconds per "
                         "op kind (what a user profiles before setting schedule.zb_v_costs), or 'measured-stages': "
@@ -138,12 +153,12 @@ def main(argv=None) -> int:
     load = Path("/proc/loadavg").read_text().split()[:3]
     if args.costs in ("measured", "measured-stages"):
         with tempfile.TemporaryDirectory() as tmp:
-            calibration = run(3, Path(tmp), "1,1,1")
+            calibration = run(3, Path(tmp), "1,1,1", args.tiny)
         print_stage_cpu(calibration)
         args.costs = (stage_costs if args.costs == "measured-stages" else cpu_costs)(calibration)
         print(f"calibration run (3 steps, zb_v at equal costs): chunk CPU seconds T_F,T_B,T_W = [{args.costs}]")
     with tempfile.TemporaryDirectory() as tmp:
-        res = run(args.steps, Path(tmp), args.costs)
+        res = run(args.steps, Path(tmp), args.costs, args.tiny)
     print(f"machine load average before {' '.join(load)}, after {' '.join(Path('/proc/loadavg').read_text().split()[:3])}"
           f" (cores: {os.cpu_count()}, ranks: {P})")
     zb = res[Schedule.ZB_V]["steps"]
