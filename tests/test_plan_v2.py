@@ -357,3 +357,23 @@ def test_zero_bubble_keeps_userbuffer_overlap_but_the_row_parallel_gradient_gath
     assert (cz.f, cz.w) == (c1.f, c1.w)
     assert cz.b - c1.b == pytest.approx(n * (full / 2 - 2 * COLLECTIVE_LATENCY_S))
     assert c1.b < cz.b < co.b
+
+
+def test_search_candidate_copies_equal_dataclasses_replace_and_leave_the_job_alone():
+    """search._with (a faster dataclasses.replace for the candidate loop) gives replace's result: the fields set,
+    PrecisionConfig.__post_init__ run again (a bool transformer_engine becomes "false"), the original untouched,
+    an unknown field refused."""
+    import dataclasses
+
+    from launcher.config import compose_job
+    from launcher.plan.search import _with
+
+    job = compose_job(["recipe=llama3_70b"])
+    before = dataclasses.asdict(job)
+    got = _with(job, parallel=dict(tensor=2, pipeline=8), precision=dict(transformer_engine=False))
+    want = dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, tensor=2, pipeline=8),
+                               precision=dataclasses.replace(job.precision, transformer_engine=False))
+    assert got == want and got.precision.transformer_engine == "false"
+    assert dataclasses.asdict(job) == before and got.train is job.train
+    with pytest.raises(TypeError, match="no_such_field"):
+        _with(job, train=dict(no_such_field=1))

@@ -9,6 +9,7 @@ enforces) and timed with the schedule simulator.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 from launcher.core import Layout, derive
@@ -62,9 +63,34 @@ def _divisors(n: int) -> list[int]:
 
 
 def _with(job: JobConfig, **sections) -> JobConfig:
-    """A copy of job with some fields of some sections replaced: _with(job, parallel={...}, train={...})."""
-    changes = {name: dataclasses.replace(getattr(job, name), **vals) for name, vals in sections.items()}
-    return dataclasses.replace(job, **changes)
+    """A copy of job with some fields of some sections replaced: _with(job, parallel={...}, train={...}).
+
+    What ``dataclasses.replace`` gives (a shallow copy with the fields set, ``__post_init__`` run again), without
+    its re-run of ``__init__`` over every field: the search builds tens of thousands of candidates, and replace was
+    its largest single cost (Qwen3-30B on 16 H100s: 55,000 calls, 15% of the search)."""
+    out = _copy(job)
+    for name, vals in sections.items():
+        section = _copy(getattr(job, name))
+        known = _field_names(type(section))
+        for key, value in vals.items():
+            if key not in known:
+                raise TypeError(f"{type(section).__name__} has no field {key!r}")  # as replace would
+            setattr(section, key, value)
+        if hasattr(section, "__post_init__"):
+            section.__post_init__()
+        setattr(out, name, section)
+    return out
+
+
+def _copy(obj):
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__)
+    return new
+
+
+@functools.lru_cache(maxsize=None)
+def _field_names(cls) -> frozenset:
+    return frozenset(f.name for f in dataclasses.fields(cls))
 
 
 def candidates(job: JobConfig, base: Layout | None = None, skip=None):
