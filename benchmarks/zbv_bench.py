@@ -4,7 +4,8 @@ time, the same run, alternating steps, medians (as benchmarks/zb_bench.py does f
 PP=4 on 4 processes (torchrun, gloo), one thread each; 8 layers (one per chunk), hidden 1024, FFN
 4096, sequence 128, two sequences per microbatch, a 64-token vocabulary so no stage is made slower by the output
 layer (balanced shapes, as in the ZB-H1 benchmark), 8 microbatches. ZB-V's order is generated for the chunk costs
-``--costs`` gives (schedule.zb_v_costs; default equal; ``measured``: a 3-step run's CPU seconds per op kind).
+``--costs`` gives (schedule.zb_v_costs; default ``measured-stages``: a 3-step run's CPU seconds per op kind and
+pipeline stage; ``measured``: one triple for every stage; or given numbers).
 Both schedules are built in the same ranks, same weights and data, trained in alternating steps; every step
 recorded.
 
@@ -14,7 +15,8 @@ prints the replay (benchmarks/zb_bench.py ``replayed``): each op's thread CPU se
 its dependencies, what a core per rank would show less p2p time; "wall/CPU per op" says how much ranks waited for a
 core (1.0: not at all).
 
-    .venv/bin/python benchmarks/zbv_bench.py [--steps 8] [--costs 1,1,1 | --costs measured]
+    .venv/bin/python benchmarks/zbv_bench.py [--steps 8] [--microbatches 8]
+        [--costs measured-stages (default) | measured | 1,1,1]
 """
 from __future__ import annotations
 
@@ -50,19 +52,18 @@ TINY_SHAPE = {"model.hidden_size": "64", "model.ffn_hidden_size": "128", "model.
               "model.num_query_groups": "4", "model.seq_length": "32"}
 
 
-def job(tiny: bool = False) -> list[str]:
-    """JOB, at TINY_SHAPE with ``tiny``."""
-    if not tiny:
-        return list(JOB)
-    return [f"{k}={TINY_SHAPE[k]}" if k in TINY_SHAPE else f"{k}={v}" if v is not None else k
+def job(tiny: bool = False, microbatches: int = MICROBATCHES) -> list[str]:
+    """JOB, at TINY_SHAPE with ``tiny``, with ``microbatches`` per step."""
+    shape = {**(TINY_SHAPE if tiny else {}), "train.global_batch_size": str(MBS * microbatches)}
+    return [f"{k}={shape[k]}" if k in shape else f"{k}={v}" if v is not None else k
             for k, v in ((a.split("=", 1) + [None])[:2] for a in JOB)]
 
 
-def run(steps: int, work: Path, costs: str, tiny: bool = False) -> dict:
+def run(steps: int, work: Path, costs: str, tiny: bool = False, microbatches: int = MICROBATCHES) -> dict:
     out = work / "record.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={P}", "--standalone",
-           str(ROOT / "benchmarks" / "_zbv_bench_worker.py"), str(out), str(steps), *job(tiny),
+           str(ROOT / "benchmarks" / "_zbv_bench_worker.py"), str(out), str(steps), *job(tiny, microbatches),
            f"train.train_steps={steps}", f"schedule.zb_v_costs=[{costs}]"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode:
@@ -143,27 +144,31 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--tiny", action="store_true", help="a toy shape (the test's smoke run; figures meaningless)")
-    parser.add_argument("--costs", default="1,1,1", help="schedule.zb_v_costs: relative chunk T_F,T_B,T_W (or one "
+    parser.add_argument("--microbatches", type=int, default=MICROBATCHES, help="per step, a multiple of PP (default "
+                        "8; ZB-V's idle floor, rank r's r forwards at the start, is 0.37x interleaved's at 8, 0.35x "
+                        "at 16, at equal op costs: more microbatches leave more margin where op costs hold still)")
+    parser.add_argument("--costs", default="measured-stages", help="schedule.zb_v_costs: relative chunk T_F,T_B,T_W (or one "
                         "triple per stage, 6 x PP numbers), 'measured': a 3-step run first, its median CPU seconds per "
                         "op kind (what a user profiles before setting schedule.zb_v_costs), or 'measured-stages': "
-                        "the same per pipeline stage")
+                        "the same per pipeline stage (the default: the order a user would run, tuned to what they "
+                        "profiled on their machine)")
     args = parser.parse_args(argv)
     from launcher.core import timeline
 
     load = Path("/proc/loadavg").read_text().split()[:3]
     if args.costs in ("measured", "measured-stages"):
         with tempfile.TemporaryDirectory() as tmp:
-            calibration = run(3, Path(tmp), "1,1,1", args.tiny)
+            calibration = run(3, Path(tmp), "1,1,1", args.tiny, args.microbatches)
         print_stage_cpu(calibration)
         args.costs = (stage_costs if args.costs == "measured-stages" else cpu_costs)(calibration)
         print(f"calibration run (3 steps, zb_v at equal costs): chunk CPU seconds T_F,T_B,T_W = [{args.costs}]")
     with tempfile.TemporaryDirectory() as tmp:
-        res = run(args.steps, Path(tmp), args.costs, args.tiny)
+        res = run(args.steps, Path(tmp), args.costs, args.tiny, args.microbatches)
     print(f"machine load average before {' '.join(load)}, after {' '.join(Path('/proc/loadavg').read_text().split()[:3])}"
           f" (cores: {os.cpu_count()}, ranks: {P})")
     zb = res[Schedule.ZB_V]["steps"]
     t_f, t_b, t_w = median_span(zb, "F"), median_span(zb, "B"), median_span(zb, "W")
-    print(f"PP={P}, 2 chunks per rank, {MICROBATCHES} microbatches of {MBS} sequences, {args.steps} steps (medians "
+    print(f"PP={P}, 2 chunks per rank, {args.microbatches} microbatches of {MBS} sequences, {args.steps} steps (medians "
           f"over the steps after the first); zb_v order for chunk costs [{args.costs}]; measured chunk T_F {t_f * 1e3:.1f} ms, T_B "
           f"{t_b * 1e3:.1f} ms, T_W {t_w * 1e3:.1f} ms wall (ratio {t_f / max(t_f, t_b, t_w):.2f},"
           f"{t_b / max(t_f, t_b, t_w):.2f},{t_w / max(t_f, t_b, t_w):.2f}); CPU seconds ratio "
@@ -186,7 +191,7 @@ def main(argv=None) -> int:
 
     costs = tuple(float(c) for c in args.costs.split(","))
     for kind, r in res.items():  # Megatron's interleaved spans are recorded from outside: kinds only, not labels
-        r["replay"] = replayed(r["steps"], r["cpu"], build_schedule(kind, P, MICROBATCHES, 2, P, costs), kind,
+        r["replay"] = replayed(r["steps"], r["cpu"], build_schedule(kind, P, args.microbatches, 2, P, costs), kind,
                                labels=kind == Schedule.ZB_V)
         r["replay_idle"] = statistics.median(x.bubble_fraction for x in r["replay"])
         r["replay_ms"] = 1e3 * statistics.median(x.makespan for x in r["replay"])
@@ -200,7 +205,7 @@ def main(argv=None) -> int:
     print(f"zb_v / interleaved, replayed: idle fraction {b['replay_idle'] / a['replay_idle']:.3f}, fwd-bwd time "
           f"{b['replay_ms'] / a['replay_ms']:.3f}; paired idle {paired:.3f}")
     for kind, r in res.items():
-        r["steady"] = replayed(*median_step(r["steps"], r["cpu"]), build_schedule(kind, P, MICROBATCHES, 2, P, costs),
+        r["steady"] = replayed(*median_step(r["steps"], r["cpu"]), build_schedule(kind, P, args.microbatches, 2, P, costs),
                                kind, labels=kind == Schedule.ZB_V)[0]
     print("replayed once at each op's median CPU seconds over the steps (steady op costs, no step-to-step jitter):")
     for kind, r in res.items():

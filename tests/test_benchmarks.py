@@ -18,7 +18,7 @@ def test_zbv_bench_runs_both_schedules_and_prints_the_replay(capsys):
     """ZB-V vs Megatron's interleaved 1F1B, 4 ranks, with the per-stage calibration run first."""
     import zbv_bench
 
-    assert zbv_bench.main(["--steps", "3", "--tiny", "--costs", "measured-stages"]) == 0
+    assert zbv_bench.main(["--steps", "3", "--tiny", "--microbatches", "4"]) == 0  # costs: measured-stages
     out = capsys.readouterr().out
     costs = out.split("T_F,T_B,T_W = [")[1].split("]")[0].split(",")
     assert len(costs) == 6 * zbv_bench.P and max(float(c) for c in costs) == 1.0
@@ -26,6 +26,7 @@ def test_zbv_bench_runs_both_schedules_and_prints_the_replay(capsys):
                  "zb_v / interleaved, at median op costs: idle fraction", "losses equal (rel 1e-6): True"):
         assert line in out, out
     assert out.count("  rank ") == 2 * zbv_bench.P  # CPU ms per rank and chunk, calibration and measured run
+    assert "4 microbatches of" in out
 
 
 @pytest.mark.multirank
