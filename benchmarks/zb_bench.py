@@ -47,12 +47,14 @@ TINY_SHAPE = {"model.hidden_size": "64", "model.ffn_hidden_size": "128", "model.
               "model.num_query_groups": "4", "model.seq_length": "32"}
 
 
+def overridden(overrides: list[str], values: dict) -> list[str]:
+    """``overrides`` (key=value) with the keys in ``values`` set to theirs."""
+    return [f"{key}={values[key]}" if key in values else a for a, key in ((a, a.split("=", 1)[0]) for a in overrides)]
+
+
 def job(tiny: bool = False) -> list[str]:
     """JOB, at TINY_SHAPE with ``tiny``."""
-    if not tiny:
-        return list(JOB)
-    return [f"{k}={TINY_SHAPE[k]}" if k in TINY_SHAPE else f"{k}={v}" if v is not None else k
-            for k, v in ((a.split("=", 1) + [None])[:2] for a in JOB)]
+    return overridden(JOB, TINY_SHAPE if tiny else {})
 
 
 def run(steps: int, work: Path, tiny: bool = False) -> dict:

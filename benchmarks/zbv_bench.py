@@ -32,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from launcher.schema import Schedule  # noqa: E402
+from zb_bench import TINY_SHAPE, overridden, replayed, wall_to_cpu  # noqa: E402  (the same replay as ZB-H1's)
 
 P, MICROBATCHES = 4, 8
 # two sequences per microbatch: a plain-torch stand-in for one such layer (F, an input-only B, the four weight GEMMs
@@ -46,17 +47,9 @@ JOB = ["data=mock", "schedule.kind=zb_v", "parallel.tensor=1", f"parallel.pipeli
        "logging.tensorboard=false", "checkpoint.save_at_end=false"]
 
 
-# --tiny: the same job at a toy shape, so tests/test_benchmarks.py runs the benchmark end to end in seconds (its
-# figures mean nothing at that size; it checks the workers, the replay and the printout still work together)
-TINY_SHAPE = {"model.hidden_size": "64", "model.ffn_hidden_size": "128", "model.num_attention_heads": "4",
-              "model.num_query_groups": "4", "model.seq_length": "32"}
-
-
 def job(tiny: bool = False, microbatches: int = MICROBATCHES) -> list[str]:
-    """JOB, at TINY_SHAPE with ``tiny``, with ``microbatches`` per step."""
-    shape = {**(TINY_SHAPE if tiny else {}), "train.global_batch_size": str(MBS * microbatches)}
-    return [f"{k}={shape[k]}" if k in shape else f"{k}={v}" if v is not None else k
-            for k, v in ((a.split("=", 1) + [None])[:2] for a in JOB)]
+    """JOB, at zb_bench's TINY_SHAPE with ``tiny`` (the test's smoke run), with ``microbatches`` per step."""
+    return overridden(JOB, {**(TINY_SHAPE if tiny else {}), "train.global_batch_size": str(MBS * microbatches)})
 
 
 def run(steps: int, work: Path, costs: str, tiny: bool = False, microbatches: int = MICROBATCHES) -> dict:
@@ -185,7 +178,6 @@ def main(argv=None) -> int:
                                     for z, o in zip(b["steps"], a["steps"]))
     print(f"zb_v / interleaved: idle fraction {b['idle'] / a['idle']:.3f}, step time {b['step_ms'] / a['step_ms']:.3f}; "
           f"paired (median of per-pair ratios): idle {paired_idle:.3f}, step time {paired:.3f}")
-    from zb_bench import replayed, wall_to_cpu  # the same replay as the ZB-H1 benchmark
 
     from launcher.core.schedules import build_schedule
 

@@ -241,12 +241,11 @@ def _zb_v_best(p: int, m: int, costs: tuple) -> tuple:
         if ops is not None and (best is None or makespan < best[1] - 1e-9 * makespan):
             best = (ops, makespan)
     per_stage = zb_v_stage_costs(p, costs)
-    mean = tuple(sum(t[k] for t in per_stage) / len(per_stage) for k in range(3))
     if any(t != per_stage[0] for t in per_stage):
         # stages that differ: the orders for their mean triple compete too, timed at the stages' own costs (the list
         # rule is a heuristic: for a few cost sets its per-stage order is the longer one), so an order generated for
         # per-stage costs is never longer at those costs than the one for their mean
-        ops = _zb_v_best(p, m, mean)
+        ops = _zb_v_best(p, m, tuple(sum(t[k] for t in per_stage) / len(per_stage) for k in range(3)))
         makespan = zb_v_makespan(p, ops, costs)
         if makespan < best[1] - 1e-9 * makespan:
             best = (ops, makespan)

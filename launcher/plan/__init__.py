@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from launcher.core import Layout, padded_vocab
 from launcher.core.flops import flops_per_step, flops_per_token
 from launcher.plan.memory import GB, StageMemory, memory_per_stage, model_params
-from launcher.plan.timing import StepTime, step_time, throughput
+from launcher.plan.timing import StepTime, step_time, throughput, zb_v_costs_best
 from launcher.problems import Problem
 from launcher.schema import JobConfig, Recompute, Schedule
 from launcher.validate import Checked, check
@@ -216,11 +216,9 @@ def _layout(job: JobConfig, lay: Layout) -> dict:
 def _zb_v_costs_hint(job: JobConfig, lay: Layout, st: StepTime) -> str:
     """What the job's ZB-V order is generated for and, where the planner's own choice of chunk costs
     (``zb_v_costs_best``) times shorter, that choice with the bubble its order gives."""
-    from launcher.plan.timing import zb_v_costs_best
-
     own = list(job.schedule.zb_v_costs or (1.0, 1.0, 1.0))
     text = f"zb_v order for schedule.zb_v_costs=[{','.join(f'{c:g}' for c in own)}]"
-    best, tuned = zb_v_costs_best(job, lay)
+    best, tuned = zb_v_costs_best(job, lay, own=st)
     if tuned.step_s >= st.step_s * (1 - 1e-4):
         return text + " (as short as the planner's estimates give)"
     return (text + f" (bubble {100 * st.bubble_fraction:.1f}%); for this job's stage costs set "

@@ -337,27 +337,28 @@ def search(job: JobConfig, top: int = 10, layout: Layout | None = None) -> list[
             hopeless.add(layout_key)  # weights, grads and optimizer alone do not fit: no batch or recompute helps
             continue
         peak = max(s.total for s in stages)
-        if peak > cap and cand.schedule.kind in Schedule.ZERO_BUBBLE:
+        exact = peak > cap and cand.schedule.kind in Schedule.ZERO_BUBBLE
+        if exact:
             peak = _exact_peak(cand, lay, static)
         if peak <= cap:
             fitted.add(key)
-            fitting.append((overrides, cand, lay, peak, step_time(cand, lay, exact=False).step_s, static))
+            fitting.append((overrides, cand, lay, peak, step_time(cand, lay, exact=False).step_s, static, exact))
     fitting.sort(key=lambda x: x[4])
     results: list[Candidate] = []
-    for overrides, cand, lay, peak, _, static in fitting:
+    for overrides, cand, lay, peak, _, static, exact in fitting:
         if len(results) >= max(2 * top, 12):
             break
         if layout_errors(validate(cand)):
             continue
         st = step_time(cand, lay)
         if cand.schedule.kind == Schedule.ZB_V:  # per-stage costs where the planner times their order shorter
-            costs, tuned = zb_v_costs_best(cand, lay, decimals=1)
+            costs, tuned = zb_v_costs_best(cand, lay, decimals=1, own=st)
             if costs != cand.schedule.zb_v_costs:
-                cand, st = _with(cand, schedule=dict(zb_v_costs=costs)), tuned
+                cand, st, exact = _with(cand, schedule=dict(zb_v_costs=costs)), tuned, False  # another order
                 overrides = [o for o in overrides if not o.startswith("schedule.zb_v_costs=")] + [
                     f"schedule.zb_v_costs=[{','.join(f'{c:g}' for c in costs)}]"]
         perf = throughput(cand, st, lay)
-        if cand.schedule.kind in Schedule.ZERO_BUBBLE:
+        if cand.schedule.kind in Schedule.ZERO_BUBBLE and not exact:  # the printed peak: from the op list run
             peak = _exact_peak(cand, lay, static)
         results.append(Candidate(overrides, perf["tokens_per_s"], perf["tflops_per_gpu"], perf["mfu"], st.step_s,
                                  peak / GB, job.cluster.gpu_memory_gb, st.bubble_fraction,

@@ -12,7 +12,6 @@ Pure Python: no torch, no megatron.
 from __future__ import annotations
 
 import dataclasses
-
 import math
 from dataclasses import dataclass, field
 
@@ -508,20 +507,27 @@ def zb_v_costs_estimate(job: JobConfig, lay: Layout | None = None, decimals: int
     return [x for s in range(2 * p) for x in rank[min(s, 2 * p - 1 - s)]]
 
 
-def zb_v_costs_best(job: JobConfig, lay: Layout | None = None, decimals: int = 2) -> tuple[list[float], StepTime]:
+def zb_v_costs_best(job: JobConfig, lay: Layout | None = None, decimals: int = 2,
+                    own: StepTime | None = None) -> tuple[list[float], StepTime]:
     """Of the mean triple (``decimals``) and the per-stage costs (one and two decimals), the schedule.zb_v_costs
     whose order the planner times shortest for this job, and that step time; ties keep the triple (the shorter
     override). The list scheduler is a heuristic and the planner's step adds p2p time and extrapolates long
     runs, so the per-stage form is tried, not assumed better (Llama3-70B at VPP 2: bubble 5.3% with the triple's
-    order, 4.7% with per-stage costs at one decimal, 5.6% at two; Qwen3-30B-A3B on H200: 5.7%, 5.6%, 5.3%)."""
+    order, 4.7% with per-stage costs at one decimal, 5.6% at two; Qwen3-30B-A3B on H200: 5.7%, 5.6%, 5.3%).
+    ``own``: the step time of the job's own schedule.zb_v_costs, where the caller has it (not timed again)."""
     lay = lay or derive(job)
     options = [zb_v_costs_estimate(job, lay, decimals)]
     for d in (1, 2):
         c = zb_v_costs_estimate(job, lay, d, per_stage=True)
         if len(c) > 3 and c not in options:
             options.append(c)
-    timed = [(step_time(dataclasses.replace(job, schedule=dataclasses.replace(job.schedule, zb_v_costs=c)), lay), c)
-             for c in options]
+
+    def timed_for(c: list[float]) -> StepTime:
+        if own is not None and c == job.schedule.zb_v_costs:
+            return own
+        return step_time(dataclasses.replace(job, schedule=dataclasses.replace(job.schedule, zb_v_costs=c)), lay)
+
+    timed = [(timed_for(c), c) for c in options]
     st, best = timed[0]
     for t, c in timed[1:]:
         if t.step_s < st.step_s * (1 - 1e-4):
