@@ -268,6 +268,20 @@ def test_zb_v_programs_replay_without_deadlock_for_pp_2_to_16(costs):
             assert p2p.replay(p2p.plan_all(sched, placement="zb_v")) == 2 * (2 * p - 2) * m, (p, m)
 
 
+def test_zb_v_orders_for_per_stage_costs_replay_without_deadlock_for_pp_2_to_16():
+    """schedule.zb_v_costs with one triple per stage (rank 0's two stages, embedding and loss, 30% dearer; and a
+    skew across the ranks): the orders generated for them, the mean triple's among the candidates, replay under
+    NCCL's rules as the equal-cost ones do."""
+    for p in PPS:
+        heavy = [1.3 if s in (0, 2 * p - 1) else 1.0 for s in range(2 * p)]
+        skew = [1 + 0.1 * min(s, 2 * p - 1 - s) / p for s in range(2 * p)]
+        for scale in (heavy, skew):
+            costs = tuple(c * x for x in scale for c in (0.7, 1, 0.6))
+            for m in (p, 2 * p + 1, 4 * p):
+                sched = build_schedule("zb_v", p, m, costs=costs)
+                assert p2p.replay(p2p.plan_all(sched, placement="zb_v")) == 2 * (2 * p - 2) * m, (p, m)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_zb_h1_over_a_virtual_pipeline_replays_without_deadlock_for_pp_2_to_16(overlap):
     """ZB-H1 over VPP 2 and 3 (Megatron's interleaved placement: stage p - 1 hands over to rank 0, so a rank pair
