@@ -40,10 +40,31 @@ def do_plan(job: JobConfig, args, checked: Checked) -> int:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
         _print_rich(plan.table())
-    from launcher.plan.pictures import draw_job_schedules  # 1f1b / interleaved / zb_h1 pictures (PP > 1)
-    for path in draw_job_schedules(job, lay=checked.layout):
-        print(f"schedule picture: {path}", file=sys.stderr if args.json else sys.stdout)
+    _plan_pictures(job, args, checked)
     return 0
+
+
+def _plan_pictures(job: JobConfig, args, checked: Checked) -> None:
+    """The 1F1B / interleaved / ZB-H1 pictures of a pipeline (PP > 1), written only where the user asked: into
+    ``output_dir`` when it is given on the command line. A plan run from any directory with the default
+    ``output_dir`` (``runs``, relative to the directory it is started from) writes nothing and says how to get them."""
+    if checked.layout is None or checked.layout.pp < 2:
+        return
+    out = sys.stderr if args.json else sys.stdout
+    if not any(o.lstrip("+").split("=", 1)[0] == "output_dir" for o in args.overrides):
+        print(f"schedule pictures: not written; add output_dir=DIR to write {job.name}-schedules.png and "
+              f"{job.name}-schedules.trace.json into DIR", file=out)
+        return
+    from launcher.plan.pictures import draw_job_schedules
+
+    try:
+        paths = draw_job_schedules(job, lay=checked.layout)
+    except OSError as exc:  # output_dir unwritable, full, a path component that is a file
+        print(f"warning: output_dir={job.output_dir!r}: the schedule pictures cannot be written there "
+              f"({exc.strerror or exc}); the plan above stands", file=sys.stderr)
+        return
+    for path in paths:
+        print(f"schedule picture: {path}", file=out)
 
 
 def do_search(job: JobConfig, args, checked: Checked) -> int:

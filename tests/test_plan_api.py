@@ -102,3 +102,26 @@ def test_login_node_code_never_imports_torch():
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_plan_writes_nothing_where_it_was_not_asked_to(tmp_path):
+    """`action=plan` of a pipelined job from an empty directory leaves it empty (the default output_dir, `runs`, is
+    relative to it: a plan must not create it) and says how to get the schedule pictures; with output_dir given it
+    writes them there, and only there, and names them."""
+    empty, elsewhere = tmp_path / "empty", tmp_path / "pictures"
+    empty.mkdir()
+    cmd = [sys.executable, "-m", "launcher", "recipe=llama3_70b", "action=plan"]
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=empty, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "schedule pictures: not written; add output_dir=DIR to write llama3_70b-schedules.png" in proc.stdout
+    assert list(empty.iterdir()) == []
+    proc = subprocess.run(cmd + [f"output_dir={elsewhere}"], cwd=empty, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert list(empty.iterdir()) == []
+    written = sorted(p.name for p in elsewhere.iterdir())
+    assert "llama3_70b-schedules.trace.json" in written and not [n for n in written if n.endswith(".tmp")]
+    assert f"schedule picture: {elsewhere / 'llama3_70b-schedules.trace.json'}" in proc.stdout
+    proc = subprocess.run(cmd + ["--json"], cwd=empty, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["tokens_per_s"] > 0 and list(empty.iterdir()) == []

@@ -9,6 +9,7 @@ Torch-free; matplotlib is imported only by :func:`draw`.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Iterable, List, Sequence, Tuple
 
@@ -73,7 +74,9 @@ def chrome_trace(panels: Sequence[Tuple[str, Sequence[Sequence[Span]]]], unit_s:
 def write_trace(path: Path, panels, unit_s: float = 1.0) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(chrome_trace(panels, unit_s)))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # atomic: a reader never sees half a trace
+    tmp.write_text(json.dumps(chrome_trace(panels, unit_s)))
+    os.replace(tmp, path)
     return path
 
 
@@ -117,6 +120,8 @@ def draw(path: Path, panels: Sequence[Tuple[str, Sequence[Sequence[Span]]]], tim
     fig.legend(handles=[Patch(color=COLORS[k], label=k) for k in kinds], loc="upper right", ncol=len(kinds),
                fontsize=8)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
-    fig.savefig(path, dpi=110)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fig.savefig(tmp, dpi=110, format="png")
+    os.replace(tmp, path)
     plt.close(fig)
     return path
