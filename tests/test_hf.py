@@ -84,7 +84,14 @@ def assert_logits_close(ours, theirs):
     ours = ours[..., : theirs.shape[-1]]  # the padded vocabulary rows are not HF's
     err = float((ours - theirs).abs().max() / theirs.abs().max())
     assert err <= REL, f"launcher logits differ from HF's by {err:.2e} (relative to the largest logit)"
-    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    # The same next token wherever the choice is clear: the two sides run different kernels (fused QKV vs q/k/v,
+    # Megatron's attention vs HF's, TP-split GEMMs), so where the top two logits are closer than twice the error
+    # bound a tie may break either way depending on the CPU; elsewhere the bound above implies the same argmax.
+    m = theirs.abs().max()
+    top2 = theirs.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 2 * REL * m
+    assert clear.float().mean() > 0.9, f"only {clear.float().mean():.0%} of positions have a clear top token"
+    assert torch.equal(ours.argmax(-1)[clear], theirs.argmax(-1)[clear])
 
 
 @pytest.mark.parametrize("name", NAMES)
