@@ -21,7 +21,13 @@ Megatron-FSDP (``parallel.megatron_fsdp``) runs on CPU through the same proxy, w
 its modules (FSDP_MODULES) with two more mappings: ``torch.device('cuda:...')`` -> cpu (mcore_fsdp_adapter.py:156,
 megatron_fsdp.py:232 build the device from ``current_device()``) and ``DeviceMesh.from_group(device_type='cuda')``
 -> a CPU mesh (mcore_fsdp_adapter.py:407-449); ``Tensor.cuda()`` in ``validate_uneven_dtensor``
-(uneven_dtensor.py:187) is ``.to('cpu')``. Its gradient reduce divides inside NCCL's PREMUL_SUM unless
+(uneven_dtensor.py:187) is ``.to('cpu')``. Its coalesced collectives run to completion inside their
+``_coalescing_manager`` block (:func:`_completed_coalescing`): Megatron-FSDP's parameter prefetch keeps several
+asynchronous coalesced all-gathers of one group in flight (param_and_grad_buffer.py:4561, ``async_ops=True``), and
+on gloo they run at once on the group's two worker threads, which corrupted the heap of a TP2 x DP2 job in about one
+run in ten here (gdb of the core: the abort in one worker's ``AsyncAllgatherCoalescedWork`` while the other ran a
+second one; gloo's asynchronous allgather_coalesced crashes are pytorch/pytorch#65237). On a GPU each runs as an
+NCCL kernel ordered on Megatron-FSDP's all-gather stream; on CPU there is no overlap to lose. Its gradient reduce divides inside NCCL's PREMUL_SUM unless
 ``gradient_reduce_div_fusion`` is off (param_and_grad_buffer.py:4746); gloo has no PREMUL_SUM, so the rank wing
 turns that fusion off on CPU (launcher/rank/optim.py).
 
@@ -316,6 +322,20 @@ def apply() -> bool:
 _FSDP_APPLIED = False
 
 
+def _completed_coalescing(manager: Callable) -> Callable:
+    """``torch.distributed._coalescing_manager`` whose collectives have completed when its block exits, whatever
+    ``async_ops`` asks: the manager it yields holds no work, so a later ``.wait()`` returns at once. At most one
+    coalesced gloo collective of a group is then in flight, issued and waited by the training thread."""
+
+    @contextlib.contextmanager
+    def completed(group=None, device=None, async_ops: bool = False):
+        with manager(group, device, async_ops=False) as cm:
+            yield cm
+
+    completed.__wrapped__ = manager
+    return completed
+
+
 def apply_fsdp() -> bool:
     """The Megatron-FSDP bridges (only without CUDA; once; imports Megatron-FSDP, so only for a job that uses
     it: launcher/rank/optim.py calls it before wrapping). Returns True when this call applied them."""
@@ -332,6 +352,7 @@ def apply_fsdp() -> bool:
     _wrap(uneven, "validate_uneven_dtensor", _tensor_cuda_is_to_cpu)
     buffer = importlib.import_module("megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer")
     buffer.validate_uneven_dtensor = uneven.validate_uneven_dtensor  # imported by name before the wrap
+    buffer._coalescing_manager = _completed_coalescing(buffer._coalescing_manager)  # imported by name too
     _FSDP_APPLIED = True
     return True
 

@@ -112,3 +112,28 @@ def test_tensor_cuda_is_identity_only_in_context(compat):
         assert x.cuda() is x
     with pytest.raises((AssertionError, RuntimeError)):
         x.cuda()
+
+
+def test_megatron_fsdp_coalesced_collectives_complete_inside_their_block(compat):
+    """Megatron-FSDP's prefetch opens ``_coalescing_manager(group, async_ops=True)`` and waits later; on gloo that
+    leaves several coalesced all-gathers running at once on the group's worker threads (the heap corruption of
+    tests/test_fsdp.py's stress run). Under apply_fsdp the block's collectives have completed when it exits and the
+    manager holds no work; the real manager, asked the same, holds one still to be waited."""
+    import importlib
+
+    import torch.distributed as dist
+
+    single_process_group()
+    compat.apply_fsdp()
+    buffer = importlib.import_module("megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer")
+    out, shard = torch.zeros(4), torch.arange(4.0)
+    with buffer._coalescing_manager(dist.group.WORLD, async_ops=True) as cm:
+        dist.all_gather_into_tensor(out, shard, async_op=True)
+    assert cm.works == [] and torch.equal(out, shard)
+    cm.wait()  # what Megatron-FSDP's wait_bucket_ready calls: a no-op now
+    real = buffer._coalescing_manager.__wrapped__
+    assert real is dist.distributed_c10d._coalescing_manager
+    with real(dist.group.WORLD, async_ops=True) as cm:
+        dist.all_gather_into_tensor(out, shard, async_op=True)
+    assert len(cm.works) == 1
+    cm.wait()
