@@ -16,8 +16,9 @@ RUN pip freeze | grep -iE '^(torch|transformer[-_]engine|triton)==' > /tmp/conta
  && pip install --no-cache-dir -c /tmp/container-pins.txt -e '.[train]' \
  && python -c "import megatron.core, transformer_engine, launcher; print('ok')"
 
-ENV CUDA_DEVICE_MAX_CONNECTIONS=1 \
-    PYTHONUNBUFFERED=1
+# No CUDA_DEVICE_MAX_CONNECTIONS here: each job's env.sh sets or unsets it from its own layout
+# (launcher/core/cuda_env.py; Megatron-FSDP refuses 1, the MoE all-to-all overlap needs more than 1).
+ENV PYTHONUNBUFFERED=1
 
 # Run as an unprivileged user (uid 10001; Ubuntu-based NGC images already have uid 1000). Under pyxis/enroot the
 # job runs as the submitting user anyway; this keeps `docker run` from defaulting to root. Caches (Triton,

@@ -35,13 +35,16 @@ from launcher import ROOT
 from launcher.config import job_to_yaml
 from launcher.core import Layout, derive
 from launcher.core.checkpoint_dir import checkpoint_dir
-from launcher.core.cuda_env import job_env
+from launcher.core.cuda_env import VAR as CUDA_MAX_CONNECTIONS, job_env
 from launcher.core.paths import absolute
 from launcher.core.signal_lead import lead_for_render, shutdown_timeout_s
 from launcher.schema import JobConfig, Profiler
 
 TEMPLATES = ROOT / "slurm"
 MASTER_PORT = 29500
+UNSET_WHEN_NOT_DERIVED = (CUDA_MAX_CONNECTIONS,)
+"""Variables env.sh unsets when the job derives no value for them (launcher/core/cuda_env.py: Megatron-FSDP refuses
+1, the MoE all-to-all overlap needs more than 1), so the image's or the submitting shell's value never decides."""
 
 
 class RenderError(Exception):
@@ -112,6 +115,9 @@ def template_context(job: JobConfig, bundle_dir: Path, signal_lead: dict | None 
         "rendezvous": "c10d" if cluster.launcher == "slurm" else "standalone",
         # cluster.env, plus CUDA_DEVICE_MAX_CONNECTIONS derived from this job where it sets none (core/cuda_env.py)
         "env": sorted(job_env(job).items()),
+        # what the job derives as unset is unset explicitly: an image's ENV (an NGC base, ours before) or the
+        # submitting shell would otherwise decide for every job
+        "unset": [var for var in UNSET_WHEN_NOT_DERIVED if var not in job_env(job)],
         "secret_names": list(cluster.secret_env),
         # profile.kind=nsys: torchrun starts rank.sh, which runs the profiled ranks under Nsight Systems
         "nsys": job.profile.kind == Profiler.NSYS,

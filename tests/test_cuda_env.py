@@ -60,3 +60,35 @@ def test_an_explicit_value_wins_and_is_still_validated():
     job = compose_job(["recipe=llama3_8b", "cluster=h100", "parallel.context=1", "parallel.megatron_fsdp=true",
                        f"cluster.env.{VAR}=1"])
     assert any(e.field == f"cluster.env.{VAR}" and "Megatron-FSDP" in e.rule for e in errors(validate(job)))
+
+
+IMAGE_ENV = {VAR: "1", "PYTHONUNBUFFERED": "1", "NCCL_DEBUG": "WARN"}
+"""What a container image (an NGC PyTorch base; ours until it stopped) or the submitting shell already exports."""
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["recipe=llama3_8b", "cluster=h100", "parallel.context=1", "parallel.tensor=1", "parallel.megatron_fsdp=true"],
+     None),
+    (["recipe=deepseek_v3", "cluster=h200"], "32"),
+    (["recipe=llama405b", "cluster=h200"], "1"),
+    (["recipe=llama405b", "cluster=h200", "cluster.gpu=B200"], None),
+], ids=["fsdp", "moe_a2a_overlap", "tp", "blackwell"])
+def test_the_ranks_get_the_derived_value_inside_an_image_that_sets_one(tmp_path, overrides, expected):
+    """env.sh sourced by bash in an environment that already has CUDA_DEVICE_MAX_CONNECTIONS=1 (the image's ENV)
+    leaves exactly the job's derived value: unset for Megatron-FSDP and Blackwell, 32 with the all-to-all
+    overlap, 1 for TP before Blackwell. The rest of the image's environment is kept."""
+    import os
+    import subprocess
+
+    _, texts, _ = _rendered(*overrides)
+    (tmp_path / "env.sh").write_text(texts["env.sh"])
+    script = f'source "{tmp_path / "env.sh"}"; echo "${{{VAR}-<unset>}}"; echo "$NCCL_DEBUG"'
+    env = {k: v for k, v in os.environ.items() if k != VAR} | IMAGE_ENV
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert out == [expected or "<unset>", "WARN"], (texts["env.sh"], out)
+
+
+def test_the_image_does_not_set_it_for_every_job():
+    from launcher import ROOT
+
+    assert not re.search(rf"^\s*(ENV\s+)?{VAR}=", (ROOT / "Dockerfile").read_text(), re.M)
