@@ -5,8 +5,9 @@ installed into a process by :func:`install` (tests/_nccl_site/sitecustomize.py c
 torchrun starts when ``LAUNCHER_NCCL_EMULATION`` is set):
 
 * **Device discipline.** A tensor made by a torch factory (``torch.tensor``, ``zeros``, ``empty``, ...) without
-  ``device=`` is a host tensor on a GPU rank. Such tensors are tagged; ``.to(device)`` yields an untagged tensor
-  (a GPU rank's copy), ``.to(dtype)`` keeps the tag. Any collective or p2p op that receives a tagged tensor
+  ``device=``, or with ``device="cpu"`` written out, is a host tensor on a GPU rank; so is ``t.cpu()``, ``t.to("cpu")``,
+  and ``torch.*_like(t)`` / ``t.new_*()`` of a host tensor. Such tensors are tagged; ``.to(device)`` yields an untagged
+  tensor (a GPU rank's copy), ``.to(dtype)`` keeps the tag. Any collective or p2p op that receives a tagged tensor
   raises what NCCL would ("No backend type associated with device type cpu"), unless its group was created
   explicitly for gloo (Megatron's CPU-side ``*_gloo`` groups). The tag is not propagated through arithmetic:
   the check catches a factory tensor that reaches a collective directly, the way ``checkpoint_bytes`` did;
@@ -21,6 +22,7 @@ import atexit
 import functools
 import json
 import os
+import sys
 import weakref
 
 import torch
@@ -58,15 +60,58 @@ def _tag(t):
     return t
 
 
+OWN_CODE = ("launcher.", "models.", "data.", "__main__")
+"""Modules whose ``"cpu"`` means the host: the project's own code. Megatron's ``"cpu"`` strings are the CPU bridge's
+stand-in for the CUDA device (models/cpu_compat.py maps ``torch.cuda.current_device()`` and ``device="cuda"`` to
+``"cpu"``), the compute device a GPU rank would use, so they are not host tensors."""
+
+
+def _names_host(device, depth: int = 2) -> bool:
+    """A device argument that means the host on a GPU rank too: ``"cpu"`` written out by the project's own code (the
+    caller ``depth`` frames up). A ``torch.device`` object is what ``compute_device()`` or ``tensor.device`` returns:
+    left to the tensor's tag; ``torch.device("cpu")`` spelled out is the static scan's (tests/test_nccl_semantics.py)."""
+    if not (isinstance(device, str) and device.split(":")[0] == "cpu"):
+        return False
+    caller = sys._getframe(depth).f_globals.get("__name__", "")
+    return caller != "models.cpu_compat" and (caller.startswith(OWN_CODE) or caller in OWN_CODE)
+
+
 def _factory(name, orig):
     @functools.wraps(orig)
     def make(*args, **kwargs):
         out = orig(*args, **kwargs)
         from_tensor = bool(args) and isinstance(args[0], torch.Tensor) and name in ("tensor", "as_tensor")
-        if kwargs.get("device") is None and "out" not in kwargs and not from_tensor:
+        device = kwargs.get("device")
+        if "out" not in kwargs and ((device is None and not from_tensor) or _names_host(device)):
             _tag(out)
         return out
     return make
+
+
+LIKE = ("zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like")
+NEW = ("new_zeros", "new_ones", "new_empty", "new_full", "new_tensor")
+
+
+def _like(orig):
+    """``torch.*_like(t)`` and ``t.new_*()``: on the device of ``t`` unless ``device=`` says otherwise, so the copy
+    of a host tensor is a host tensor, and ``device="cpu"`` makes one from any tensor."""
+    @functools.wraps(orig)
+    def make(source, *args, **kwargs):
+        out = orig(source, *args, **kwargs)
+        device = kwargs.get("device")
+        if (device is None and is_host(source)) or _names_host(device):
+            _tag(out)
+        return out
+    return make
+
+
+def _patched_cpu(orig):
+    """``t.cpu()`` is a host tensor on a GPU rank whatever ``t`` was."""
+    @functools.wraps(orig)
+    def cpu(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        return _tag(out.view_as(out) if out is self else out)
+    return cpu
 
 
 def _device_requested(args, kwargs) -> bool:
@@ -79,6 +124,11 @@ def _patched_to(orig):
     @functools.wraps(orig)
     def to(self, *args, **kwargs):
         out = orig(self, *args, **kwargs)
+        host = False
+        for arg in (*args, kwargs.get("device")):  # a loop, not a generator: _names_host reads its caller's frame
+            host = host or _names_host(arg)
+        if host:  # .to("cpu"): a host tensor on a GPU rank
+            return _tag(out.view_as(out) if out is self else out)
         if not is_host(self):
             return out
         if _device_requested(args, kwargs):
@@ -270,6 +320,11 @@ def install() -> None:
     for name in FACTORIES:
         setattr(torch, name, _factory(name, getattr(torch, name)))
     torch.Tensor.to = _patched_to(torch.Tensor.to)
+    torch.Tensor.cpu = _patched_cpu(torch.Tensor.cpu)
+    for name in LIKE:
+        setattr(torch, name, _like(getattr(torch, name)))
+    for name in NEW:
+        setattr(torch.Tensor, name, _like(getattr(torch.Tensor, name)))
     for name in P2P:
         wrapped = _wrap_p2p(name, getattr(c10d, name))
         setattr(dist, name, wrapped)

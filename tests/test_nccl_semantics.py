@@ -204,7 +204,15 @@ results = []
 for make in (lambda: torch.tensor([1.0]),                                  # host: refused
              lambda: torch.tensor([1.0], dtype=torch.float64).double(),  # dtype only: still host
              lambda: torch.tensor([1.0], device=compute_device()),       # on the compute device
-             lambda: torch.zeros(2).to(compute_device())):               # moved there
+             lambda: torch.zeros(2).to(compute_device()),                # moved there
+             lambda: torch.tensor([1.0], device="cpu"),                   # host, said explicitly: refused
+             lambda: torch.zeros(2, device=compute_device()).cpu(),       # copied to the host: refused
+             lambda: torch.zeros(2, device=compute_device()).to("cpu"),   # the same: refused
+             lambda: torch.zeros_like(torch.zeros(2)),                    # like a host tensor: refused
+             lambda: torch.zeros(2).new_zeros(3),                         # new_* of a host tensor: refused
+             lambda: torch.ones_like(torch.zeros(2), device="cpu"),       # like anything, on the host: refused
+             lambda: torch.zeros_like(torch.zeros(2, device=compute_device())),  # like a device tensor
+             lambda: torch.zeros(2, device=compute_device()).new_full((3,), 1.0)):  # new_* of one
     try:
         dist.all_reduce(make()); results.append("ok")
     except emu.NcclDeviceError:
@@ -219,7 +227,8 @@ dist.destroy_process_group()
     proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "init")], cwd=ROOT, capture_output=True,
                           text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] == "['refused', 'refused', 'ok', 'ok', 'gloo group ok']"
+    assert proc.stdout.strip().splitlines()[-1] == str(["refused", "refused", "ok", "ok"] + ["refused"] * 6
+                                                       + ["ok", "ok", "gloo group ok"])
 
 
 RANK_WING = ["launcher/rank", "models", "data/rank.py"]
@@ -245,6 +254,50 @@ def _factory_calls_without_device():
                         and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
                         and node.func.attr in FACTORIES and not any(k.arg == "device" for k in node.keywords)):
                     yield path.relative_to(ROOT).as_posix(), node.func.attr, node.lineno
+
+
+EXPLICIT_HOST_ALLOWED = {
+    ("launcher/rank/checkpoint_convert.py", 'device="cpu"'): "read_all's buffers are filled from files and sliced on "
+                                                             "the host, then copied onto each live tensor's device",
+    ("launcher/rank/checkpoint.py", ".cpu()"): "the gathered byte counts become Python ints (tolist) after the "
+                                               "collective, never before one",
+    ("models/backend.py", 'torch.device("cpu")'): "compute_device() itself, without CUDA",
+    ("models/cpu_compat.py", 'torch.device("cpu")'): "the CPU bridge's stand-in for a CUDA device (no CUDA: the "
+                                                     "compute device is the CPU)",
+}
+
+
+def _explicit_host_tensors():
+    """``device="cpu"``, ``torch.device("cpu")`` and ``.cpu()`` in the rank wing: each makes a host tensor on a GPU
+    rank as surely as a factory call without device= does."""
+    for base in RANK_WING:
+        paths = [ROOT / base] if base.endswith(".py") else sorted((ROOT / base).rglob("*.py"))
+        for path in paths:
+            if not path.exists():
+                continue
+            rel = path.relative_to(ROOT).as_posix()
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.Call):
+                    continue
+                if any(k.arg == "device" and isinstance(k.value, ast.Constant) and str(k.value.value).startswith("cpu")
+                       for k in node.keywords):
+                    yield rel, 'device="cpu"', node.lineno
+                if isinstance(node.func, ast.Attribute) and node.func.attr == "cpu" and not node.args:
+                    yield rel, ".cpu()", node.lineno
+                if (isinstance(node.func, ast.Attribute) and node.func.attr == "device"
+                        and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch" and node.args
+                        and isinstance(node.args[0], ast.Constant) and str(node.args[0].value).startswith("cpu")):
+                    yield rel, 'torch.device("cpu")', node.lineno
+
+
+def test_rank_wing_names_the_host_only_where_listed():
+    """An explicit host tensor in the rank wing (``device="cpu"``, ``torch.device("cpu")``, ``.cpu()``) is listed
+    with why it never reaches a collective; the emulation refuses the ones that do (test above)."""
+    found = [(path, what, line) for path, what, line in _explicit_host_tensors()
+             if (path, what) not in EXPLICIT_HOST_ALLOWED]
+    assert not found, f"explicit host tensors in the rank wing: {found}"
+    stale = set(EXPLICIT_HOST_ALLOWED) - {(path, what) for path, what, _ in _explicit_host_tensors()}
+    assert not stale, f"allow-list entries that no longer match a call: {stale}"
 
 
 def test_rank_wing_makes_no_host_tensor_outside_the_allow_list():
