@@ -79,3 +79,25 @@ def test_a_save_too_slow_for_the_slurm_signal_lead_is_flagged_and_the_ranks_stop
     assert stopped.startswith("at step 1 of 4: the Slurm time limit is ") and "+ 600 s" in stopped, stopped
     assert (bundle / "checkpoints" / "iter_0000001" / "launcher.json").is_file()
     assert not (bundle / "DONE").exists()
+
+
+def test_the_probe_leaves_no_process_group_behind(tmp_path):
+    """Four ranks as two nodes of two: the probe's node groups and its leaders' group (NCCL communicators on a GPU,
+    holding memory and connections) are destroyed once it has measured; the world group stays."""
+    script = tmp_path / "probe_worker.py"
+    script.write_text(
+        "import os, torch.distributed as dist\n"
+        "from launcher.rank import health\n"
+        "dist.init_process_group('gloo')\n"
+        "os.environ['LOCAL_WORLD_SIZE'] = '2'  # two 'nodes' of two ranks on this machine\n"
+        "before = len(dist.distributed_c10d._world.pg_map)\n"
+        "lines = health.probe(size_mb=0.1, iters=1)\n"
+        "after = len(dist.distributed_c10d._world.pg_map)\n"
+        "if dist.get_rank() == 0:\n"
+        "    print('groups', before, after, len([l for l in lines if l.startswith('health: node ')]), flush=True)\n"
+        "dist.destroy_process_group()\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--standalone",
+                           str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "groups 1 1 2" in proc.stdout, proc.stdout[-2000:]

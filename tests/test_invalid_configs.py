@@ -34,6 +34,7 @@ CASES = [
     ("dp-assert", L8 + ["parallel.data=8"], "parallel.data="),
     ("fp8-on-cpu", ["recipe=smoke", "precision.fp8=delayed", "precision.dtype=bf16"], "precision.fp8="),
     ("mxfp8-on-hopper", L8 + ["precision.fp8=mxfp8"], "precision.fp8="),
+    ("blockwise-on-blackwell", L8 + ["cluster.gpu=B200", "precision.fp8=blockwise"], "precision.fp8="),
     ("fp8-unknown", L8 + ["precision.fp8=fp4"], "precision.fp8="),
     ("fp8-with-fp32", L8 + ["precision.dtype=fp32"], "precision.dtype="),
     ("fp8-param-without-fp8", L8 + ["+experiment=bf16", "precision.fp8_param=true"], "precision.fp8_param="),

@@ -74,7 +74,19 @@ def probe(*, size_mb: float = 16.0, iters: int = 5, margin: float = 0.5) -> List
     mine = {"node": f"{node}:{socket.gethostname()}", "rank": rank, "intra": intra, "inter": inter}
     every: List[Optional[dict]] = [None] * world
     dist.all_gather_object(every, mine)
+    _destroy([*groups, leader_group])
     return report(every, margin=margin, size_mb=size_mb)
+
+
+def _destroy(groups) -> None:
+    """The probe's own groups, torn down once measured: on a GPU each is an NCCL communicator holding device memory
+    and connections for the whole run otherwise. Every rank created every group (new_group is collective); each
+    destroys the ones it is a member of."""
+    import torch.distributed as dist
+
+    for group in groups:
+        if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+            dist.destroy_process_group(group)
 
 
 def report(every: List[dict], *, margin: float, size_mb: float) -> List[str]:

@@ -15,6 +15,9 @@ from launcher.validate.generic import Checks, divisor_near, in_bounds, round_up
 HOPPER_OR_NEWER = ("H100", "H200", "GH200", "B200", "GB200")
 
 BLACKWELL = ("B200", "GB200")
+HOPPER = ("H100", "H200", "GH200")
+"""Where Transformer Engine 2.7 (NGC 25.09) runs FP8 blockwise scaling: ``check_fp8_block_scaling_support`` requires
+compute capability 9.x ("FP8 block scaled GEMM requires Hopper and CUDA >= 12.9")."""
 
 
 def validate_model(model: ModelConfig) -> list[Problem]:
@@ -151,11 +154,15 @@ def validate_precision(job: JobConfig, lay: Layout) -> list[Problem]:
            "Transformer Engine needs a GPU (this cluster profile is cpu)", "precision.transformer_engine=false")
     if pr.fp8 is not None:
         if is_allowed(pr, "fp8"):
-            needs = BLACKWELL if pr.fp8 == "mxfp8" else HOPPER_OR_NEWER
-            generation = "Blackwell (B200)" if pr.fp8 == "mxfp8" else "Hopper or newer (H100/H200/B200)"
+            needs, generation = {"mxfp8": (BLACKWELL, "Blackwell (B200)"),
+                                 "blockwise": (HOPPER, "Hopper (H100/H200; Transformer Engine 2.7's block-scaled "
+                                                       "GEMM runs on compute capability 9.x only)")}.get(
+                pr.fp8, (HOPPER_OR_NEWER, "Hopper or newer (H100/H200/B200)"))
+            alternative = ("precision.fp8=null" if cluster.gpu not in HOPPER_OR_NEWER else
+                           "precision.fp8=mxfp8" if cluster.gpu in BLACKWELL and pr.fp8 == "blockwise" else
+                           "precision.fp8=delayed")
             c.need(cluster.gpu in needs, "precision.fp8", pr.fp8,
-                   f"this FP8 recipe needs {generation}; cluster.gpu is {cluster.gpu}",
-                   "precision.fp8=null" if cluster.gpu not in HOPPER_OR_NEWER else "precision.fp8=delayed")
+                   f"this FP8 recipe needs {generation}; cluster.gpu is {cluster.gpu}", alternative)
         c.need(te, "precision.fp8", pr.fp8, "FP8 needs Transformer Engine layers",
                "precision.fp8=null or precision.transformer_engine=auto on a GPU cluster")
         c.need(pr.dtype in ("bf16", "fp16"), "precision.dtype", pr.dtype, "FP8 training runs on a bf16/fp16 model",
