@@ -1,7 +1,7 @@
-"""Rank worker for tests/test_fsdp.py's exact-conversion check: build a job's model, optimizer and scheduler as the
-rank entry does (launcher/rank/entry.py ``_build_and_train``), resume it from ``checkpoint.load`` (a checkpoint of
-the other format: launcher/rank/checkpoint.py ``resume`` converts it on the ranks, launcher/rank/checkpoint_convert.py)
-and save it again, in this job's own format, at the step it was loaded at: no step in between, so every weight,
+"""Rank worker for tests/test_fsdp.py's exact-conversion check: build a job's model, optimizer and scheduler through
+the rank entry's own ``build_model_and_optimizer`` (launcher/rank/entry.py), resume it from ``checkpoint.load`` (a
+checkpoint of the other format: launcher/rank/checkpoint.py ``resume`` converts it on the ranks,
+launcher/rank/checkpoint_convert.py) and save it again, in this job's own format, at the step it was loaded at: no step in between, so every weight,
 Adam moment, counter and RNG stream written is what the conversion put into the live model and optimizer. Rank 0
 writes the model's layer-spec key map (torch_dist's stored names) to OUT/keys_map.json.
 ``torchrun ... _convert_worker.py BUNDLE OUT``."""
@@ -18,20 +18,13 @@ def convert(bundle: Path, out: Path) -> None:
     from launcher.core import derive, load_job
     from launcher.core.checkpoint_format import checkpoint_format
     from launcher.core.run_identity import run_identity
-    from launcher.rank import checkpoint as ckpt, checkpoint_convert, optim, setup
-    from models import build_model
+    from launcher.rank import checkpoint as ckpt, checkpoint_convert, setup
+    from launcher.rank.entry import build_model_and_optimizer
 
     job = load_job(bundle / "config.yaml")
-    layout, tr = derive(job), job.train
-    setup.init_distributed(cluster=job.cluster, layout=layout, seed=tr.seed)
-    chunks = build_model(model=job.model, parallel=job.parallel, precision=job.precision, layout=layout,
-                         schedule=job.schedule, seed=tr.seed, recompute=tr.recompute,
-                         recompute_num_layers=tr.recompute_num_layers, recompute_modules=tr.recompute_modules,
-                         deterministic=tr.deterministic)
-    model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision)
-    optimizer = optim.build_optimizer(model, train=tr, parallel=job.parallel, precision=job.precision)
-    scheduler = optim.build_scheduler(optimizer, train=tr, steps=layout.steps)
-    optim.hook_model_config(model, optimizer, parallel=job.parallel)
+    layout = derive(job)
+    setup.init_distributed(cluster=job.cluster, layout=layout, seed=job.train.seed)
+    model, optimizer, scheduler = build_model_and_optimizer(job, layout)
     identity, fmt = run_identity(job), checkpoint_format(job)
     step, consumed, loaded = ckpt.resume(out / "unused", identity=identity, load_from=job.checkpoint.load,
                                          checksum=False, model=model, optimizer=optimizer, scheduler=scheduler,

@@ -69,7 +69,8 @@ stand-in for the CUDA device (models/cpu_compat.py maps ``torch.cuda.current_dev
 def _names_host(device, depth: int = 2) -> bool:
     """A device argument that means the host on a GPU rank too: ``"cpu"`` written out by the project's own code (the
     caller ``depth`` frames up). A ``torch.device`` object is what ``compute_device()`` or ``tensor.device`` returns:
-    left to the tensor's tag; ``torch.device("cpu")`` spelled out is the static scan's (tests/test_nccl_semantics.py)."""
+    left to the tensor's tag; ``torch.device("cpu")`` spelled out is the static scan's
+    (tests/test_nccl_semantics.py)."""
     if not (isinstance(device, str) and device.split(":")[0] == "cpu"):
         return False
     caller = sys._getframe(depth).f_globals.get("__name__", "")

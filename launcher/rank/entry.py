@@ -133,8 +133,11 @@ def train(bundle: Path, console) -> int:
         lock.release()
 
 
-def _build_and_train(bundle, console, job, layout, ckpt_dir, identity, lock, attempt) -> int:
-    from launcher.rank import loop, optim
+def build_model_and_optimizer(job, layout) -> tuple:
+    """(model chunks, optimizer, LR scheduler) of this rank, built exactly as a production run builds them: the
+    backend checks, TP communicator set-up, GPTModel, DDP or Megatron-FSDP wrapper, optimizer, scheduler and the
+    model config's hooks. Test workers that need the real objects build through here too."""
+    from launcher.rank import optim
     from models import backend, build_model
 
     tr = job.train
@@ -150,6 +153,14 @@ def _build_and_train(bundle, console, job, layout, ckpt_dir, identity, lock, att
     optimizer = optim.build_optimizer(model, train=tr, parallel=job.parallel, precision=job.precision)
     scheduler = optim.build_scheduler(optimizer, train=tr, steps=layout.steps)
     optim.hook_model_config(model, optimizer, parallel=job.parallel)
+    return model, optimizer, scheduler
+
+
+def _build_and_train(bundle, console, job, layout, ckpt_dir, identity, lock, attempt) -> int:
+    from launcher.rank import loop
+
+    tr = job.train
+    model, optimizer, scheduler = build_model_and_optimizer(job, layout)
     lp = loop.Loop(model=model, optimizer=optimizer, scheduler=scheduler, train=tr, seq_length=job.model.seq_length,
                    num_microbatches=layout.microbatches, kind=job.schedule.kind, dp_size=layout.dp,
                    record_timeline=job.schedule.record_timeline, zb_v_costs=job.schedule.zb_v_costs)
