@@ -85,6 +85,7 @@ def template_context(job: JobConfig, bundle_dir: Path, signal_lead: dict | None 
     if signal_lead is None:
         signal_lead = lead_for_render(job, _time_limit_s(job))
     is_gpu = cluster.gpu != "cpu"
+    env = job_env(job)  # cluster.env with CUDA_DEVICE_MAX_CONNECTIONS resolved (core/cuda_env.py)
     return {
         "name": job.name,
         "job_name": slurm.job_name or job.name,
@@ -114,10 +115,10 @@ def template_context(job: JobConfig, bundle_dir: Path, signal_lead: dict | None 
         "master_port": MASTER_PORT,
         "rendezvous": "c10d" if cluster.launcher == "slurm" else "standalone",
         # cluster.env, plus CUDA_DEVICE_MAX_CONNECTIONS derived from this job where it sets none (core/cuda_env.py)
-        "env": sorted(job_env(job).items()),
+        "env": sorted(env.items()),
         # what the job derives as unset is unset explicitly: an image's ENV (an NGC base, ours before) or the
         # submitting shell would otherwise decide for every job
-        "unset": [var for var in UNSET_WHEN_NOT_DERIVED if var not in job_env(job)],
+        "unset": [var for var in UNSET_WHEN_NOT_DERIVED if var not in env],
         "secret_names": list(cluster.secret_env),
         # profile.kind=nsys: torchrun starts rank.sh, which runs the profiled ranks under Nsight Systems
         "nsys": job.profile.kind == Profiler.NSYS,

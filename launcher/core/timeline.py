@@ -74,10 +74,15 @@ def chrome_trace(panels: Sequence[Tuple[str, Sequence[Sequence[Span]]]], unit_s:
 def write_trace(path: Path, panels, unit_s: float = 1.0) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # atomic: a reader never sees half a trace
+    tmp = _tmp_beside(path)
     tmp.write_text(json.dumps(chrome_trace(panels, unit_s)))
     os.replace(tmp, path)
     return path
+
+
+def _tmp_beside(path: Path) -> Path:
+    """Where a file is written before ``os.replace`` publishes it: a reader never sees half a trace or picture."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 
 def draw(path: Path, panels: Sequence[Tuple[str, Sequence[Sequence[Span]]]], time_label: str = "time") -> Path:
@@ -120,7 +125,7 @@ def draw(path: Path, panels: Sequence[Tuple[str, Sequence[Sequence[Span]]]], tim
     fig.legend(handles=[Patch(color=COLORS[k], label=k) for k in kinds], loc="upper right", ncol=len(kinds),
                fontsize=8)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = _tmp_beside(path)
     fig.savefig(tmp, dpi=110, format="png")
     os.replace(tmp, path)
     plt.close(fig)
