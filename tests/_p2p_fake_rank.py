@@ -3,7 +3,8 @@
 A pipeline schedule's sends and receives depend only on the stage index, the stage count, the microbatch
 count and the schedule's config, not on the peer's data. So this driver runs the *real* schedule code —
 Megatron-Core's ``forward_backward_pipelining_without_interleaving`` (1F1B) and
-``..._with_interleaving`` (interleaved), and our ``forward_backward_zb_h1`` — once as each stage ``r`` of ``p``,
+``..._with_interleaving`` (interleaved), and our ``forward_backward_zb_h1`` (over one chunk or a virtual
+pipeline) and ``forward_backward_zb_v`` — once as each stage ``r`` of ``p``,
 in this one process, on a tiny stand-in stage module, with torch.distributed's p2p calls recorded instead of
 sent (receives are filled with zeros; tests/_nccl_emulation.py ``fake_ranks``). The schedule's p2p config
 (``batch_p2p_comm``, ``overlap_p2p_comm``, microbatch groups) comes from our own builder for the composed job.
@@ -37,6 +38,10 @@ class FakeGroup:
 
     def size(self) -> int:
         return self._p
+
+
+class FakeUpGroup(FakeGroup):
+    """The second pipeline channel (messages to the lower rank) of a program over several chunks."""
 
 
 def _stage_class():
@@ -100,7 +105,9 @@ def record(kind: str, p: int, m: int, v: int) -> list:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     import _nccl_emulation as emu
-    from launcher.rank.zero_bubble import forward_backward_zb_h1
+    from launcher.core.schedules import stage_of
+    from launcher.rank import zero_bubble
+    from launcher.rank.zero_bubble import forward_backward_zb_h1, forward_backward_zb_v
 
     layout, fields = job_config(kind, p, m, v)
     Stage = _stage_class()
@@ -108,8 +115,9 @@ def record(kind: str, p: int, m: int, v: int) -> list:
     for r in range(p):
         group = FakeGroup(r, p)
         world = torch.distributed.group.WORLD
-        emu.fake_ranks(channel=lambda g: "pp" if isinstance(g, FakeGroup) else "world" if g in (None, world)
-                       else "other", recv=lambda t: t.data.zero_())
+        emu.fake_ranks(channel=lambda g: "pp_up" if isinstance(g, FakeUpGroup) else "pp" if isinstance(g, FakeGroup)
+                       else "world" if g in (None, world) else "other", recv=lambda t: t.data.zero_())
+        zero_bubble.up_group = lambda pp_group: FakeUpGroup(pp_group.rank(), pp_group.size())
         config = ModelParallelConfig(pipeline_model_parallel_size=p, pipeline_dtype=torch.float32,
                                      virtual_pipeline_model_parallel_size=v if v > 1 else None,
                                      deallocate_pipeline_outputs=True, **fields)
@@ -123,7 +131,8 @@ def record(kind: str, p: int, m: int, v: int) -> list:
         base = S._build_default_pg_collection()
         pg.tp, pg.cp, pg.pp, pg.embd, pg.pos_embd = base.tp, base.cp, group, None, None
         pg.dp, pg.dp_cp, pg.tp_dp_cp = base.dp, base.dp_cp, base.tp_dp_cp
-        chunks = [Stage(config, pre=(r == 0 and c == 0), post=(r == p - 1 and c == v - 1), vp_stage=c)
+        last = p * v - 1
+        chunks = [Stage(config, pre=stage_of(kind, p, r, c) == 0, post=stage_of(kind, p, r, c) == last, vp_stage=c)
                   for c in range(v)]
         for chunk in chunks:
             chunk.config = config
@@ -132,6 +141,8 @@ def record(kind: str, p: int, m: int, v: int) -> list:
                       p2p_communicator=comm, pg_collection=pg)
         if kind == "zb_h1":
             forward_backward_zb_h1(**kwargs)
+        elif kind == "zb_v":
+            forward_backward_zb_v(**kwargs)
         elif v > 1:
             S.forward_backward_pipelining_with_interleaving(**kwargs)
         else:

@@ -18,11 +18,28 @@ from launcher.core.schedules import build_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 PPS = range(2, 17)
+QUEUES = [None, 1]
+"""The replay's queue rules: one per communicator, and CUDA_DEVICE_MAX_CONNECTIONS=1's one per GPU."""
+EXECUTED = [("1f1b", 1), ("zb_h1", 1), ("interleaved", 2), ("zb_h1", 2), ("zb_v", 2)]
+"""(schedule kind, chunks per rank) of every pipeline program the ranks execute."""
 
 
-def _microbatches(kind: str, p: int) -> list:
-    # fewer microbatches than stages (partial warm-up), and more than twice as many (a long steady state)
-    return [p, 2 * p] if kind == "interleaved" else sorted({max(1, p - 1), 2 * p + 1})
+def _microbatches(kind: str, p: int, v: int = 1) -> list:
+    # fewer microbatches than stages (partial warm-up), and more than twice as many (a long steady state);
+    # over a virtual pipeline, Megatron's microbatch groups (PP) must divide them (but for the V)
+    if v > 1 and kind != "zb_v":
+        return [p, 2 * p]
+    return sorted({max(1, p - 1), 2 * p + 1})
+
+
+def _placement(kind: str, v: int) -> str:
+    return "zb_v" if kind == "zb_v" else "interleaved" if v > 1 else "1f1b"
+
+
+def _messages(kind: str, p: int, v: int, m: int) -> int:
+    """p2p ops matched in one step: every activation and gradient crosses each stage boundary between ranks
+    once (ZB-V's turn on the last rank is local)."""
+    return 2 * (2 * p - 2) * m if kind == "zb_v" else 2 * (p * v - 1) * m
 
 
 # ---------------------------------------------------------------------------------- the replay itself
@@ -42,15 +59,16 @@ def _unfused(ops, r: int, p: int) -> list:
     return prog + [("wait", i) for i in lone]
 
 
+@pytest.mark.parametrize("connections", QUEUES)
 @pytest.mark.parametrize("kind", ["zb_h1", "1f1b"])
-def test_planned_p2p_programs_replay_without_deadlock_for_pp_2_to_16(kind):
+def test_planned_p2p_programs_replay_without_deadlock_for_pp_2_to_16(kind, connections):
     for p in PPS:
         for m in (1, p - 1, p, 2 * p + 1, 4 * p):
             if m < 1:
                 continue
             programs = p2p.plan_all(build_schedule(kind, p, m))
             # every activation and gradient crosses once per stage boundary
-            assert p2p.replay(programs) == 2 * (p - 1) * m, (kind, p, m)
+            assert p2p.replay(programs, connections) == 2 * (p - 1) * m, (kind, p, m)
 
 
 @pytest.mark.parametrize("p", [3, 4, 8, 16])
@@ -81,6 +99,25 @@ def test_replay_rules_one_by_one():
              [("post", (1, 0), [("send", 0, "world", "x")], "pair"), ("post", (1, 1), [("recv", 0, "pp", "x")],
               "pair"), ("wait", (1, 1))]]
     assert p2p.replay(apart) == 2
+    # ... but under CUDA_DEVICE_MAX_CONNECTIONS=1 every kernel of a GPU runs in launch order on one hardware
+    # queue: each rank's send is ahead of its receive, and neither send can complete (NVIDIA/nccl#783)
+    with pytest.raises(p2p.Deadlock):
+        p2p.replay(apart, connections=1)
+    # one queue: a group waits for every group the rank posted before it, on any channel or peer
+    chain = [[recv((0, 0), 1, "a"), send((0, 1), 2, "b"), ("wait", (0, 0)), ("wait", (0, 1))],
+             [("post", (1, 0), [("recv", 2, "pp", "c")], "pair"), send((1, 1), 0, "a"), ("wait", (1, 0)),
+              ("wait", (1, 1))],
+             [("post", (2, 0), [("recv", 0, "pp", "b")], "pair"), send((2, 1), 1, "c"), ("wait", (2, 0)),
+              ("wait", (2, 1))]]
+    assert p2p.replay(chain) == 3  # per pair: every op's partner is at the head of its pair's queue
+    with pytest.raises(p2p.Deadlock):
+        p2p.replay(chain, connections=1)  # rank 0's send waits behind its receive, which waits on rank 1 ...
+    # a collective's kernel queues behind the rank's p2p groups still in flight
+    behind = [[send((0, 0), 1), ("coll", "w", [0, 1]), ("wait", (0, 0))],
+              [("coll", "w", [0, 1]), recv((1, 0), 0), ("wait", (1, 0))]]
+    assert p2p.replay(behind) == 1
+    with pytest.raises(p2p.Deadlock):
+        p2p.replay(behind, connections=1)
     # matched ops that carry different data are an error, not a silent success
     with pytest.raises(ValueError, match="sends a"):
         p2p.replay([[send((0, 0), 1, "a"), ("wait", (0, 0))], [recv((1, 0), 0, "b"), ("wait", (1, 0))]])
@@ -90,8 +127,7 @@ def test_replay_rules_one_by_one():
 @pytest.fixture(scope="module")
 def fake_rank_traces(tmp_path_factory):
     """One training step of every executed schedule, recorded as each stage of PP 2..16 (one process)."""
-    specs = [f"{kind}:{p}:{m}:{2 if kind == 'interleaved' else 1}"
-             for kind in ("1f1b", "zb_h1", "interleaved") for p in PPS for m in _microbatches(kind, p)]
+    specs = [f"{kind}:{p}:{m}:{v}" for kind, v in EXECUTED for p in PPS for m in _microbatches(kind, p, v)]
     out = tmp_path_factory.mktemp("p2p") / "traces.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "_p2p_fake_rank.py"), str(out), *specs],
@@ -102,34 +138,37 @@ def fake_rank_traces(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("kind", ["1f1b", "zb_h1", "interleaved"])
-def test_every_executed_schedule_replays_under_nccl_rules_for_pp_2_to_16(fake_rank_traces, kind):
+@pytest.mark.parametrize("connections", QUEUES)
+@pytest.mark.parametrize("kind,v", EXECUTED)
+def test_every_executed_schedule_replays_under_nccl_rules_for_pp_2_to_16(fake_rank_traces, kind, v, connections):
+    """Megatron's own 1F1B and interleaved schedules and our zero-bubble executor, as each stage issues them, replay
+    under NCCL's rules, with one queue per communicator and with one per GPU (CUDA_DEVICE_MAX_CONNECTIONS=1)."""
     covered = set()
     for spec, programs in fake_rank_traces.items():
-        k, p, m, _ = spec.split(":")
-        if k != kind:
+        k, p, m, vv = spec.split(":")
+        if (k, int(vv)) != (kind, v):
             continue
-        matched = p2p.replay(programs)
-        per_chunk = 2 if kind == "interleaved" else 1
-        # every activation and gradient crosses each chunk boundary once (2 chunk boundaries more per extra chunk)
-        assert matched == 2 * (int(p) * per_chunk - 1) * int(m), spec
+        assert p2p.replay(programs, connections) == _messages(kind, int(p), v, int(m)), spec
         covered.add(int(p))
     assert covered == set(PPS)
 
 
-def test_zb_h1_executor_issues_exactly_the_planned_program(fake_rank_traces):
-    """The executor posts the groups the plan derives, in its order (tags aside: the trace knows sizes)."""
+def test_zero_bubble_executor_issues_exactly_the_planned_program(fake_rank_traces):
+    """The executor posts the groups the plan derives, in its order, on the planned channels (tags aside: the trace
+    knows sizes): ZB-H1, ZB-H1 over a virtual pipeline, ZB-V."""
+    seen = set()
     for spec, programs in fake_rank_traces.items():
-        kind, p, m, _ = spec.split(":")
-        if kind != "zb_h1":
+        kind, p, m, v = spec.split(":")
+        if kind not in ("zb_h1", "zb_v"):
             continue
-        planned = p2p.plan_all(build_schedule("zb_h1", int(p), int(m)))
+        seen.add((kind, int(v)))
+        planned = p2p.plan_all(build_schedule(kind, int(p), int(m), int(v), int(p)), placement=_placement(kind, int(v)))
         for r, (executed, plan) in enumerate(zip(programs, planned)):
-            shape = [(ev[0], [(o[0], o[1]) for o in ev[2]] if ev[0] == "post" else tuple(ev[1]))
-                     for ev in executed]
-            want = [(ev[0], [(o[0], o[1]) for o in ev[2]] if ev[0] == "post" else tuple(ev[1]))
+            shape = [(ev[0], [tuple(o[:3]) for o in ev[2]] if ev[0] == "post" else tuple(ev[1])) for ev in executed]
+            want = [(ev[0], [tuple(o[:3]) for o in ev[2]] if ev[0] == "post" else tuple(ev[1]))
                     for ev in plan if ev[0] != "op"]
             assert shape == want, f"{spec} rank {r}"
+    assert seen == {("zb_h1", 1), ("zb_h1", 2), ("zb_v", 2)}
 
 
 def _emulated_run(tmp_path: Path, name: str, nproc: int, overrides: list) -> dict:
@@ -148,7 +187,7 @@ def _emulated_run(tmp_path: Path, name: str, nproc: int, overrides: list) -> dic
 
 
 def _p2p_only(events: list, p: int) -> list:
-    """Posts and waits, item ids renumbered per rank, the pipeline group named as the recorder names it, sizes
+    """Posts and waits, item ids renumbered per rank, the pipeline groups named alike, sizes
     dropped (the stand-in stage is smaller), one wait per group (a batch returns one request per op)."""
     ids, out, waited = {}, [], set()
     pp = "g" + "-".join(str(r) for r in range(p))
@@ -156,7 +195,9 @@ def _p2p_only(events: list, p: int) -> list:
         key = tuple(ev[1]) if ev[0] in ("post", "wait") and isinstance(ev[1], (list, tuple)) else ev[1]
         if ev[0] == "post":
             ids[key] = len(ids)
-            out.append(("post", ids[key], [(o[0], o[1], "pp" if o[2] == pp else o[2]) for o in ev[2]], ev[3]))
+            # ZB-V's second channel has the pipeline group's ranks (a real run names both alike): the direction says it
+            out.append(("post", ids[key], [(o[0], o[1], "pp" if o[2] in (pp, "pp" + p2p.UP) else o[2])
+                                           for o in ev[2]], ev[3]))
         elif ev[0] == "wait" and key in ids and key not in waited:
             waited.add(key)
             out.append(("wait", ids[key]))
@@ -164,20 +205,22 @@ def _p2p_only(events: list, p: int) -> list:
 
 
 @pytest.mark.parametrize("name,nproc,kind,vpp", [("zb_h1_pp4", 4, "zb_h1", 1), ("interleaved_pp2_vp2", 2,
-                                                                                   "interleaved", 2)])
+                                                                                   "interleaved", 2),
+                                                 ("zb_v_pp2", 2, "zb_v", 2)])
 def test_real_ranks_issue_the_recorded_order_and_keep_nccl_device_rules(tmp_path, fake_rank_traces, name, nproc,
                                                                        kind, vpp):
     """A real multi-process job (checkpoint save and resume probes, loss reduction, the pipeline schedule) under
     the emulation: no host tensor reaches a collective, and each step's p2p events are exactly those the
     one-process recorder saw for that stage, so the PP 2..16 replay above is of what ranks really do."""
-    steps, m = 2, _microbatches(kind, nproc)[0]  # a microbatch count the fake-rank sweep recorded
+    steps, m = 2, _microbatches(kind, nproc, vpp)[0]  # a microbatch count the fake-rank sweep recorded
     overrides = [*TINY, *layout(pp=nproc), f"schedule.kind={kind}", f"train.train_steps={steps}",
                  "checkpoint.save_at_end=true", f"model.num_layers={nproc * vpp * 1}",
                  f"train.global_batch_size={2 * m}"]
     if vpp > 1:
         overrides.append(f"parallel.virtual_pipeline={vpp}")
     traces = _emulated_run(tmp_path, name, nproc, overrides)
-    p2p.replay([traces[r] for r in range(nproc)])  # the whole run, collectives included
+    for connections in QUEUES:  # the whole run, collectives included
+        p2p.replay([traces[r] for r in range(nproc)], connections)
     recorded = fake_rank_traces[f"{kind}:{nproc}:{m}:{vpp}"]
     for r in range(nproc):
         one_step = _p2p_only(recorded[r], nproc)
@@ -310,15 +353,18 @@ def test_rank_wing_makes_no_host_tensor_outside_the_allow_list():
     assert not stale, f"allow-list entries that no longer match a call: {stale}"
 
 
+@pytest.mark.parametrize("connections", QUEUES)
 @pytest.mark.parametrize("costs", [(1, 1, 1), (0.77, 1, 0.49), (1, 2, 1)])
-def test_zb_v_programs_replay_without_deadlock_for_pp_2_to_16(costs):
-    """ZB-V (two chunks per rank in a V): each rank pair carries activations and gradients both ways, so its
-    program uses one single-op channel per direction and posts sends in the order the peer receives them; every
+def test_zb_v_programs_replay_without_deadlock_for_pp_2_to_16(costs, connections):
+    """ZB-V (two chunks per rank in a V): each rank pair carries activations and gradients both ways, so every
+    rank posts its sends and receives in one global order of the messages (p2p._plan_in_time_order); every
     message crosses once (2 x (2p - 2) per microbatch: the V's turn on the last rank is local)."""
     for p in PPS:
         for m in (1, p, 2 * p + 1, 4 * p):
             sched = build_schedule("zb_v", p, m, costs=costs)
-            assert p2p.replay(p2p.plan_all(sched, placement="zb_v")) == 2 * (2 * p - 2) * m, (p, m)
+            for overlap in (False, True):
+                programs = p2p.plan_all(sched, placement="zb_v", overlap=overlap)
+                assert p2p.replay(programs, connections) == 2 * (2 * p - 2) * m, (p, m, overlap)
 
 
 def test_zb_v_orders_for_per_stage_costs_replay_without_deadlock_for_pp_2_to_16():
@@ -332,23 +378,39 @@ def test_zb_v_orders_for_per_stage_costs_replay_without_deadlock_for_pp_2_to_16(
             costs = tuple(c * x for x in scale for c in (0.7, 1, 0.6))
             for m in (p, 2 * p + 1, 4 * p):
                 sched = build_schedule("zb_v", p, m, costs=costs)
-                assert p2p.replay(p2p.plan_all(sched, placement="zb_v")) == 2 * (2 * p - 2) * m, (p, m)
+                for connections in QUEUES:
+                    assert p2p.replay(p2p.plan_all(sched, placement="zb_v"), connections) == 2 * (2 * p - 2) * m
+
+
+def _ops_between_post_and_wait(program: list) -> list:
+    """For each receive: how many ops run between its post and its wait."""
+    posted, out = {}, []
+    for i, ev in enumerate(program):
+        if ev[0] == "post" and ev[2][0][0] == "recv":
+            posted[ev[1]] = i
+        elif ev[0] == "wait" and ev[1] in posted:
+            out.append(sum(1 for e in program[posted.pop(ev[1]):i] if e[0] == "op"))
+    return out
 
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_zb_h1_over_a_virtual_pipeline_replays_without_deadlock_for_pp_2_to_16(overlap):
     """ZB-H1 over VPP 2 and 3 (Megatron's interleaved placement: stage p - 1 hands over to rank 0, so a rank pair
-    carries messages both ways, as in the V): single ops on one channel per direction, and with overlap_p2p_comm
-    every receive posted one op early; every message crosses once (2 x (pv - 1) per microbatch)."""
+    carries messages both ways, as in the V): every rank posts in one global order of the messages, and with
+    overlap_p2p_comm each receive as early as that order allows; every message crosses once (2 x (pv - 1) per
+    microbatch), under either queue rule."""
     for p in PPS:
         for v in (2, 3):
             for m in (p, 2 * p):
                 sched = build_schedule("zb_h1", p, m, v)
                 programs = p2p.plan_all(sched, placement="interleaved", overlap=overlap)
-                assert p2p.replay(programs) == 2 * (p * v - 1) * m, (p, v, m)
-                if overlap:  # a receive posted before the op ahead of the one that needs it
-                    assert any(ev[0] == "post" and ev[2][0][0] == "recv" and programs[1][i + 1][0] == "op"
-                               for i, ev in enumerate(programs[1]))
+                for connections in QUEUES:
+                    assert p2p.replay(programs, connections) == 2 * (p * v - 1) * m, (p, v, m)
+                early = [n for prog in programs for n in _ops_between_post_and_wait(prog)]
+                if overlap:  # receives in flight under compute: posted one or more ops before they are needed
+                    assert max(early) >= 1
+                else:  # posted right before the op consuming it, unless the order needs it earlier
+                    assert sum(n == 0 for n in early) > len(early) // 2
 
 
 def test_every_zb_v_variant_replays_without_deadlock():
@@ -364,24 +426,88 @@ def test_every_zb_v_variant_replays_without_deadlock():
                     sched = [list(ops) for ops in _zb_v(p, m, costs, *rule)[0]]
                     for overlap in (False, True):
                         programs = p2p.plan_all(sched, placement="zb_v", overlap=overlap)
-                        assert p2p.replay(programs) == 2 * (2 * p - 2) * m, (p, m, costs, rule, overlap)
+                        for connections in QUEUES:
+                            assert p2p.replay(programs, connections) == 2 * (2 * p - 2) * m, \
+                                (p, m, costs, rule, overlap, connections)
 
 
-def test_zb_v_with_overlapped_receives_replays_without_deadlock():
-    for p in (2, 3, 4, 8, 16):
-        for m in (1, p, 2 * p + 1):
-            sched = build_schedule("zb_v", p, m)
-            assert p2p.replay(p2p.plan_all(sched, placement="zb_v", overlap=True)) == 2 * (2 * p - 2) * m, (p, m)
+def _sends_early(program: list) -> list:
+    """The program with every send posted right after the op producing it, ahead of receives the global order
+    put first: one send more in flight on the rank's queue (the order ZB-V and ZB-H1 over a virtual pipeline
+    were posted in before the one-queue rule)."""
+    out = [ev for ev in program if not (ev[0] == "post" and ev[2][0][0] == "send")]
+    for k, ev in enumerate(program):
+        if ev[0] == "post" and ev[2][0][0] == "send":
+            producer = max(i for i, e in enumerate(program[:k]) if e[0] == "op")
+            at = out.index(program[producer]) + 1
+            while out[at][0] == "post" and out[at][2][0][0] == "send":
+                at += 1  # behind the sends of the same op, in their order
+            out.insert(at, ev)
+    return out
 
 
-def test_zb_v_needs_its_sends_in_the_receivers_order():
-    """Without the peers' op lists the plan sends in production order; NCCL (no tags, in-order matching per pair)
-    then hands a rank the wrong tensor or deadlocks: the replay catches it."""
-    failures = 0
-    for p in (3, 4, 8):
-        sched = build_schedule("zb_v", p, 2 * p)
-        programs = [p2p.plan(ops, r, p, placement="zb_v") for r, ops in enumerate(sched)]
-        with pytest.raises((ValueError, p2p.Deadlock)):
-            p2p.replay(programs)
-        failures += 1
-    assert failures == 3
+@pytest.mark.parametrize("kind,v", [("zb_v", 2), ("zb_h1", 2)])
+def test_one_send_too_many_in_flight_hangs_under_one_queue(kind, v):
+    """Sends posted as soon as produced (the receiving side unchanged) still complete with one queue per
+    communicator, so the old rule could not see it; with CUDA_DEVICE_MAX_CONNECTIONS=1 they deadlock."""
+    hung = 0
+    for p in (2, 3, 4, 8):
+        sched = build_schedule(kind, p, 2 * p, v, p)
+        programs = [_sends_early(prog) for prog in p2p.plan_all(sched, placement=_placement(kind, v))]
+        assert programs != p2p.plan_all(sched, placement=_placement(kind, v))
+        p2p.replay(programs)  # per-communicator queues: fine
+        try:
+            p2p.replay(programs, connections=1)
+        except p2p.Deadlock:
+            hung += 1
+    assert hung >= 3, hung
+
+
+def test_programs_over_several_chunks_need_every_ranks_op_list():
+    """Without the peers' op lists no rank can know the global order of the messages: refused, not guessed."""
+    sched = build_schedule("zb_v", 4, 8)
+    with pytest.raises(ValueError, match="every rank's op list"):
+        p2p.plan(sched[1], 1, 4, placement="zb_v")
+
+
+def _zero_bubble_jobs() -> list:
+    """(name, overrides) of every zero-bubble job the launcher offers: the search candidates of the golden searches
+    (Llama3-70B on 16 H100 nodes, Qwen3-30B-A3B on 16 H100s) and each catalogue recipe's ZB-H1 and ZB-V variants
+    (benchmarks/zb_recipes.py, the README's zero-bubble table, ZB-V with the planner's own zb_v_costs)."""
+    from test_search_golden import CASES
+
+    jobs = []
+    for case, (args, _) in CASES.items():
+        golden = json.loads((ROOT / "tests" / "golden" / f"search_{case}.json").read_text())
+        jobs += [(f"{case} #{i}", [*args, *c["overrides"]]) for i, c in enumerate(golden)
+                 if any(o in c["overrides"] for o in ("schedule.kind=zb_h1", "schedule.kind=zb_v"))]
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import zb_recipes
+    from launcher.config import RECIPES_DIR, compose_job
+
+    for name in sorted(p.stem for p in (RECIPES_DIR / "recipe").glob("*.yaml")):
+        job = compose_job([f"recipe={name}"])
+        if job.parallel.pipeline > 1:
+            jobs += [(f"{name} {kind}", zb_recipes.row(name, overrides)["overrides"] + [f"recipe={name}"])
+                     for kind, overrides in zb_recipes.variants(job)]
+    return jobs
+
+
+def test_every_zero_bubble_job_offered_replays_under_one_queue():
+    """Every zero-bubble layout the search returns and every catalogue variant, with the op order and p2p program
+    its ranks would run (the layout's PP, microbatches, VPP, microbatch group and zb_v_costs), completes under
+    CUDA_DEVICE_MAX_CONNECTIONS=1's one queue per GPU."""
+    from launcher.config import compose_job
+    from launcher.core import derive
+
+    seen = {"zb_h1": 0, "zb_v": 0, "zb_h1 over chunks": 0}
+    for name, overrides in _zero_bubble_jobs():
+        job = compose_job(overrides)
+        lay = derive(job)
+        kind, p, v = job.schedule.kind, lay.pp, lay.vpp or 1
+        sched = build_schedule(kind, p, lay.microbatches, v, lay.microbatch_group,
+                               tuple(job.schedule.zb_v_costs or (1.0, 1.0, 1.0)))
+        programs = p2p.plan_all(sched, placement=_placement(kind, v), overlap=job.schedule.overlap_p2p_comm)
+        assert p2p.replay(programs, connections=1) == _messages(kind, p, v, lay.microbatches), name
+        seen["zb_h1 over chunks" if kind == "zb_h1" and v > 1 else kind] += 1
+    assert min(seen.values()) >= 3, seen

@@ -12,10 +12,13 @@ order is ``launcher.core.schedules.schedule_zb_h1`` — the list the planner sim
   ``main_grad`` buffers.
 
 The sends and receives around them are the p2p program ``launcher.core.p2p.plan`` derives from the op list,
-executed literally: each group posted as one ``batch_isend_irecv``, a send fused with the next receive from the
-same peer (Megatron's ``send_forward_recv_backward`` rule, so two stages never both wait on a lone send under
-NCCL's blocking sends), each receive waited right before the op that needs it. ``tests/test_nccl_semantics.py``
-replays the program, and the order the ranks really issue, under NCCL's rules for PP 2..16.
+executed literally. Over one chunk each group is posted as one ``batch_isend_irecv``, a send fused with the next
+receive from the same peer (Megatron's ``send_forward_recv_backward`` rule, so two stages never both wait on a lone
+send under NCCL's blocking sends). Over several chunks (ZB-V, ZB-H1 over a virtual pipeline) every rank posts
+single sends and receives in one global order of the messages, so the program also completes where a GPU runs all
+its kernels on one hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``). Each receive is waited right before the op
+that needs it. ``tests/test_nccl_semantics.py`` replays the program, and the order the ranks really issue, under
+NCCL's rules (one queue per communicator, and one per GPU) for PP 2..16.
 
 Gradient reduction: a parameter's gradient is complete only after its last W. Without ``overlap_grad_reduce``
 the DP reduce (and the embedding/SP all-reduces) run once, in ``finalize_model_grads`` after the last W, as
