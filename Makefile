@@ -9,7 +9,7 @@ MEGATRON_CORE := megatron-core==0.19.2
 
 # Lanes (pytest marks given by tests/conftest.py from what each test does): `make test-fast` is the login node,
 # validation, planner, render and unit tests (no multi-rank training, no Slurm, no GPU), on both cores;
-# `make test` is everything (CI runs it); `make test-gpu` the tests in tests/gpu (skipped without CUDA).
+# `make test` is everything (CI runs it); `make test-gpu` the GPU lane (tests/gpu/lane.py, on a GPU node).
 FAST := not multirank and not slurm and not gpu and not slow
 
 setup: $(VENV)/.installed
@@ -39,8 +39,11 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -n 2 --durations=10 -m '$(FAST)' tests
 
-test-gpu: setup
-	$(PY) -m pytest -q -m gpu tests/gpu
+# The GPU lane runs in the GPU image's own Python (its torch, Transformer Engine, NCCL): never the CPU venv, so
+# no `setup`. One command, a 15-minute budget on one 8-GPU node, one report (gpu-lane/gpu-lane-report.{json,txt}).
+GPU_PYTHON ?= python3
+test-gpu:
+	$(GPU_PYTHON) tests/gpu/lane.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -85,6 +85,13 @@ def test_smoke_leaves_report_tensorboard_and_checkpoint(smoke):
     for key in ("final_loss", "tokens_per_s", "tflops", "mfu", "peak_mem_gib", "final_valid_loss"):
         assert key in smoke.final
     assert smoke.final["status"] == "done" and smoke.final["steps"] == 12
+    # every pipeline stage's peak (the largest of its TP ranks), gathered from all ranks: the GPU lane holds it
+    # against the plan's per-stage memory
+    stages = smoke.final["memory_by_stage"]
+    assert [s["stage"] for s in stages] == [0, 1] and all(s["basis"] == "peak RSS" for s in stages)
+    assert all(0 < s["peak_gib"] < 8 for s in stages) and {s["rank"] for s in stages} <= {0, 1, 2, 3}
+    assert len({s["rank"] for s in stages}) == 2
+    assert smoke.final["peak_mem_gib"] <= max(s["peak_gib"] for s in stages)  # rank 0's is one of them
     assert list((smoke.bundle / "tensorboard").glob("events.out.tfevents.*"))
     ckpt = smoke.bundle / "checkpoints"
     assert (ckpt / "latest").read_text().strip() == "iter_0000012"

@@ -264,8 +264,9 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
                                    "lower train.lr, or set train.nonfinite=skip")
     if (job.checkpoint.save_at_end or why == "stopped") and lp.step > saved_at:
         save()
+    stages = metrics.memory_by_stage(ps.get_pipeline_model_parallel_rank())  # collective: every rank
     log.close(metrics.summary(log.history, log.evals, status=why, steps=lp.step, world=layout.world,
-                              flops_per_token=fpt, peak_tflops=peak, util_label=label))
+                              flops_per_token=fpt, peak_tflops=peak, util_label=label, stages=stages))
     attempt.update(outcome="done" if why == "done" else "stopped")
     if why == "done" and rank == 0:
         (bundle / "DONE").write_text(f"{lp.step}\n")  # the job script requeues only runs without DONE

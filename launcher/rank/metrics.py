@@ -19,6 +19,24 @@ def memory_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
 
 
+def memory_by_stage(pp_rank: int) -> List[dict]:
+    """Collective over the world: every rank's peak memory (``memory_gib``, and on GPU the caching allocator's
+    peak reservation), gathered; returns, per pipeline stage, the largest over that stage's ranks (what the planner
+    predicts per stage: launcher/plan/memory.py). Every rank gets the same list; rank 0 writes it into the run's
+    report, where the GPU lane compares it with the plan."""
+    import torch.distributed as dist
+
+    mine = {"stage": pp_rank, "rank": dist.get_rank(), "peak_gib": memory_gib(),
+            "reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else None}
+    everyone: List[Optional[dict]] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    out = []
+    for stage in sorted({r["stage"] for r in everyone}):
+        top = max((r for r in everyone if r["stage"] == stage), key=lambda r: r["peak_gib"])
+        out.append({**top, "basis": "max_memory_allocated" if torch.cuda.is_available() else "peak RSS"})
+    return out
+
+
 def measure_cpu_matmul_tflops(seconds: float = 0.3, n: int = 512) -> float:
     """This rank's share of the CPU's fp32 matmul throughput, measured with every rank of the node running it
     at the same time (the caller puts a barrier before): the peak a CPU rank can reach, in TFLOP/s."""
@@ -116,11 +134,15 @@ class MetricsLogger:
 
 
 def summary(history: List[dict], evals: List[dict], *, status: str, steps: int, world: int,
-            flops_per_token: float, peak_tflops: float, util_label: str) -> Dict[str, float]:
-    """Final numbers for report/metrics.json; throughput averaged over the second half (past warm-up)."""
+            flops_per_token: float, peak_tflops: float, util_label: str,
+            stages: Optional[List[dict]] = None) -> Dict[str, float]:
+    """Final numbers for report/metrics.json; throughput averaged over the second half (past warm-up);
+    ``stages``: :func:`memory_by_stage`."""
     final: Dict[str, float] = {"status": status, "steps": steps, "world_size": world,
                                "flops_per_token": flops_per_token, "mfu_basis": util_label,
                                "mfu_peak_tflops_per_rank": peak_tflops}
+    if stages is not None:
+        final["memory_by_stage"] = stages
     if history:
         tail = history[len(history) // 2:] if len(history) > 2 else history
         final.update(first_loss=history[0]["loss"], final_loss=history[-1]["loss"],

@@ -41,11 +41,29 @@ def fp8_llama(n: int, steps: int = 20) -> List[str]:
             f"train.global_batch_size={2 * n // tp * 4}", f"train.train_steps={steps}"]
 
 
-def pipeline(kind: str, steps: int = 10) -> List[str]:
-    """PP4 on 4 GPUs, 8 microbatches, the same model and data for 1f1b, interleaved (VPP2) and zb_h1."""
-    vpp = 2 if kind == "interleaved" else 0
-    return [*SMALL_LLAMA, *GPU, *gpus(4), *parallel(pp=4, vpp=vpp), "model.num_layers=8",
-            f"schedule.kind={kind}", "train.global_batch_size=16", f"train.train_steps={steps}"]
+ZB_TP_KINDS = ("1f1b", "interleaved", "zb_h1", "zb_h1_vpp", "zb_v")
+"""The pipeline schedules the lane runs with TP, FP8 and userbuffer overlap (zb_h1_vpp: ZB-H1 over VPP 2)."""
+
+
+def zero_bubble_tp(kind: str, n: int = 8, steps: int = 8) -> List[str]:
+    """TP2 x PP n/2 (2..4) on n GPUs, FP8 (tensorwise) and the userbuffer TP overlap (the sub-overlaps zero bubble
+    keeps, models/zero_bubble.py ZB_TP_OVERLAP): TP > 1 derives CUDA_DEVICE_MAX_CONNECTIONS=1, the one hardware
+    queue per GPU under which a p2p program that needs independent queues hangs (launcher/core/p2p.py). 1F1B (the
+    reference), interleaved, ZB-H1, ZB-H1 over VPP 2 and ZB-V over the same model, data and 8 microbatches."""
+    pp = max(2, min(4, n // 2))
+    vpp = 2 if kind in ("interleaved", "zb_h1_vpp", "zb_v") else 0
+    return [*SMALL_LLAMA, *GPU, *gpus(2 * pp), *parallel(tp=2, pp=pp, vpp=vpp), "model.num_layers=8",
+            "precision.fp8=tensorwise", "parallel.tp_comm_overlap=true",
+            f"schedule.kind={'zb_h1' if kind == 'zb_h1_vpp' else kind}", "train.global_batch_size=16",
+            f"schedule.overlap_p2p_comm={'true' if vpp else 'false'}", f"train.train_steps={steps}"]
+
+
+def fsdp(on: bool, n: int = 2, steps: int = 8) -> List[str]:
+    """Megatron-FSDP (ZeRO-3, optim_grads_params) over n GPUs against DDP with the distributed optimizer: FSDP
+    needs CUDA_DEVICE_MAX_CONNECTIONS unset (Megatron-LM refuses 1), which env.sh does inside the image too."""
+    return [*SMALL_LLAMA, *GPU, *gpus(n), *parallel(), "parallel.distributed_optimizer=true",
+            f"parallel.megatron_fsdp={'true' if on else 'false'}", f"train.global_batch_size={4 * n}",
+            f"train.train_steps={steps}"]
 
 
 def moe(overlap: bool, steps: int = 10) -> List[str]:
@@ -69,7 +87,8 @@ def mfu(n: int = 1, steps: int = 12) -> List[str]:
             f"train.train_steps={steps}"]
 
 
-ALL = {"fp8_llama_1": fp8_llama(1), "fp8_llama_8": fp8_llama(8), "pp4_1f1b": pipeline("1f1b"),
-       "pp4_interleaved": pipeline("interleaved"), "pp4_zb_h1": pipeline("zb_h1"), "moe_ep2": moe(False),
-       "moe_ep2_a2a_overlap": moe(True), "checkpointed_1": checkpointed(1), "mfu_1": mfu(1)}
+ALL = {"fp8_llama_1": fp8_llama(1), "fp8_llama_8": fp8_llama(8), "moe_ep2": moe(False),
+       "moe_ep2_a2a_overlap": moe(True), "checkpointed_1": checkpointed(1), "mfu_1": mfu(1),
+       "fsdp_2": fsdp(True), "ddp_2": fsdp(False),
+       **{f"tp2_{kind}_{n}gpu": zero_bubble_tp(kind, n) for kind in ZB_TP_KINDS for n in (4, 8)}}
 """Every job of the lane (the CPU test renders each)."""
