@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from launcher.config import ConfigError, compose_dict, secret_problems, to_job
+from launcher.config import ConfigError, compose_dict, secret_problems, secret_value_problems, to_job
 from launcher.overrides import check_override
 from launcher.problems import EXIT_USAGE, errors, report
 from launcher.schema import JobConfig
@@ -86,6 +86,10 @@ def _main(argv: list[str] | None = None) -> int:
             print(OmegaConf.to_yaml(cfg), end="")
             return 0
         job = to_job(cfg)
+        leaks = secret_value_problems(job)
+        if leaks:
+            report(leaks)
+            return EXIT_USAGE
     except ConfigError as exc:
         if exc.problem is not None:
             report([exc.problem])

@@ -143,40 +143,119 @@ def _type_problem(exc: Exception, overrides: list[str]) -> Optional[Problem]:
     return verified_hint(job, hinted, raw_problems(job))
 
 
-SECRET_REF = re.compile(r"\boc\.env\s*:\s*(\$\{|[A-Za-z_][A-Za-z0-9_]*)")
-"""The variable an ``${oc.env:NAME}`` interpolation reads (or ``${`` when its name is itself interpolated)."""
+ENVIRONMENT_FREE_RESOLVERS = frozenset({
+    "oc.create", "oc.decode", "oc.deprecated", "oc.select", "oc.dict.keys", "oc.dict.values",  # OmegaConf's own
+    "hydra", "now", "python_version",  # Hydra's: its own run config, the clock, the interpreter's version
+    "checkout",  # ours: a path inside the launcher checkout
+})
+"""Every resolver the login node registers except ``oc.env``, each checked not to read the environment (a test
+fails when one is added): so watching ``oc.env`` while the job resolves sees every environment read."""
+
+ENVIRONMENT_RULE = ("reads the environment variable {name} through an interpolation, so its value would be written "
+                    "into the run bundle (config.yaml, env.sh); no environment value is ever written there")
 
 
 def secret_problems(cfg: DictConfig) -> list[Problem]:
-    """Interpolations that would write a secret's value into the bundle: ``${oc.env:NAME}`` anywhere in the
-    job, where NAME is in cluster.secret_env or looks like a secret (or is computed by another interpolation).
-    Checked on the unresolved config, before anything reads the value."""
-    from launcher.validate.run import SECRET_NAME
+    """Interpolations that read the environment, in any spelling OmegaConf accepts (quoted or unquoted names,
+    defaults, computed or nested names, ``oc.decode``/``oc.create`` evaluating escaped text): the job is resolved
+    once, node by node, with ``oc.env`` replaced by a recorder that returns a placeholder, so no value is read.
+    Which variables hold secrets is not ours to guess (``DB_PASS``, ``MY_AUTH``): every read is refused."""
+    from omegaconf import DictConfig, ListConfig
+    from omegaconf.resolvers import oc
+
+    read: list[str] = []
+
+    def recorder(key, default=None):  # noqa: ARG001 - the default is never used: nothing is read
+        read.append(str(key))
+        return "environment-value-withheld"
 
     tree = OmegaConf.to_container(cfg, resolve=False)
-    secret_env = (tree.get("cluster") or {}).get("secret_env") or []
-    listed = {str(n) for n in secret_env} if isinstance(secret_env, list) else set()
+    found: list[tuple[str, list[str]]] = []
+
+    def walk(node, path: str) -> None:
+        keys = list(node.keys()) if isinstance(node, DictConfig) else range(len(node))
+        for key in keys:
+            sub = f"{path}.{key}" if isinstance(node, DictConfig) else f"{path}[{key}]"
+            sub = sub.lstrip(".")
+            before = len(read)
+            try:
+                value = node[key]
+            except Exception:  # noqa: BLE001 - a broken interpolation is reported when the job is typed
+                value = None
+            if len(read) > before:
+                found.append((sub, read[before:]))
+            elif isinstance(value, (DictConfig, ListConfig)):
+                walk(value, sub)
+
+    OmegaConf.register_new_resolver("oc.env", recorder, replace=True, use_cache=False)
+    try:
+        walk(cfg, "")
+    finally:
+        OmegaConf.register_new_resolver("oc.env", oc.env, replace=True, use_cache=False)
+    return [_environment_problem(path, _typed(tree, path), names, tree) for path, names in found]
+
+
+def _typed(tree, path: str) -> str:
+    """The text the user wrote at ``path`` (unresolved), for the error line."""
+    node = tree
+    for part in re.findall(r"[^.\[\]]+", path):
+        try:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        except (KeyError, IndexError, ValueError, TypeError):
+            return "${...}"
+    return str(node)
+
+
+def _environment_problem(path: str, text: str, names: list[str], tree) -> Problem:
+    from launcher.validate.run import SECRET_NAME
+
+    name = names[0]
+    listed = (tree.get("cluster") or {}).get("secret_env") or []
+    if SECRET_NAME.search(name) or name in [str(n) for n in listed] or not re.fullmatch(r"[A-Za-z_]\w*", name):
+        hint = (f"cluster.secret_env=[{name}] with {path} dropped (export {name} in your shell: it is passed to the "
+                "ranks by name, never written)") if re.fullmatch(r"[A-Za-z_]\w*", name) else \
+            f"cluster.secret_env=[NAME] with {path} dropped (passed to the ranks by name, never written)"
+    else:
+        hint = f'{path}="${name}" (your shell expands it, and the value is in plain sight in the bundle)'
+    return Problem(path, text, ENVIRONMENT_RULE.format(name=name if re.fullmatch(r"[A-Za-z_]\w*", name)
+                                                        else "(a computed name)"), hint)
+
+
+def secret_value_problems(job: JobConfig) -> list[Problem]:
+    """A secret's value typed or expanded by the shell (``logging.wandb_entity=$WANDB_API_KEY``): any string of
+    the job holding the value of a set environment variable that is listed in cluster.secret_env or named like a
+    secret (values under 8 characters are too common to tell)."""
+    import os
+
+    from launcher.validate.run import SECRET_NAME
+
+    listed = {str(n) for n in job.cluster.secret_env}
+    secrets = {name: value for name, value in os.environ.items()
+               if (name in listed or SECRET_NAME.search(name)) and len(value) >= 8}
     problems = []
-    for path, text in _strings(tree):
-        for name in SECRET_REF.findall(text):
-            if name == "${" or name in listed or SECRET_NAME.search(name):
-                shown = "a computed variable name" if name == "${" else f"the secret variable {name}"
-                problems.append(Problem(path, text, f"reads {shown} through an interpolation, so its value would be "
-                                        "written into the run bundle (config.yaml, env.sh)",
-                                        "listing it in cluster.secret_env (passed by name, never written) and exporting it in your shell"))
+    for path, text in _strings(dataclasses.asdict(job), every=True):
+        for name, value in sorted(secrets.items()):
+            if value in text:
+                problems.append(Problem(path, "<redacted>", f"holds the value of the secret environment variable "
+                                        f"{name} (expanded by your shell?); secrets are never written into a run "
+                                        "bundle", f"cluster.secret_env=[{name}] (passed to the ranks by name) and "
+                                        f"{path} without it"))
                 break
     return problems
 
 
-def _strings(node, path: str = ""):
-    """(dotted path, text) of every string in a container tree."""
+def _strings(node, path: str = "", every: bool = False):
+    """(dotted path, text) of every interpolation (``every``: every string, keys of dicts included) in a tree."""
     if isinstance(node, dict):
         for key, value in node.items():
-            yield from _strings(value, f"{path}.{key}" if path else str(key))
-    elif isinstance(node, list):
+            sub = f"{path}.{key}" if path else str(key)
+            if every and isinstance(key, str):
+                yield sub, key
+            yield from _strings(value, sub, every)
+    elif isinstance(node, (list, tuple)):
         for i, value in enumerate(node):
-            yield from _strings(value, f"{path}[{i}]")
-    elif isinstance(node, str) and "${" in node:
+            yield from _strings(value, f"{path}[{i}]", every)
+    elif isinstance(node, str) and (every or "${" in node):
         yield path, node
 
 
@@ -184,6 +263,9 @@ def to_job(cfg: DictConfig) -> JobConfig:
     """Turn a composed DictConfig into typed dataclass instances."""
     from omegaconf.errors import OmegaConfBaseException
 
+    leaks = secret_problems(cfg)  # every login-side job is typed here: none reads the environment
+    if leaks:
+        raise ConfigError(leaks[0].line().removeprefix("error: "), leaks[0])
     try:
         return OmegaConf.to_object(cfg)  # type: ignore[return-value]
     except OmegaConfBaseException as exc:
