@@ -157,6 +157,15 @@ def launch_preflight(job: JobConfig, checked: Checked | None = None) -> list[Pro
         late = lead_problem(job, lead_for_render(job, limit, plan, _ckpt_dir(job)), limit)
         if late is not None:
             problems.append(late)
+    if job.timeouts.collective_s is not None or job.timeouts.heartbeat_s is not None:
+        from launcher.plan import PlanError, plan_job
+        from launcher.render import derived_timeouts, timeouts_problems
+
+        try:
+            plan = plan_job(job, checked=checked).to_dict()
+        except PlanError:
+            return problems
+        problems += timeouts_problems(job, derived_timeouts(job, plan))
     return problems
 
 

@@ -37,7 +37,8 @@ from launcher.core import Layout, derive
 from launcher.core.checkpoint_dir import checkpoint_dir
 from launcher.core.cuda_env import VAR as CUDA_MAX_CONNECTIONS, job_env
 from launcher.core.paths import absolute
-from launcher.core.signal_lead import lead_for_render, shutdown_timeout_s
+from launcher.core import timeouts as timeouts_mod
+from launcher.core.signal_lead import lead_for_render, shutdown_timeout_s, step_and_save_s
 from launcher.schema import JobConfig, Profiler
 
 TEMPLATES = ROOT / "slurm"
@@ -77,13 +78,16 @@ def _environment() -> Environment:
     return env
 
 
-def template_context(job: JobConfig, bundle_dir: Path, signal_lead: dict | None = None) -> dict:
+def template_context(job: JobConfig, bundle_dir: Path, signal_lead: dict | None = None,
+                     timeouts: dict | None = None) -> dict:
     """Everything the templates interpolate, derived from the job (no I/O). ``signal_lead`` is
     ``signal_lead.lead_for_render``'s answer; without it a null slurm.signal_lead_s is derived with no plan and
-    no measured save (the floor)."""
+    no measured save (the floor). ``timeouts``: ``launcher.core.timeouts.derive``'s (without: with no plan)."""
     cluster, slurm = job.cluster, job.slurm
     if signal_lead is None:
         signal_lead = lead_for_render(job, _time_limit_s(job))
+    if timeouts is None:
+        timeouts = timeouts_mod.derive(job, step_s=None, save_s=None)
     is_gpu = cluster.gpu != "cpu"
     env = job_env(job)  # cluster.env with CUDA_DEVICE_MAX_CONNECTIONS resolved (core/cuda_env.py)
     return {
@@ -120,6 +124,12 @@ def template_context(job: JobConfig, bundle_dir: Path, signal_lead: dict | None 
         # submitting shell would otherwise decide for every job
         "unset": [var for var in UNSET_WHEN_NOT_DERIVED if var not in env],
         "secret_names": list(cluster.secret_env),
+        "collective_timeout_s": timeouts["collective_s"], "collective_timeout_env": timeouts_mod.ENV,
+        # GPU: NCCL's heartbeat outlasts the collective timeout, and a timed-out collective dumps PyTorch's
+        # Flight Recorder trace (every rank's last collectives) into the bundle
+        "nccl_env": [(k, v) for k, v in timeouts_mod.gpu_env(timeouts, str(bundle_dir)) if k not in env] if is_gpu
+        else [],
+        "flight_recorder_dir": str(bundle_dir / timeouts_mod.FLIGHT_RECORDER_DIR),
         # profile.kind=nsys: torchrun starts rank.sh, which runs the profiled ranks under Nsight Systems
         "nsys": job.profile.kind == Profiler.NSYS,
         "profile_ranks": " ".join(str(r) for r in job.profile.ranks),
@@ -127,9 +137,10 @@ def template_context(job: JobConfig, bundle_dir: Path, signal_lead: dict | None 
     }
 
 
-def render_texts(job: JobConfig, bundle_dir: Path, signal_lead: dict | None = None) -> dict[str, str]:
+def render_texts(job: JobConfig, bundle_dir: Path, signal_lead: dict | None = None,
+                 timeouts: dict | None = None) -> dict[str, str]:
     """The bundle's text files, keyed by file name (pure: used by the golden-file tests)."""
-    env, ctx = _environment(), template_context(job, bundle_dir, signal_lead)
+    env, ctx = _environment(), template_context(job, bundle_dir, signal_lead, timeouts)
     texts = {
         "config.yaml": job_to_yaml(job),
         "job.sbatch": env.get_template("job.sbatch.j2").render(**ctx),
@@ -157,6 +168,32 @@ def signal_lead_of(job: JobConfig, plan: dict | None) -> dict:
     if problem is not None:
         raise RenderError(problem.line().removeprefix("error: "))
     return lead
+
+
+def derived_timeouts(job: JobConfig, plan: dict | None) -> dict:
+    """The collective and heartbeat timeouts (launcher/core/timeouts.py) from the plan's step time and the save
+    time the signal lead uses (measured in checkpoint.dir, else the planner's estimate)."""
+    ckpt_dir = checkpoint_dir(job.checkpoint.dir, Path()) if job.checkpoint.dir else None
+    step_s, save_s, _, _ = step_and_save_s(job, plan, ckpt_dir)
+    return timeouts_mod.derive(job, step_s=step_s, save_s=save_s)
+
+
+def timeouts_of(job: JobConfig, plan: dict | None) -> dict:
+    """``derived_timeouts``; an explicit timeout that cannot work with the planned step is refused."""
+    found = derived_timeouts(job, plan)
+    errors = [p for p in timeouts_problems(job, found) if p.severity == "error"]
+    if errors:
+        raise RenderError(errors[0].line().removeprefix("error: "))
+    return found
+
+
+def timeouts_problems(job: JobConfig, found: dict) -> list:
+    """Explicit timeouts that cannot work with the planned step, or that the first step may outlast (validate
+    reports them too, through ``launcher.actions.launch_preflight``)."""
+    from launcher.problems import Problem
+
+    return [Problem(field, value, rule, hint, severity=severity)
+            for field, value, rule, hint, severity in timeouts_mod.problems(job, found)]
 
 
 def lead_problem(job: JobConfig, lead: dict, limit: int):
@@ -208,25 +245,26 @@ def write_bundle(job: JobConfig, *, argv: list[str], plan: dict | None = None,
     launches in the same second pick the same name: the one whose rename comes second takes the next free name
     (``-2``, ...) and renders again, since the scripts hold their own path. ``lay``: the job's layout (derived
     if None), which the rendered scripts are cross-checked against."""
-    lead = signal_lead_of(job, plan)
+    lead, timeouts = signal_lead_of(job, plan), timeouts_of(job, plan)
     for _ in range(100):
         final = (bundle_dir or new_bundle_dir(job)).resolve()
-        texts = render_texts(job, final, lead)
+        texts = render_texts(job, final, lead, timeouts)
         issues = cross_check(job, texts, lay)
         if issues:
             raise RenderError("rendered bundle failed its cross-check: " + "; ".join(issues))
-        if _place(job, final, texts, argv, plan, lead):
+        if _place(job, final, texts, argv, plan, lead, timeouts):
             return Bundle(final)
         if bundle_dir is not None:
             raise RenderError(f"bundle directory {final} exists already; bundles are never overwritten")
     raise RenderError(f"no free bundle name under {final.parent} after 100 tries")
 
 
-def _place(job: JobConfig, final: Path, texts: dict, argv: list[str], plan: dict | None, lead: dict) -> bool:
+def _place(job: JobConfig, final: Path, texts: dict, argv: list[str], plan: dict | None, lead: dict,
+           timeouts: dict) -> bool:
     """Write the bundle into a temporary sibling and rename it to ``final``; False if ``final`` was taken."""
     final.parent.mkdir(parents=True, exist_ok=True)
     meta = {"created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "argv": argv, "name": job.name, **git_revision(), "signal_lead": lead}
+            "argv": argv, "name": job.name, **git_revision(), "signal_lead": lead, "timeouts": timeouts}
     tmp = Path(tempfile.mkdtemp(prefix=".bundle.", dir=final.parent))
     try:
         for name, text in texts.items():

@@ -571,6 +571,20 @@ class SlurmConfig:
 
 
 @dataclass
+class TimeoutsConfig:
+    """How long a healthy job may wait in one collective before it counts as hung. Null derives each at render time
+    from the planned step and save times (launcher/core/timeouts.py: at least Megatron-LM's 10 minutes; longer for
+    long steps and slow saves); ``action=plan`` prints them, the bundle's meta.json records them."""
+
+    collective_s: Optional[int] = None
+    """The process-group timeout of every collective and p2p op (``init_process_group(timeout=)``; NCCL's
+    watchdog aborts a rank waiting longer). Must be longer than a planned step."""
+    heartbeat_s: Optional[int] = None
+    """NCCL's heartbeat-monitor timeout (``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC``, GPU clusters): longer than the
+    collective timeout, so a timed-out rank dumps its Flight Recorder trace before it is killed."""
+
+
+@dataclass
 class JobConfig:
     """A whole job: what to train, how to lay it out, and where to run it."""
 
@@ -598,13 +612,14 @@ class JobConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
 
 
 SECTIONS = {
     "model": ModelConfig, "parallel": ParallelConfig, "schedule": ScheduleConfig,
     "precision": PrecisionConfig, "train": TrainConfig, "data": DataConfig,
     "checkpoint": CheckpointConfig, "logging": LoggingConfig, "cluster": ClusterConfig,
-    "slurm": SlurmConfig, "profile": ProfileConfig,
+    "slurm": SlurmConfig, "profile": ProfileConfig, "timeouts": TimeoutsConfig,
 }
 
 

@@ -16,7 +16,8 @@ from dataclasses import asdict
 _NOT_IDENTITY = {"name", "action", "output_dir", "force", "logging", "slurm", "checkpoint",
                  "train.train_steps", "train.train_tokens", "train.exit_after_minutes", "train.eval_interval",
                  "train.eval_iters", "train.nonfinite", "train.straggler_interval", "train.straggler_margin",
-                 "data.cache_dir", "data.num_workers", "schedule.record_timeline", "train.deterministic", "profile"}
+                 "data.cache_dir", "data.num_workers", "schedule.record_timeline", "train.deterministic", "profile",
+                 "timeouts"}
 _CLUSTER_IDENTITY = ("gpus_per_node", "backend")
 
 

@@ -70,12 +70,7 @@ def lead_for_render(job, limit_s: int, plan: Optional[dict] = None, ckpt_dir: Op
     s = job.slurm
     if s.signal_lead_s is not None:
         return {"seconds": int(s.signal_lead_s), "source": "slurm.signal_lead_s (explicit)"}
-    params = _plan_number(plan, "params", "total")
-    step_s = _plan_number(plan, "step", "step_s") or 0.0
-    estimate = (estimated_save_s(params, job.precision.dtype, nodes=job.nodes,
-                                 write_gbps=job.cluster.checkpoint_write_gbps) if params else 0.0)
-    measured = measured_save_s(ckpt_dir) if ckpt_dir is not None else None
-    save_s = measured[0] if measured else estimate  # a measurement of this run beats a bandwidth guess
+    step_s, save_s, estimate, measured = step_and_save_s(job, plan, ckpt_dir)
     lead = derived_lead_s(limit_s=limit_s, save_s=save_s, step_s=step_s, factor=s.signal_save_factor,
                           margin_s=s.signal_margin_s)
     return {"seconds": lead, "source": "derived", "save_s": round(save_s, 3), "estimated_save_s": round(estimate, 3),
@@ -83,6 +78,18 @@ def lead_for_render(job, limit_s: int, plan: Optional[dict] = None, ckpt_dir: Op
             "measured_in": str(measured[1]) if measured else None, "step_s": round(step_s, 3),
             "factor": s.signal_save_factor, "margin_s": s.signal_margin_s,
             "floor_s": min(FLOOR_S, limit_s // 4)}
+
+
+def step_and_save_s(job, plan: Optional[dict] = None, ckpt_dir: Optional[Path] = None) -> tuple:
+    """(planned step s, save s, the planner's save estimate, the measured save as (seconds, checkpoint) or None):
+    the save is the newest checkpoint's measured one in ``ckpt_dir`` (this run on this file system) where there
+    is one, else the estimate from the planned parameter count and ``cluster.checkpoint_write_gbps``."""
+    params = _plan_number(plan, "params", "total")
+    step_s = _plan_number(plan, "step", "step_s") or 0.0
+    estimate = (estimated_save_s(params, job.precision.dtype, nodes=job.nodes,
+                                 write_gbps=job.cluster.checkpoint_write_gbps) if params else 0.0)
+    measured = measured_save_s(ckpt_dir) if ckpt_dir is not None else None
+    return step_s, (measured[0] if measured else estimate), estimate, measured
 
 
 def _plan_number(plan: Optional[dict], key: str, sub: str) -> Optional[float]:

@@ -194,5 +194,7 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
     **{f"slurm.{name}": _w(LOGIN) for name in (
         "time", "job_name", "signal_lead_s", "requeue", "exclusive", "extra_args", "max_requeues",
         "signal_save_factor", "signal_margin_s")},
+    # ---- timeouts (launcher/core/timeouts.py: resolved at render into env.sh, read by launcher/rank/setup.py)
+    "timeouts.collective_s": _w(DIST, "timeout", same=False), "timeouts.heartbeat_s": _w(LOGIN),
 }
 """Schema field (dotted path) -> its destinations."""

@@ -344,6 +344,9 @@ LAUNCHER_ONLY: Dict[str, str] = {
     "parallel.data": "an assertion on the derived data-parallel size",
     "schedule.batch_p2p_comm": "Megatron-LM batches p2p exactly when it does not overlap it",
     "schedule.record_timeline": "a launcher diagnostic",
+    "timeouts.collective_s": "derived per job at render from the plan (launcher/core/timeouts.py) and exported in "
+                             "env.sh; Megatron-LM's --distributed-timeout-minutes is a fixed 10 unless given",
+    "timeouts.heartbeat_s": "an environment variable of the bundle (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC)",
     "schedule.zb_v_costs": "the op order of schedule.kind=zb_v, a launcher schedule (exported as interleaved)",
     "train.train_tokens": "exported as its number of steps (--train-iters)",
     "train.nonfinite": "Megatron-LM stops on a NaN/Inf loss or gradient (--check-for-nan-in-loss-and-grad), "

@@ -99,6 +99,8 @@ class Plan:
     """tokens_per_s, tokens_per_s_per_gpu, tflops_per_gpu, mfu."""
     warnings: list[str] = field(default_factory=list)
     """Validation warnings worth showing next to the plan."""
+    timeouts: dict = field(default_factory=dict)
+    """The collective and heartbeat timeouts render will write (launcher/core/timeouts.py ``derive``)."""
 
     @property
     def peak_stage(self) -> StageMemory:
@@ -126,7 +128,7 @@ class Plan:
             "stages": [s.to_dict() for s in self.stages],
             "flops_per_token": self.flops_per_token, "gflops_per_token": self.flops_per_token / 1e9,
             "flops_per_step": self.flops_per_step, "params": self.params,
-            "step": self.step.to_dict(), **self.perf, "warnings": self.warnings,
+            "step": self.step.to_dict(), **self.perf, "warnings": self.warnings, "timeouts": self.timeouts,
         }
 
     def table(self):
@@ -171,6 +173,11 @@ class Plan:
                    f"bubble {100 * self.step.bubble_fraction:.1f}%")
         if extras:
             summary += "\n" + "; ".join(extras)
+        t = self.timeouts
+        if t:
+            summary += (f"\ntimeouts: collective {t['collective_s']} s ({t['collective_source']}: the longest of the first "
+                        f"step {t['first_step_s']} s, {t['step_wait_s']} s for 5 steps, {t['save_wait_s']} s for a save), "
+                        f"NCCL heartbeat {t['heartbeat_s']} s")
         return Group(mem, tim, summary, *[f"[yellow]{w}[/]" for w in self.warnings])
 
     def text(self, width: int = 160) -> str:
@@ -248,7 +255,21 @@ def plan_job(job: JobConfig, *, checked: Checked | None = None) -> Plan:
         name=job.name, layout=layout, stages=memory_per_stage(job, lay),
         gpu_memory_gb=job.cluster.gpu_memory_gb, flops_per_token=flops_per_token(job.model),
         flops_per_step=flops_per_step(job.model, lay.tokens_per_step),
-        params=counts, step=st, perf=throughput(job, st, lay), warnings=warnings)
+        params=counts, step=st, perf=throughput(job, st, lay), warnings=warnings, timeouts=_timeouts(job, counts, st))
+
+
+def _timeouts(job: JobConfig, counts: dict, st: StepTime) -> dict:
+    """What render derives (launcher/render.py ``timeouts_of``): from this step time and the save time the signal
+    lead uses (measured in checkpoint.dir, else estimated from the parameters)."""
+    from pathlib import Path
+
+    from launcher.core import timeouts
+    from launcher.core.checkpoint_dir import checkpoint_dir
+    from launcher.core.signal_lead import step_and_save_s
+
+    ckpt_dir = checkpoint_dir(job.checkpoint.dir, Path()) if job.checkpoint.dir else None
+    step_s, save_s, _, _ = step_and_save_s(job, {"params": counts, "step": {"step_s": st.step_s}}, ckpt_dir)
+    return timeouts.derive(job, step_s=step_s, save_s=save_s)
 
 
 def oom_message(plan: Plan, job=None) -> str:

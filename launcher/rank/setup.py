@@ -19,6 +19,15 @@ def parallel_state_kwargs(layout: Layout) -> dict:
         expert_tensor_parallel_size=layout.etp)
 
 
+def collective_timeout_s() -> int:
+    """The process-group timeout env.sh rendered from the job's plan (launcher/core/timeouts.py), else Megatron-LM's
+    default 10 minutes (a bundle rendered by an older launcher, a test's bare config)."""
+    from launcher.core import timeouts
+
+    raw = os.environ.get(timeouts.ENV, "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else timeouts.DEFAULT_COLLECTIVE_S
+
+
 def init_distributed(*, cluster: ClusterConfig, layout: Layout, seed: int) -> None:
     """torch.distributed (nccl | gloo) from torchrun's env, then megatron.core parallel_state."""
     from megatron.core import parallel_state, tensor_parallel
@@ -31,7 +40,7 @@ def init_distributed(*, cluster: ClusterConfig, layout: Layout, seed: int) -> No
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(backend=cluster.backend,
-                                             timeout=datetime.timedelta(minutes=10))
+                                             timeout=datetime.timedelta(seconds=collective_timeout_s()))
     world = torch.distributed.get_world_size()
     if world != layout.world:
         # torchrun started a different number of ranks than the job was planned for (nodes x gpus_per_node)

@@ -119,6 +119,8 @@ BOUNDS: dict[str, Bound] = {
     "train.straggler_interval": Bound(0, why="0 disables"),
     "train.straggler_margin": Bound(0, lo_open=True, why="relative to the median step time"),
     "profile.step_start": POSITIVE, "profile.step_end": POSITIVE, "profile.memory_snapshot_entries": POSITIVE,
+    "timeouts.collective_s": Bound(1, why="seconds; null derives it from the plan"),
+    "timeouts.heartbeat_s": Bound(1, why="seconds; null: the collective timeout + 120 s"),
 }
 """Every numeric field's range, declared once: checked by ``validate_bounds`` and quoted when Hydra cannot
 even convert a value (``field_rule``). Cross-field rules live in the sections below."""

@@ -14,3 +14,13 @@ export NVTE_FWD_LAYERNORM_SM_MARGIN=16
 export PYTHONUNBUFFERED=1
 export TORCH_NCCL_AVOID_RECORD_STREAMS=1
 export LAUNCHER_BUNDLE=/lustre/runs/llama3_8b-tools
+# How long one collective may wait before the job counts as hung (from its planned step and save times;
+# meta.json "timeouts" says from what; timeouts.collective_s overrides it).
+export LAUNCHER_COLLECTIVE_TIMEOUT_S=600
+# NCCL's watchdog: a timed-out collective dumps every rank's Flight Recorder trace into the bundle.
+export TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=720
+export TORCH_NCCL_TRACE_BUFFER_SIZE=2000
+export TORCH_NCCL_DUMP_ON_TIMEOUT=1
+export TORCH_FR_DUMP_TEMP_FILE=/lustre/runs/llama3_8b-tools/flight-recorder/rank-
+export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=/lustre/runs/llama3_8b-tools/flight-recorder/rank-
+mkdir -p /lustre/runs/llama3_8b-tools/flight-recorder
