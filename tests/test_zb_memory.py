@@ -95,9 +95,10 @@ def test_zb_h1_bound_states_dominate_the_op_lists(p, v):
 
 # ---------------------------------------------------------------------------------- the planner, at scale
 def test_llama3_8b_pp8_zb_h1_plans_pending_w_and_its_peak_is_the_last_stage():
-    """Llama3-8B PP8, FP8 (1-byte W operands in TE's layers; the output layer's bf16): stage r's ZB-H1 memory
-    is its 1F1B memory plus r pending W's; on the last stage the output layer's [s*b, V] logits gradient and
-    its input join each, and that stage becomes the peak (1F1B's peak is the first stage)."""
+    """Llama3-8B PP8, FP8 on H100 (TE's W operands: each input's transpose, 1 byte, and each output gradient in
+    both layouts, 2 bytes; the output layer's bf16): stage r's ZB-H1 memory is its 1F1B memory plus r pending W's;
+    on the last stage the output layer's [s*b, V] logits gradient and its input join each, and that stage becomes
+    the peak (1F1B's peak is the first stage). Per recipe: tests/test_plan_memory_zb_fp8.py."""
     from launcher.config import compose_job
 
     args = ["recipe=llama3_8b", "cluster=h100", "parallel.pipeline=8", "parallel.context=1"]
@@ -107,7 +108,8 @@ def test_llama3_8b_pp8_zb_h1_plans_pending_w_and_its_peak_is_the_last_stage():
     m = job.model
     s, h, f, v = m.seq_length, m.hidden_size, m.ffn_hidden_size, 128256
     q, kv = h, m.num_query_groups * (h // m.num_attention_heads)
-    per_layer = s * 1 * ((h + q + 2 * kv) + (q + h) + (h + 2 * f) + (f + h))  # qkv, proj, fc1, fc2: in + out
+    inputs, grads = h + q + h + f, (q + 2 * kv) + h + 2 * f + h  # qkv, proj, fc1, fc2 (TP1: none gathered)
+    per_layer = s * (1 * inputs + 2 * grads)
     output = s * 2 * (h + v)  # bf16 output-layer input + logits gradient
     assert job.precision.fp8 and zb[-1].layers == 4
     for r, (a, b) in enumerate(zip(ref, zb)):
@@ -125,7 +127,7 @@ def test_llama3_8b_pp8_zb_h1_plans_pending_w_and_its_peak_is_the_last_stage():
 def test_render_refuses_a_zb_h1_job_whose_pending_w_overflow_the_last_stage(cli, tmp_path):
     """The out-of-memory check before rendering (launcher/actions.py: plan_job -> Plan.fits, the per-stage
     memory the search ranks by too) sees the pending W's: at 65 GB per GPU Llama3-8B PP8 fits under 1F1B
-    (peak 59 GB, stage 0) but not under ZB-H1 (69 GB on its last stage)."""
+    (peak 59 GB, stage 0) but not under ZB-H1 (79 GB on its last stage)."""
     from launcher.config import compose_job
     from launcher.plan import plan_job
 

@@ -37,6 +37,14 @@ MASTER_BYTES = 4
 """fp32 master copy of bf16/fp16 parameters (none when training in fp32)."""
 FP8_WEIGHT_COPY_BYTES = 2
 """Transformer Engine keeps an FP8 copy of each GEMM weight and its transpose (Hopper) between microbatches."""
+FP8_SCALE_BYTES = {"mxfp8": 1 / 32, "blockwise": 4 / 128}
+"""Scale bytes per element of one quantised copy of an activation or gradient: MXFP8 one E8M0 byte per 32
+elements; blockwise one fp32 per 1x128 block (TE ``Float8BlockScaling``: x and grad block_scaling_dim 1,
+``Float8BlockQuantizer.get_scale_shape``); the per-tensor recipes (delayed, tensorwise) one scalar a tensor."""
+NON_TN_FP8_GPUS = ("B200", "GB200")
+"""GPUs whose FP8 GEMMs take non-TN layouts (TE ``utils.is_non_tn_fp8_gemm_supported``: compute capability 10.x):
+there a per-tensor FP8 tensor serves both usages with one copy; before (Hopper) its columnwise usage is a
+separate transpose (``Float8TensorStorage.update_usage``, ``csrc/quantizer.cpp``: ``with_transpose``)."""
 
 
 def sp_shards(lay: Layout) -> int:
@@ -426,33 +434,38 @@ def zb_peak_state(states, act_bytes: float, wgrad_bytes: float, while_in_flight:
     return max(states, key=lambda st: st[0] * act_bytes + (while_in_flight if st[0] else 0.0) + st[1] * wgrad_bytes)
 
 
-def _deferred_gemms(job: JobConfig, lay: Layout, moe: bool) -> list[tuple[float, float]]:
-    """(input width, output-gradient width) per token of every deferred linear of one layer on one rank.
+def _deferred_gemms(job: JobConfig, lay: Layout, moe: bool) -> list[tuple[float, float, bool]]:
+    """(input width, output-gradient width, input gathered) per token of every deferred linear of one layer on
+    one rank.
 
     What a W keeps is the GEMM ``grad_output^T @ input`` (Megatron's ``LinearWithGradAccumulationAndAsync
     Communication.backward`` / TE's ``wgrad_store.put([inputmat_total, grad_output], ...)``): a column-parallel
     layer's input is full-width h on every TP rank (replicated, or under SP all-gathered into a fresh buffer over
     the whole sequence) and its output gradient 1/TP; a row-parallel layer's input is 1/TP and its output
     gradient full h over the whole sequence (the backward of SP's reduce-scatter is an all-gather). Widths are
-    per token of the whole micro-batch sequence, before CP (the caller multiplies by the rank's tokens)."""
+    per token of the whole micro-batch sequence, before CP (the caller multiplies by the rank's tokens).
+    "Input gathered": TE all-gathers the input in the backward (a column-parallel TE layer under SP,
+    ``backward_input_needs_gather``), which decides what an FP8 input costs (``wgrad_operand_bytes``); MLA's
+    down-projections are TE ``parallel_mode='duplicated'`` and routed experts' GroupedLinear gathers nothing."""
     model, t = job.model, lay.tp
     h, n = model.hidden_size, model.num_attention_heads
+    ag = sp_shards(lay) > 1  # a column-parallel layer's input is all-gathered in its backward
     if model.multi_latent_attention:
         qk, v = model.qk_head_dim + model.qk_pos_emb_head_dim, model.v_head_dim
-        gemms = [(h, model.kv_lora_rank + model.qk_pos_emb_head_dim),  # duplicated KV down-projection
-                 (model.kv_lora_rank, n * (model.qk_head_dim + v) / t), (n * v / t, h)]
+        gemms = [(h, model.kv_lora_rank + model.qk_pos_emb_head_dim, False),  # duplicated KV down-projection
+                 (model.kv_lora_rank, n * (model.qk_head_dim + v) / t, ag), (n * v / t, h, False)]
         if model.q_lora_rank is None:
-            gemms.append((h, n * qk / t))
+            gemms.append((h, n * qk / t, ag))
         else:
-            gemms += [(h, model.q_lora_rank), (model.q_lora_rank, n * qk / t)]
+            gemms += [(h, model.q_lora_rank, False), (model.q_lora_rank, n * qk / t, ag)]
     else:
         d = kv_channels(model)
         q, kv = n * d, query_groups(model) * d
-        gemms = [(h, (q + 2 * kv) / t), (q / t, h)]  # linear_qkv (column), linear_proj (row)
+        gemms = [(h, (q + 2 * kv) / t, ag), (q / t, h, False)]  # linear_qkv (column), linear_proj (row)
     up = 2 if model.activation == "swiglu" else 1
 
-    def mlp(f: float, shards: int, per_token: float = 1.0) -> list[tuple[float, float]]:
-        return [(per_token * h, per_token * up * f / shards), (per_token * f / shards, per_token * h)]
+    def mlp(f: float, shards: int, per_token: float = 1.0, gathered: bool = ag) -> list[tuple[float, float, bool]]:
+        return [(per_token * h, per_token * up * f / shards, gathered), (per_token * f / shards, per_token * h, False)]
     if not moe:
         return gemms + mlp(model.ffn_hidden_size, t)
     if model.moe_shared_expert_intermediate_size:
@@ -460,15 +473,46 @@ def _deferred_gemms(job: JobConfig, lay: Layout, moe: bool) -> list[tuple[float,
     # Routed experts: k routed copies per local token (tokens/SP after dispatch on average), gathered over ETP,
     # as layer_activation_bytes_per_token counts them.
     routed = model.moe_router_topk * lay.etp / sp_shards(lay)
-    return gemms + mlp(model.moe_ffn_hidden_size or model.ffn_hidden_size, lay.etp, routed)
+    return gemms + mlp(model.moe_ffn_hidden_size or model.ffn_hidden_size, lay.etp, routed, gathered=False)
+
+
+def wgrad_operand_bytes(job: JobConfig, gathered_input: bool) -> tuple[float, float]:
+    """Bytes per element of the (input, output gradient) a deferred W keeps until ``backward_dw``.
+
+    Without FP8 both are in the activation dtype. Under FP8 they are the quantised tensors TE's backward hands
+    to ``wgrad_store.put`` (``module/linear.py`` ``_Linear.backward`` / ``_linear_backward``, alike in
+    ``layernorm_linear.py``, ``layernorm_mlp.py`` and ``grouped_linear.py``; TE 2.7 to 2.20.0.dev0):
+    - output gradient: quantised once for both GEMMs (``grad_output_quantizer.set_usage(rowwise=True,
+      columnwise=True)``: rowwise for dgrad, columnwise for wgrad; grouped_linear's quantizers keep the default
+      of both), and ``update_usage(columnwise_usage=True)`` before the store drops neither: two copies (one on
+      Blackwell for the per-tensor recipes, whose single copy serves both layouts);
+    - input: the forward's cast keeps only its columnwise copy for backward (``update_usage(rowwise_usage=False,
+      columnwise_usage=True)``): one copy; but a per-tensor-FP8 input that TE all-gathers in backward (column-
+      parallel under SP: ``supports_only_rowwise_all_gather``) is gathered rowwise and given its transpose by
+      ``update_usage(columnwise_usage=True)`` (distributed.py ``_all_gather_fp8``), both kept on Hopper; MXFP8
+      and blockwise gather the columnwise copy alone (``set_quantizer_usage_for_wgrad_all_gather``);
+    - each copy is 1 byte an element plus its scales (``FP8_SCALE_BYTES``).
+    Zero bubble here turns off ``ub_overlap_ag`` on row-parallel layers (``models.zero_bubble``), the one
+    setting under which TE quantises the output gradient rowwise only."""
+    pr = job.precision
+    if not pr.fp8:
+        a = DTYPE_BYTES.get(pr.dtype, 2)
+        return a, a
+    copy = 1 + FP8_SCALE_BYTES.get(pr.fp8, 0.0)
+    if pr.fp8 not in FP8_SCALE_BYTES and job.cluster.gpu in NON_TN_FP8_GPUS:  # per-tensor, one copy serves both
+        return copy, copy
+    per_tensor_gathered = gathered_input and pr.fp8 not in FP8_SCALE_BYTES
+    return (2 if per_tensor_gathered else 1) * copy, 2 * copy
 
 
 def layer_wgrad_bytes_per_token(job: JobConfig, lay: Layout, moe: bool) -> float:
-    """Bytes one pending W of one layer holds per token of the micro-batch (before CP). Both operands are in
-    the activation dtype; under FP8 TE keeps them quantised (1 byte; its wgrad GEMM runs in FP8)."""
-    a = DTYPE_BYTES.get(job.precision.dtype, 2)
-    g = 1 if job.precision.fp8 else a
-    return g * sum(i + o for i, o in _deferred_gemms(job, lay, moe))
+    """Bytes one pending W of one layer holds per token of the micro-batch (before CP): every deferred linear's
+    input and output gradient at ``wgrad_operand_bytes`` each."""
+    total = 0.0
+    for i, o, gathered in _deferred_gemms(job, lay, moe):
+        bi, bo = wgrad_operand_bytes(job, gathered)
+        total += i * bi + o * bo
+    return total
 
 
 def output_wgrad_bytes_per_token(job: JobConfig, lay: Layout) -> float:

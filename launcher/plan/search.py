@@ -353,8 +353,10 @@ def search(job: JobConfig, top: int = 10, layout: Layout | None = None) -> list[
         st = step_time(cand, lay)
         if cand.schedule.kind == Schedule.ZB_V:  # per-stage costs where the planner times their order shorter
             costs, tuned = zb_v_costs_best(cand, lay, decimals=1, own=st)
-            if costs != cand.schedule.zb_v_costs:
-                cand, st, exact = _with(cand, schedule=dict(zb_v_costs=costs)), tuned, False  # another order
+            other = _with(cand, schedule=dict(zb_v_costs=costs)) if costs != cand.schedule.zb_v_costs else None
+            other_peak = _exact_peak(other, lay, static) if other is not None else None
+            if other is not None and other_peak <= cap:  # another order holds other states: kept only if it fits
+                cand, st, exact, peak = other, tuned, True, other_peak
                 overrides = [o for o in overrides if not o.startswith("schedule.zb_v_costs=")] + [
                     f"schedule.zb_v_costs=[{','.join(f'{c:g}' for c in costs)}]"]
         perf = throughput(cand, st, lay)
