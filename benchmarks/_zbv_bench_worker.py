@@ -41,7 +41,7 @@ def build(job, layout, kind: str, cache: str):
         def recording():
             lp.recorder.start_step()
             with zb.recording_megatron_1f1b(lp.recorder):
-                yield lp.fwd_bwd, zb.recorded_forward(loop.forward_step, lp.recorder)
+                yield lp.fwd_bwd, zb.recorded_forward(lp.forward_step, lp.recorder)
 
         lp._recording = recording
     iters, _ = data.build_train_valid_iterators(

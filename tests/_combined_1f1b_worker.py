@@ -88,7 +88,8 @@ def one_step(job, layout, bundle: Path, combined: bool):
         dp_rank=ps.get_data_parallel_rank(), dp_size=layout.dp, num_chunks=1, cache_dir=str(bundle / "cache"))
     for chunk in model:
         chunk.zero_grad_buffer()
-    losses = loop.schedule_func("1f1b")(forward_step_func=loop.forward_step, data_iterator=iters[0], model=model,
+    forward = loop.forward_step_for(micro_batch_size=job.train.micro_batch_size, seq_length=job.model.seq_length)
+    losses = loop.schedule_func("1f1b")(forward_step_func=forward, data_iterator=iters[0], model=model,
                                         num_microbatches=layout.microbatches, seq_length=job.model.seq_length,
                                         micro_batch_size=job.train.micro_batch_size, forward_only=False)
     grads = {name: p.main_grad.detach().clone() for name, p in model[0].named_parameters()}

@@ -52,7 +52,8 @@ def measure(bundle: Path) -> dict:
 
     model[0].zero_grad_buffer()
     opt.zero_grad()
-    loop.schedule_func("1f1b")(forward_step_func=loop.forward_step, data_iterator=batches(), model=model,
+    loop.schedule_func("1f1b")(forward_step_func=loop.forward_step_for(micro_batch_size=mbs, seq_length=s),
+                               data_iterator=batches(), model=model,
                                num_microbatches=1, seq_length=s, micro_batch_size=mbs, forward_only=False)
     opt.step()
     parts = {}

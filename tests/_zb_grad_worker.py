@@ -79,12 +79,13 @@ def one_step(job, layout, kind: str, bundle: Path, steps: int = 1):
     iters, _ = data.build_train_valid_iterators(
         data=job.data, model=job.model, train=job.train, steps=layout.steps, consumed_samples=0,
         dp_rank=ps.get_data_parallel_rank(), dp_size=layout.dp, num_chunks=1, cache_dir=str(bundle / "cache"))
+    forward = loop.forward_step_for(micro_batch_size=job.train.micro_batch_size, seq_length=job.model.seq_length)
     for _ in range(steps):
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
         EVENTS.clear()
-        losses = loop.schedule_func(kind)(forward_step_func=loop.forward_step, data_iterator=iters[0], model=model,
+        losses = loop.schedule_func(kind)(forward_step_func=forward, data_iterator=iters[0], model=model,
                                           num_microbatches=layout.microbatches, seq_length=job.model.seq_length,
                                           micro_batch_size=job.train.micro_batch_size, forward_only=False)
         schedule_events = list(EVENTS)  # finalize_model_grads (inside the schedule call) starts none after step 1

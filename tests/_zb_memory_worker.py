@@ -42,7 +42,8 @@ def main() -> int:
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    loop.schedule_func("zb_h1")(forward_step_func=loop.forward_step, data_iterator=iters[0], model=model,
+    forward = loop.forward_step_for(micro_batch_size=job.train.micro_batch_size, seq_length=job.model.seq_length)
+    loop.schedule_func("zb_h1")(forward_step_func=forward, data_iterator=iters[0], model=model,
                                 num_microbatches=layout.microbatches, seq_length=job.model.seq_length,
                                 micro_batch_size=job.train.micro_batch_size, forward_only=False)
     report = {"pp": ps.get_pipeline_model_parallel_rank(), "tp": ps.get_tensor_model_parallel_rank(),

@@ -63,6 +63,7 @@ def main() -> int:
         dp_rank=ps.get_data_parallel_rank(), dp_size=layout.dp, num_chunks=len(chunks), reads=reads,
         cache_dir=str(out / "cache"))
     kind = job.schedule.kind
+    forward = loop.forward_step_for(micro_batch_size=tr.micro_batch_size, seq_length=job.model.seq_length)
     recorder = Recorder() if kind in Schedule.ZERO_BUBBLE else None
     kwargs = {"recorder": recorder} if recorder is not None else {}
     for step in range(steps):
@@ -73,7 +74,7 @@ def main() -> int:
         optimizer.zero_grad()
         if recorder is not None:
             recorder.start_step()
-        losses = loop.schedule_func(kind)(forward_step_func=loop.forward_step, data_iterator=iters, model=model,
+        losses = loop.schedule_func(kind)(forward_step_func=forward, data_iterator=iters, model=model,
                                           num_microbatches=layout.microbatches, seq_length=job.model.seq_length,
                                           micro_batch_size=tr.micro_batch_size, forward_only=False, **kwargs)
     eval_losses = None
@@ -84,7 +85,7 @@ def main() -> int:
             dp_rank=ps.get_data_parallel_rank(), dp_size=layout.dp, num_chunks=len(chunks), reads=reads,
             cache_dir=str(out / "cache"))
         eval_losses = [float(x["lm loss"]) for x in loop.schedule_func(kind)(
-            forward_step_func=loop.forward_step, data_iterator=iters2, model=model,
+            forward_step_func=forward, data_iterator=iters2, model=model,
             num_microbatches=layout.microbatches, seq_length=job.model.seq_length,
             micro_batch_size=tr.micro_batch_size, forward_only=True)]
     rank = torch.distributed.get_rank()

@@ -1,9 +1,10 @@
 """Training/validation batches for this rank: one call, ``build_train_valid_iterators``.
 
 Datasets come from ``launcher.rank.datasets.build_gpt_datasets`` (GPTDataset over the blend, or MockGPTDataset for
-kind=mock). Every rank of a data-parallel replica reads the same micro-batches (pipeline stages take what
-they need), in Megatron's sampler order: micro-batch m of step s on DP rank r holds global samples ``s*G + m*b*d + r*b ... + b`` (G global batch, b micro batch,
-d DP size), so any layout with the same global batch sees the same samples per step.
+kind=mock). Every rank of a data-parallel replica that reads gets the same micro-batches (pipeline stages take
+what they need; only tensor-parallel rank 0 reads and broadcasts to its TP group, ``chunks_reading_data``), in
+Megatron's sampler order: micro-batch m of step s on DP rank r holds global samples ``s*G + m*b*d + r*b ... + b``
+(G global batch, b micro batch, d DP size), so any layout with the same global batch sees the same samples per step.
 """
 from __future__ import annotations
 
@@ -89,9 +90,13 @@ def _batches(dataset, *, start: int, train: TrainConfig, dp_rank: int, dp_size: 
 def chunks_reading_data(num_chunks: int, kind: str = Schedule.ONE_F_ONE_B) -> List[bool]:
     """Per model chunk of this rank: does it read batches (first or last pipeline stage of the whole
     pipeline: tokens/position ids for the embedding, labels/loss mask for the loss and MTP)? Under zb_v both
-    are rank 0's (launcher.core.schedules.stage_of)."""
+    are rank 0's (launcher.core.schedules.stage_of). Only tensor-parallel rank 0 reads: it broadcasts each
+    micro-batch to the other TP ranks (launcher.rank.batch.batch_on_this_tp_rank), which build no loader, as
+    in Megatron-LM (training.py ``build_train_valid_test_data_loaders``: loaders on TP rank 0 only)."""
     from megatron.core import parallel_state as ps
 
+    if ps.get_tensor_model_parallel_rank() != 0:
+        return [False] * num_chunks
     if kind == Schedule.ZB_V:
         from launcher.core.schedules import stage_of
 

@@ -14,7 +14,7 @@ import torch
 
 from launcher.core.signal_lead import TIME_LIMIT_REASON
 from launcher.rank import signals
-from launcher.rank.batch import masked_token_loss, slice_batch_for_context_parallel
+from launcher.rank.batch import batch_on_this_tp_rank, masked_token_loss, slice_batch_for_context_parallel
 from launcher.schema import Schedule
 from models.backend import compute_device
 
@@ -23,13 +23,15 @@ from models.backend import compute_device
 # that cannot reach a step boundary still exits soon after SIGTERM, as torchrun's teardown expects).
 
 
-def forward_step(data_iterator, model, return_schedule_plan: bool = False):
-    """Megatron forward_step_func, with Megatron-LM ``pretrain_gpt.py`` ``forward_step``'s protocol: this CP
-    rank's slice of the batch through GPTModel (``slice_batch_for_context_parallel``, pretrain_gpt.py
-    ``get_batch`` -> ``get_batch_on_this_cp_rank``), per-token losses reduced by ``masked_token_loss`` (a mean
-    over the whole sequence's tokens, across the CP group). Both paths give the model the same inputs as
-    pretrain_gpt.py: ``(tokens, position_ids, attention_mask=None, labels=, loss_mask=)`` (loss_mask masks
-    the MTP loss like the LM loss).
+def forward_step(data_iterator, model, return_schedule_plan: bool = False, *, batch_shape=None):
+    """Megatron forward_step_func, with Megatron-LM ``pretrain_gpt.py`` ``forward_step``'s protocol: the
+    micro-batch read on TP rank 0 and broadcast to the TP group (``batch_on_this_tp_rank``, pretrain_gpt.py
+    ``get_batch`` -> ``get_batch_on_this_tp_rank``; ``batch_shape`` = (micro_batch_size, seq_length), what the
+    other TP ranks receive into: ``forward_step_for`` binds it), this CP rank's slice of it through GPTModel
+    (``slice_batch_for_context_parallel``, ``get_batch`` -> ``get_batch_on_this_cp_rank``), per-token losses
+    reduced by ``masked_token_loss`` (a mean over the whole sequence's tokens, across the CP group). Both paths
+    give the model the same inputs as pretrain_gpt.py: ``(tokens, position_ids, attention_mask=None, labels=,
+    loss_mask=)`` (loss_mask masks the MTP loss like the LM loss; what a stage does not need is None).
 
     ``return_schedule_plan=True`` is how Megatron-Core's combined 1F1B schedule (parallel.moe_a2a_overlap,
     ``overlap_moe_expert_parallel_comm``) calls it: ``combined_1f1b.combined_forward_backward_step`` passes the
@@ -37,12 +39,8 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     ``AbstractSchedulePlan`` (pretrain_gpt.py ``forward_step``: ``if return_schedule_plan: assert
     args.overlap_moe_expert_parallel_comm ... schedule_plan = model.build_schedule_plan(tokens, position_ids,
     attention_mask, labels=labels, loss_mask=loss_mask)``)."""
-    if data_iterator is None:  # a middle pipeline stage reads no batch (pretrain_gpt.py get_batch: Nones)
-        batch = dict.fromkeys(("tokens", "position_ids", "labels", "loss_mask"))
-    else:
-        dev = compute_device()
-        batch = slice_batch_for_context_parallel({k: v.to(dev, non_blocking=True)
-                                                  for k, v in next(data_iterator).items()})
+    # a middle pipeline stage reads no batch (pretrain_gpt.py get_batch: Nones); slicing passes Nones through
+    batch = slice_batch_for_context_parallel(batch_on_this_tp_rank(data_iterator, model, batch_shape))
     loss_func = partial(masked_token_loss, batch["loss_mask"])
     inputs = (batch["tokens"], batch["position_ids"], None)
     if return_schedule_plan:
@@ -56,6 +54,11 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False):
                                "it needs parallel.moe_a2a_overlap=true (overlap_moe_expert_parallel_comm)")
         return gpt.build_schedule_plan(*inputs, labels=batch["labels"], loss_mask=batch["loss_mask"]), loss_func
     return model(*inputs, labels=batch["labels"], loss_mask=batch["loss_mask"]), loss_func
+
+
+def forward_step_for(*, micro_batch_size: int, seq_length: int) -> Callable:
+    """``forward_step`` with the micro-batch shape bound (the TP ranks other than 0 receive into it)."""
+    return partial(forward_step, batch_shape=(micro_batch_size, seq_length))
 
 
 def schedule_func(kind: str, zb_v_costs=None) -> Callable:
@@ -196,6 +199,7 @@ class Loop:
         self.model, self.optimizer, self.scheduler, self.train = model, optimizer, scheduler, train
         self.seq_length, self.num_microbatches, self.dp_size = seq_length, num_microbatches, dp_size
         self.kind, self.fwd_bwd = kind, schedule_func(kind, zb_v_costs)
+        self.forward_step = forward_step_for(micro_batch_size=train.micro_batch_size, seq_length=seq_length)
         self.recorder = None  # schedule.record_timeline: spans of the last training step (zero_bubble.Recorder)
         if record_timeline:
             from launcher.rank.zero_bubble import Recorder
@@ -243,18 +247,18 @@ class Loop:
     def _recording(self):
         """(schedule function, forward step) for this step, timed when the timeline is recorded."""
         if self.recorder is None:
-            yield self.fwd_bwd, forward_step
+            yield self.fwd_bwd, self.forward_step
             return
         from launcher.rank import zero_bubble as zb
 
         self.recorder.start_step()
         if self.kind in Schedule.ZERO_BUBBLE:
-            yield partial(self.fwd_bwd, recorder=self.recorder), forward_step
+            yield partial(self.fwd_bwd, recorder=self.recorder), self.forward_step
         elif self.kind == Schedule.ONE_F_ONE_B:
             with zb.recording_megatron_1f1b(self.recorder):
-                yield self.fwd_bwd, zb.recorded_forward(forward_step, self.recorder)
+                yield self.fwd_bwd, zb.recorded_forward(self.forward_step, self.recorder)
         else:  # interleaved: not recorded
-            yield self.fwd_bwd, forward_step
+            yield self.fwd_bwd, self.forward_step
 
     @torch.no_grad()
     def evaluate(self, iterators) -> float:
@@ -262,7 +266,7 @@ class Loop:
             chunk.eval()
         losses = []
         for _ in range(max(1, self.train.eval_iters)):
-            out = self.fwd_bwd(forward_step_func=forward_step, data_iterator=self._iter_arg(iterators),
+            out = self.fwd_bwd(forward_step_func=self.forward_step, data_iterator=self._iter_arg(iterators),
                                model=self.model, num_microbatches=self.num_microbatches,
                                seq_length=self.seq_length, micro_batch_size=self.train.micro_batch_size,
                                forward_only=True)
