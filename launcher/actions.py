@@ -157,7 +157,7 @@ def launch_preflight(job: JobConfig, checked: Checked | None = None) -> list[Pro
         late = lead_problem(job, lead_for_render(job, limit, plan, _ckpt_dir(job)), limit)
         if late is not None:
             problems.append(late)
-    if job.timeouts.collective_s is not None or job.timeouts.heartbeat_s is not None:
+    if any(v is not None for v in (job.timeouts.collective_s, job.timeouts.hang_s, job.timeouts.heartbeat_s)):
         from launcher.plan import PlanError, plan_job
         from launcher.render import derived_timeouts, timeouts_problems
 

@@ -125,6 +125,7 @@ def template_context(job: JobConfig, bundle_dir: Path, signal_lead: dict | None 
         "unset": [var for var in UNSET_WHEN_NOT_DERIVED if var not in env],
         "secret_names": list(cluster.secret_env),
         "collective_timeout_s": timeouts["collective_s"], "collective_timeout_env": timeouts_mod.ENV,
+        "hang_s": timeouts["hang_s"], "hang_env": timeouts_mod.HANG_ENV,
         # GPU: NCCL's heartbeat outlasts the collective timeout, and a timed-out collective dumps PyTorch's
         # Flight Recorder trace (every rank's last collectives) into the bundle
         "nccl_env": [(k, v) for k, v in timeouts_mod.gpu_env(timeouts, str(bundle_dir)) if k not in env] if is_gpu

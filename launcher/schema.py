@@ -579,6 +579,10 @@ class TimeoutsConfig:
     collective_s: Optional[int] = None
     """The process-group timeout of every collective and p2p op (``init_process_group(timeout=)``; NCCL's
     watchdog aborts a rank waiting longer). Must be longer than a planned step."""
+    hang_s: Optional[int] = None
+    """The per-node hang watchdog: once a step has completed, no collective progress for this long is a hang (every
+    rank's stacks dumped into BUNDLE/hang-STEP/, the rank that never entered the collective named, the run
+    stopped). Shorter than collective_s; null: 5 planned steps or a save, at least 120 s."""
     heartbeat_s: Optional[int] = None
     """NCCL's heartbeat-monitor timeout (``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC``, GPU clusters): longer than the
     collective timeout, so a timed-out rank dumps its Flight Recorder trace before it is killed."""

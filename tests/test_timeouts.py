@@ -13,8 +13,12 @@ from launcher.config import compose_job
 from launcher.core import timeouts
 
 CATALOGUE = ["llama3_70b", "llama405b", "qwen3_30b_a3b"]
-LINE = re.compile(r"timeouts: collective (\d+) s \((derived|timeouts\.collective_s \(explicit\)): the longest of the "
-                  r"first step (\d+) s, (\d+) s for 5 steps, (\d+) s for a save\), NCCL heartbeat (\d+) s")
+LINE = re.compile(r"timeouts: hang (\d+) s \(5 steps (\d+) s, a save (\d+) s\), collective (\d+) s \(first step "
+                  r"(\d+) s\), heartbeat (\d+) s")
+
+
+def _numbers(match) -> dict:
+    return dict(zip(("hang", "steps5", "save", "collective", "first", "heartbeat"), map(int, match.groups())))
 
 
 def _env(bundle: Path) -> dict:
@@ -33,11 +37,15 @@ def test_plan_prints_the_timeouts_render_writes(cli, tmp_path, recipe):
     assert code == 0, err
     printed = LINE.search(out)
     assert printed, out[-1500:]
-    collective, first, steps5, save, heartbeat = (int(printed.group(i)) for i in (1, 3, 4, 5, 6))
-    assert collective == max(first, steps5, save) and heartbeat == collective + timeouts.HEARTBEAT_GRACE_S
+    n = _numbers(printed)
+    collective, heartbeat = n["collective"], n["heartbeat"]
+    assert n["hang"] == max(timeouts.HANG_FLOOR_S, n["steps5"], n["save"])
+    assert collective == max(n["first"], n["hang"] + timeouts.HANG_LEAD_S)
+    assert heartbeat == collective + timeouts.HEARTBEAT_GRACE_S
     bundle = _render(cli, tmp_path, f"recipe={recipe}", "cluster=h100")
     env = _env(bundle)
     assert env[timeouts.ENV] == str(collective) and env[timeouts.HEARTBEAT_ENV] == str(heartbeat)
+    assert env[timeouts.HANG_ENV] == str(n["hang"])
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
     assert env["TORCH_FR_DUMP_TEMP_FILE"] == f"{bundle}/flight-recorder/rank-"
     meta = json.loads((bundle / "meta.json").read_text())["timeouts"]
@@ -56,12 +64,13 @@ def test_a_longer_planned_step_gives_longer_timeouts(cli, tmp_path):
         code, out, err = cli("recipe=llama3_70b", "cluster=h100", *extra, "action=plan")
         assert code == 0, err
         outs.append(LINE.search(out))
-    fast, slowed = (int(m.group(1)) for m in outs)
-    assert int(outs[1].group(4)) > 5 * int(outs[0].group(4))  # the step got much longer
-    assert slowed > fast == timeouts.FIRST_STEP_FLOOR_S
-    assert slowed == int(outs[1].group(3)) == max(int(outs[1].group(i)) for i in (3, 4, 5))
+    fast, slowed = (_numbers(m) for m in outs)
+    assert slowed["steps5"] > 5 * fast["steps5"]  # the step got much longer
+    assert slowed["collective"] > fast["collective"] == timeouts.FIRST_STEP_FLOOR_S
+    assert slowed["hang"] > fast["hang"]
     bundle = _render(cli, tmp_path, "recipe=llama3_70b", "cluster=h100", *slow)
-    assert _env(bundle)[timeouts.ENV] == str(slowed)
+    assert _env(bundle)[timeouts.ENV] == str(slowed["collective"])
+    assert _env(bundle)[timeouts.HANG_ENV] == str(slowed["hang"])
 
 
 def test_an_override_wins_and_reaches_the_bundle(cli, tmp_path):
@@ -90,6 +99,9 @@ def test_cluster_env_wins_over_the_flight_recorder_defaults(cli, tmp_path):
     (["timeouts.collective_s=900", "timeouts.heartbeat_s=800"], "timeouts.heartbeat_s=800",
      "timeouts.heartbeat_s=1020"),
     (["timeouts.heartbeat_s=600"], "timeouts.heartbeat_s=600", "timeouts.heartbeat_s=720"),
+    (["timeouts.collective_s=600", "timeouts.hang_s=700"], "timeouts.hang_s=700", "timeouts.hang_s=540"),
+    (["timeouts.collective_s=200"], "timeouts.hang_s=259", "timeouts.hang_s=140"),
+    (["timeouts.hang_s=30"], "timeouts.hang_s=30", "timeouts.hang_s=120"),
 ])
 def test_an_impossible_override_is_refused_in_one_line_before_anything_is_rendered(cli, tmp_path, args, field, hint):
     for action in ("validate", "render"):
@@ -99,15 +111,15 @@ def test_an_impossible_override_is_refused_in_one_line_before_anything_is_render
         assert lines[0].endswith(f"try {hint}")
         assert "Traceback" not in err
     assert not list(tmp_path.iterdir())
-    fixed = [a for a in args if not a.startswith(field.split("=")[0])] + [hint]
+    fixed = [a for a in args if not a.startswith(field.split("=")[0])] + [hint]  # the alternative replaces the field
     code, out, err = cli("recipe=llama3_70b", "cluster=h100", *fixed, "action=validate")
     assert code == 0, err  # the alternative the line names works
 
 
 def test_an_override_shorter_than_the_first_step_is_a_warning(cli):
-    code, out, err = cli("recipe=llama3_70b", "cluster=h100", "timeouts.collective_s=60", "action=validate")
+    code, out, err = cli("recipe=llama3_70b", "cluster=h100", "timeouts.collective_s=400", "action=validate")
     assert code == 0
-    assert "warning: timeouts.collective_s=60: is shorter than the first step's allowance" in err + out
+    assert "warning: timeouts.collective_s=400: is shorter than the first step's allowance" in err + out
 
 
 def test_the_ranks_read_the_rendered_timeout(monkeypatch):

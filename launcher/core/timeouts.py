@@ -11,8 +11,14 @@ else the planner's estimate: launcher/core/signal_lead.py ``lead_for_render``)::
     first_step_s = max(FIRST_STEP_FLOOR_S, load_s + FIRST_STEP_STEPS x step_s)     load_s = save_s
     step_wait_s  = STEP_MARGIN x step_s
     save_wait_s  = slurm.signal_save_factor x save_s + step_s
-    collective_s = max(first_step_s, step_wait_s, save_wait_s)                    (timeouts.collective_s)
+    hang_s       = max(HANG_FLOOR_S, step_wait_s, save_wait_s)                     (timeouts.hang_s)
+    collective_s = max(first_step_s, hang_s + HANG_LEAD_S)                         (timeouts.collective_s)
     heartbeat_s  = collective_s + HEARTBEAT_GRACE_S                               (timeouts.heartbeat_s)
+
+``hang_s`` is the per-node watchdog's (launcher/rank/agent.py, launcher/rank/forensics.py): once a step has
+completed, no collective progress on the node for that long is a hang; it dumps every rank's stacks, names the
+rank that never entered the collective the others wait in, and stops the run, before the process group's
+timeout would abort every rank with the same message.
 
 FIRST_STEP_FLOOR_S is Megatron-LM's own ``--distributed-timeout-minutes`` default (10), so a small job keeps the
 familiar timeout and a large one (slow saves, long steps) gets what it needs. NCCL's heartbeat monitor
@@ -35,6 +41,13 @@ FIRST_STEP_STEPS = 10
 """Steps' worth of time the first step may take beyond the load (compile, autotuning, warm-up of the allocator)."""
 STEP_MARGIN = 5
 """A step may take this many planned steps before a wait inside it counts as hung (stragglers, a slow node)."""
+HANG_FLOOR_S = 120
+"""The hang watchdog waits at least this long without collective progress (a step of a second or two)."""
+HANG_LEAD_S = 60
+"""The derived collective timeout is at least the hang watchdog's + this: the watchdog dumps every rank's stacks and
+names the hung rank before the process group aborts them all."""
+HANG_ENV = "LAUNCHER_HANG_S"
+"""env.sh exports the hang watchdog's threshold under this name (launcher/rank/agent.py reads it)."""
 HEARTBEAT_GRACE_S = 120
 """How much longer than the collective timeout NCCL's heartbeat monitor waits (the timeout's own dump first)."""
 DEFAULT_COLLECTIVE_S = FIRST_STEP_FLOOR_S
@@ -70,13 +83,15 @@ def derive(job, *, step_s: Optional[float], save_s: Optional[float]) -> dict:
     first = max(FIRST_STEP_FLOOR_S, save + FIRST_STEP_STEPS * step)
     step_wait = STEP_MARGIN * step
     save_wait = job.slurm.signal_save_factor * save + step
-    derived = math.ceil(max(first, step_wait, save_wait))
     t = job.timeouts
+    hang = int(t.hang_s) if t.hang_s is not None else math.ceil(max(HANG_FLOOR_S, step_wait, save_wait))
+    derived = math.ceil(max(first, hang + HANG_LEAD_S))
     collective = int(t.collective_s) if t.collective_s is not None else derived
     heartbeat = int(t.heartbeat_s) if t.heartbeat_s is not None else collective + HEARTBEAT_GRACE_S
-    return {"collective_s": collective, "heartbeat_s": heartbeat,
+    return {"collective_s": collective, "heartbeat_s": heartbeat, "hang_s": hang,
             "collective_source": "timeouts.collective_s (explicit)" if t.collective_s is not None else "derived",
             "heartbeat_source": "timeouts.heartbeat_s (explicit)" if t.heartbeat_s is not None else "derived",
+            "hang_source": "timeouts.hang_s (explicit)" if t.hang_s is not None else "derived",
             "first_step_s": math.ceil(first), "step_wait_s": math.ceil(step_wait), "save_wait_s": math.ceil(save_wait),
             "step_s": round(step, 3), "save_s": round(save, 3)}
 
@@ -87,12 +102,21 @@ def problems(job, timeouts: dict) -> list:
     step, t, out = timeouts["step_s"], job.timeouts, []
     floor = math.ceil(max(STEP_MARGIN * step, FIRST_STEP_FLOOR_S))
     if t.collective_s is not None and step and t.collective_s <= step:
-        out.append(("timeouts.collective_s", t.collective_s, f"is not longer than one planned step ({step:.0f} s): "
-                    f"no step could complete", f"timeouts.collective_s={floor}", "error"))
+        return [("timeouts.collective_s", t.collective_s, f"is not longer than one planned step ({step:.0f} s): "
+                 f"no step could complete", f"timeouts.collective_s={floor}", "error")]  # the others follow from it
     elif t.collective_s is not None and t.collective_s < timeouts["first_step_s"]:
         out.append(("timeouts.collective_s", t.collective_s, f"is shorter than the first step's allowance "
                     f"({timeouts['first_step_s']} s: checkpoint load, data index build, compile): the first step "
                     f"may time out", f"timeouts.collective_s={timeouts['first_step_s']}", "warning"))
+    if timeouts["hang_s"] >= timeouts["collective_s"]:
+        out.append(("timeouts.hang_s", timeouts["hang_s"], f"must be shorter than the collective timeout "
+                    f"({timeouts['collective_s']} s): the watchdog names the hung rank before the process group "
+                    f"aborts every rank", f"timeouts.hang_s={max(1, timeouts['collective_s'] - HANG_LEAD_S)}",
+                    "error"))
+    elif t.hang_s is not None and step and t.hang_s <= STEP_MARGIN * step:
+        out.append(("timeouts.hang_s", t.hang_s, f"is not longer than {STEP_MARGIN} planned steps ({step:.0f} s "
+                    f"each): a slow step would be reported as a hang", f"timeouts.hang_s="
+                    f"{math.ceil(max(HANG_FLOOR_S, STEP_MARGIN * step + 1))}", "error"))
     if timeouts["heartbeat_s"] <= timeouts["collective_s"]:
         out.append(("timeouts.heartbeat_s", timeouts["heartbeat_s"], f"must outlast the collective timeout "
                     f"({timeouts['collective_s']} s), or a timed-out rank is killed before its trace is dumped",

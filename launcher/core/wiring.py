@@ -196,5 +196,6 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
         "signal_save_factor", "signal_margin_s")},
     # ---- timeouts (launcher/core/timeouts.py: resolved at render into env.sh, read by launcher/rank/setup.py)
     "timeouts.collective_s": _w(DIST, "timeout", same=False), "timeouts.heartbeat_s": _w(LOGIN),
+    "timeouts.hang_s": _w(LOGIN),  # rendered into env.sh; the node's watchdog (launcher/rank/agent.py) reads it
 }
 """Schema field (dotted path) -> its destinations."""

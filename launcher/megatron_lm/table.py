@@ -347,6 +347,7 @@ LAUNCHER_ONLY: Dict[str, str] = {
     "timeouts.collective_s": "derived per job at render from the plan (launcher/core/timeouts.py) and exported in "
                              "env.sh; Megatron-LM's --distributed-timeout-minutes is a fixed 10 unless given",
     "timeouts.heartbeat_s": "an environment variable of the bundle (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC)",
+    "timeouts.hang_s": "the launcher's own per-node hang watchdog",
     "schedule.zb_v_costs": "the op order of schedule.kind=zb_v, a launcher schedule (exported as interleaved)",
     "train.train_tokens": "exported as its number of steps (--train-iters)",
     "train.nonfinite": "Megatron-LM stops on a NaN/Inf loss or gradient (--check-for-nan-in-loss-and-grad), "

@@ -175,9 +175,9 @@ class Plan:
             summary += "\n" + "; ".join(extras)
         t = self.timeouts
         if t:
-            summary += (f"\ntimeouts: collective {t['collective_s']} s ({t['collective_source']}: the longest of the first "
-                        f"step {t['first_step_s']} s, {t['step_wait_s']} s for 5 steps, {t['save_wait_s']} s for a save), "
-                        f"NCCL heartbeat {t['heartbeat_s']} s")
+            summary += (f"\ntimeouts: hang {t['hang_s']} s (5 steps {t['step_wait_s']} s, a save {t['save_wait_s']} s), "
+                        f"collective {t['collective_s']} s (first step {t['first_step_s']} s), heartbeat "
+                        f"{t['heartbeat_s']} s; timeouts.* overrides")
         return Group(mem, tim, summary, *[f"[yellow]{w}[/]" for w in self.warnings])
 
     def text(self, width: int = 160) -> str:

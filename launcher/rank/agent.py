@@ -32,9 +32,13 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # Ctrl-C while importing torch: nothing to stop yet
         print("torchrun: SIGINT received while starting; no rank was started", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
+    watchdog = start_watchdog()
     try:
         run(args)
     except ChildFailedError as exc:
+        if watchdog is not None and watchdog.line:  # the ranks were stopped for a hang: that is the first cause
+            print(f"torchrun: ranks stopped by the hang watchdog: {watchdog.line}", file=sys.stderr, flush=True)
+            return 1
         print(f"torchrun: {first_failure(exc)}", file=sys.stderr, flush=True)
         return 1
     except SignalException as exc:
@@ -44,6 +48,39 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
     return 0
+
+
+def start_watchdog():
+    """The node's hang watchdog (launcher/rank/watchdog.py) when env.sh set its threshold (timeouts.hang_s) and the
+    bundle; on a hang: the line on stderr and in BUNDLE/FAILED (unless a rank wrote one first), the local ranks
+    killed. None when not configured."""
+    from launcher.core.timeouts import HANG_ENV
+
+    raw, bundle = os.environ.get(HANG_ENV, "").strip(), os.environ.get("LAUNCHER_BUNDLE", "").strip()
+    if not raw.isdigit() or int(raw) <= 0 or not bundle:
+        return None
+    from pathlib import Path
+
+    from launcher.rank import watchdog
+
+    def on_hang(line: str) -> None:
+        print(f"hang watchdog: {line}", file=sys.stderr, flush=True)
+        import tempfile
+
+        fd, tmp = tempfile.mkstemp(prefix=".FAILED.", dir=bundle)
+        with os.fdopen(fd, "w") as f:
+            f.write(line + "\n")
+        try:
+            os.link(tmp, Path(bundle) / "FAILED")  # whole, and only where no rank or node wrote one first
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+        watchdog.kill_local(watchdog.read_states(Path(bundle)), dog.host)
+
+    dog = watchdog.Watchdog(Path(bundle), int(raw), on_hang)
+    dog.start()
+    return dog
 
 
 def shutdown_timeout_for_older_torch(args) -> None:

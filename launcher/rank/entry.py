@@ -95,6 +95,11 @@ def train(bundle: Path, console) -> int:
 
     job = load_job(bundle / "config.yaml")
     layout, tr = derive(job), job.train
+    from launcher.rank import forensics
+
+    # the node's hang watchdog reads where this rank is (launcher/rank/forensics.py); on NCCL the Flight Recorder
+    # counts collectives, on gloo these wrappers do
+    forensics.install(bundle, int(os.environ.get("RANK", "0")), count_collectives=job.cluster.backend != "nccl")
     if tr.deterministic:  # Megatron-LM's apply_determinism_env(os.environ): before NCCL, cuBLAS or TE read it
         from launcher.core.determinism import accepted_value, apply_env
 
@@ -104,6 +109,11 @@ def train(bundle: Path, console) -> int:
                              any_rank=True)
     elastic.init_process_group_for_restart(job.cluster.backend)  # before setup: a torchrun restart's own keys
     setup.init_distributed(cluster=job.cluster, layout=layout, seed=tr.seed)
+    from megatron.core import parallel_state as ps
+
+    forensics.set_coords(pp=ps.get_pipeline_model_parallel_rank(), dp=ps.get_data_parallel_rank(),
+                         tp=ps.get_tensor_model_parallel_rank(), cp=ps.get_context_parallel_rank(),
+                         pp_size=layout.pp, dp_size=layout.dp)
     if job.cluster.health_check or (job.cluster.health_check is None and job.nodes > 1):
         from launcher.rank import health
 
@@ -173,7 +183,7 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
     from launcher.core import signal_lead
     from launcher.core.checkpoint_format import checkpoint_format
     from launcher.core.flops import flops_per_token
-    from launcher.rank import checkpoint as ckpt, data, loop, metrics, profiling, progress, setup
+    from launcher.rank import checkpoint as ckpt, data, forensics, loop, metrics, profiling, progress, setup
     from megatron.core import parallel_state as ps
 
     import torch
@@ -234,6 +244,7 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
     fpt = flops_per_token(job.model)
 
     def on_step(record):
+        forensics.set_step(lp.step)
         log.step(record)
         guard.step_took(record["ms_per_step"] / 1e3)
         lock.refresh()

@@ -121,6 +121,7 @@ BOUNDS: dict[str, Bound] = {
     "profile.step_start": POSITIVE, "profile.step_end": POSITIVE, "profile.memory_snapshot_entries": POSITIVE,
     "timeouts.collective_s": Bound(1, why="seconds; null derives it from the plan"),
     "timeouts.heartbeat_s": Bound(1, why="seconds; null: the collective timeout + 120 s"),
+    "timeouts.hang_s": Bound(1, why="seconds; null derives it from the plan"),
 }
 """Every numeric field's range, declared once: checked by ``validate_bounds`` and quoted when Hydra cannot
 even convert a value (``field_rule``). Cross-field rules live in the sections below."""

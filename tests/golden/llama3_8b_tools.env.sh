@@ -14,9 +14,11 @@ export NVTE_FWD_LAYERNORM_SM_MARGIN=16
 export PYTHONUNBUFFERED=1
 export TORCH_NCCL_AVOID_RECORD_STREAMS=1
 export LAUNCHER_BUNDLE=/lustre/runs/llama3_8b-tools
-# How long one collective may wait before the job counts as hung (from its planned step and save times;
-# meta.json "timeouts" says from what; timeouts.collective_s overrides it).
+# How long one collective may wait before the process group aborts, and how long the node's watchdog waits
+# without collective progress before it names the hung rank (from the planned step and save times; meta.json
+# "timeouts" says from what; timeouts.collective_s and timeouts.hang_s override them).
 export LAUNCHER_COLLECTIVE_TIMEOUT_S=600
+export LAUNCHER_HANG_S=120
 # NCCL's watchdog: a timed-out collective dumps every rank's Flight Recorder trace into the bundle.
 export TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=720
 export TORCH_NCCL_TRACE_BUFFER_SIZE=2000

@@ -1,0 +1,171 @@
+"""Hang forensics (launcher/rank/forensics.py, launcher/rank/watchdog.py): a rank that stops inside the
+collectives of a real 4-rank gloo job is named, with its pipeline stage and data-parallel rank and the collective
+the others wait in, within the derived hang threshold; every other rank's stacks land in the bundle; the run
+stops with that line."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from _rank_harness import ROOT, TINY, communicate_on_progress
+from launcher.rank import forensics, watchdog
+
+
+def _state(rank, step, groups, current, coords=None, pid=None, host="h"):
+    return {"rank": rank, "pid": pid or os.getpid(), "host": host, "step": step, "groups": groups,
+            "current": current, "coords": coords or {"pp": rank // 2, "dp": 0, "tp": rank % 2, "cp": 0,
+                                                     "pp_size": 2, "dp_size": 1}}
+
+
+def test_analysis_names_the_rank_that_never_entered_the_collective():
+    states = [_state(0, 7, {"0-1-2-3": [40, "all_reduce", "in"]}, "0-1-2-3"),
+              _state(1, 7, {"0-1-2-3": [40, "all_reduce", "in"]}, "0-1-2-3"),
+              _state(2, 7, {"0-1-2-3": [39, "all_reduce", "out"], "2-3": [12, "all_gather", "in"]}, "2-3"),
+              _state(3, 7, {"0-1-2-3": [40, "all_reduce", "in"], "2-3": [11, "all_gather", "out"]}, "0-1-2-3")]
+    line = watchdog.analyse(states, silent=set())
+    # rank 2 waits in [2-3] for rank 3, which waits in the all_reduce for rank 2: a cycle, said as one
+    assert line == ("ranks 2, 3 wait on each other (collectives called in different orders): rank 2 is inside "
+                    "all_gather #12 of group [2-3], which rank 3 never entered; rank 3 is inside all_reduce #40 of "
+                    "group [0-1-2-3], which rank 2 never entered"), line
+    # the chain: rank 3 waits for rank 2 in [2-3]; rank 2 is inside nothing and answers: the chain's end is named
+    states[2]["current"] = None
+    states[2]["groups"]["2-3"] = [11, "all_gather", "out"]
+    states[3].update(current="2-3", groups={"0-1-2-3": [40, "all_reduce", "in"], "2-3": [12, "all_gather", "in"]})
+    states[3]["groups"]["0-1-2-3"] = [40, "all_reduce", "out"]
+    line = watchdog.analyse(states, silent=set())
+    assert line.startswith("rank 2 (host h, pipeline stage 1, data-parallel rank 0) never entered all_reduce #40 of "
+                           "group [0-1-2-3] that 2 ranks are waiting in; it is inside no collective"), line
+    # a rank that stopped answering outside every collective is named even where the chain cannot reach it
+    line = watchdog.analyse(states, silent={1}, proc_states={1: "T"})
+    assert line == ("rank 1 (host h, pipeline stage 0, data-parallel rank 0, tensor rank 1) stopped responding "
+                    "inside all_reduce #40 of group [0-1-2-3] (process state T); 2 ranks wait in all_reduce #40 of "
+                    "group [0-1-2-3], which rank 2 never entered"), line
+
+
+def test_analysis_names_a_rank_that_entered_and_stopped_answering():
+    states = [_state(r, 3, {"0-1": [5, "broadcast", "in"]}, "0-1") for r in (0, 1)]
+    line = watchdog.analyse(states, silent={1}, proc_states={1: "T"})
+    assert line.startswith("rank 1 (host h, pipeline stage 0, data-parallel rank 0, tensor rank 1) stopped "
+                           "responding inside broadcast #5 of group [0-1] (process state T); 2 ranks wait in "
+                           "broadcast #5 of group [0-1]"), line
+    assert "none is behind" in watchdog.analyse(states, silent=set())
+
+
+_SLEEPER = """
+import sys, time
+sys.path.insert(0, {root!r})
+from launcher.rank import forensics
+rec = forensics.install({bundle!r}, {rank}, count_collectives=False)
+rec.set(step=4, coords={{"pp": {rank}, "dp": 0, "tp": 0, "cp": 0, "pp_size": 2, "dp_size": 1}})
+rec.state["groups"] = {{"0-1": [9, "all_reduce", "in"] if {rank} == 0 else [8, "all_reduce", "out"]}}
+rec.set(current="0-1" if {rank} == 0 else None)
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def test_watchdog_dumps_stacks_and_reports_once_nothing_moves(tmp_path):
+    """Two processes with real state files and faulthandler: rank 0 waits in all_reduce #9, rank 1 (stopped
+    with SIGSTOP) never entered it. The watchdog, armed (step 4), fires after its threshold and not before."""
+    procs = []
+    for rank in (0, 1):
+        p = subprocess.Popen([sys.executable, "-c", _SLEEPER.format(root=str(ROOT), bundle=str(tmp_path), rank=rank)],
+                             stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "ready"
+        procs.append(p)
+    os.kill(procs[1].pid, signal.SIGSTOP)
+    lines = []
+    try:
+        dog = watchdog.Watchdog(tmp_path, 2.0, lines.append, poll_s=0.2)
+        started = time.monotonic()
+        dog.start()
+        dog.join(timeout=60)
+        took = time.monotonic() - started
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert lines and dog.line == lines[0] and took >= 2.0
+    assert re.match(r"hang at step 4: rank 1 \(host \S+, pipeline stage 1, data-parallel rank 0\) never entered "
+                    r"all_reduce #9 of group \[0-1\] that 1 rank is waiting in and does not answer \(process state T: "
+                    r"stopped\?\) "
+                    r"\(no collective progress for \d+ s\); stacks: .*/hang-4/$", lines[0]), lines[0]
+    hang = tmp_path / "hang-4"
+    assert 'File "<string>", line 10 in <module>' in (hang / "stacks-rank-0.txt").read_text()  # its time.sleep line
+    assert not (hang / "stacks-rank-1.txt").exists()  # the stopped one could not answer
+    report = json.loads((hang / "report.json").read_text())
+    assert report["silent"] == [1] and report["process_states"]["1"] == "T" and report["line"] == lines[0]
+
+
+def test_watchdog_is_not_armed_before_the_first_step(tmp_path):
+    rec = forensics.Recorder(tmp_path, 0)  # step 0: the first step's allowance is the process group's timeout
+    rec.set(current="0", groups={"0": [1, "barrier", "in"]})
+    lines = []
+    dog = watchdog.Watchdog(tmp_path, 0.5, lines.append, poll_s=0.1)
+    dog.start()
+    time.sleep(2.0)
+    dog.stop()
+    dog.join(5)
+    assert not lines
+
+
+@pytest.fixture
+def hung_run(tmp_path, cli):
+    """The embedded default's layout (TP2 x PP2, 4 gloo ranks) on the tiny model, run by its launch.sh (so the
+    agent's watchdog runs), with rank 2 stopped (SIGSTOP) once step 3 is logged."""
+    overrides = [*TINY, "parallel.tensor=2", "parallel.pipeline=2", "cluster.gpus_per_node=4", "model.num_layers=2",
+                 "train.train_steps=100000", "train.eval_interval=0", "checkpoint.save_interval=0",
+                 "checkpoint.save_at_end=false", "timeouts.hang_s=20"]
+    code, out, err = cli(*overrides, "action=render", f"output_dir={tmp_path}")
+    assert code == 0, err or out
+    bundle = next(tmp_path.glob("*/launch.sh")).parent
+    assert "export LAUNCHER_HANG_S=20" in (bundle / "env.sh").read_text()
+    proc = subprocess.Popen(["bash", str(bundle / "launch.sh")], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    stopped = None
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and proc.poll() is None:
+            line = proc.stdout.readline()
+            if re.match(r"step +3 \|", line):
+                state = json.loads(forensics.state_path(bundle, 2).read_bytes())
+                stopped = int(state["pid"])
+                os.kill(stopped, signal.SIGSTOP)
+                break
+        assert stopped is not None, "the run never reached step 3"
+        out, err = communicate_on_progress(proc, 300, "the hung run (the watchdog should stop it)")
+        yield bundle, proc.returncode, out, err
+    finally:
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGKILL)
+            except OSError:
+                pass
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_stopped_rank_is_named_and_the_run_stops(hung_run):
+    bundle, code, out, err = hung_run
+    said = [line for line in err.splitlines() if line.startswith("hang watchdog: ")]
+    assert code != 0 and len(said) == 1, (code, out[-2000:], err[-3000:])
+    line = said[0].removeprefix("hang watchdog: ")
+    assert re.match(r"hang at step \d+: rank 2 \(host \S+, pipeline stage 1, data-parallel rank 0\) "
+                    r"(never entered \w+ #\d+ of group \[[\d-]+\].*does not answer \(process state T|stopped "
+                    r"responding.* \(process state T\); \d+ ranks? wait in \w+ #\d+ of group \[[\d-]+\])", line), line
+    hang = Path(line.rsplit("stacks: ", 1)[1].rstrip("/"))
+    assert hang.parent == bundle and (hang / "report.json").is_file()
+    for rank in (0, 1, 3):  # every rank that could answer left all its threads' stacks
+        assert "Thread" in (hang / f"stacks-rank-{rank}.txt").read_text() or \
+            "Current thread" in (hang / f"stacks-rank-{rank}.txt").read_text()
+    assert not (hang / "stacks-rank-2.txt").exists()
+    assert (bundle / "FAILED").read_text().strip() == line
+    assert f"launcher: failed: {line}" in out
