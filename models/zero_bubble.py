@@ -7,10 +7,12 @@ So the split is ours, behind this module:
 
 * CPU / local spec: the parallel linear layers' backward computes the input gradient (and its TP all-reduce or
   SP reduce-scatter) and the bias gradient as usual, and, while :data:`STORE` is capturing, queues the
-  weight-gradient GEMM ``grad_output^T @ input`` instead of running it. The queued step adds into
-  ``weight.main_grad`` exactly as Megatron DDP's backward hook adds ``param.grad`` there in 1F1B (same GEMM,
-  same addition, same per-microbatch order), so gradient accumulation and the DP reduce see what 1F1B gives
-  them. Outside capture (1F1B, evaluation, anything else) the layers behave exactly as Megatron's.
+  weight-gradient GEMM ``grad_output^T @ input`` instead of running it. The queued step does 1F1B's arithmetic
+  (Megatron's ``LinearWithGradAccumulationAndAsyncCommunication.backward``, same per-microbatch order): with
+  gradient-accumulation fusion (the GPU's output layer) Megatron's kernel accumulates the GEMM into the fp32
+  ``weight.main_grad``; without it the GEMM in the weight's dtype becomes ``param.grad``, which Megatron DDP's
+  hook adds to ``main_grad``. So gradient accumulation and the DP reduce see what 1F1B gives them. Outside
+  capture (1F1B, evaluation, anything else) the layers behave exactly as Megatron's.
 * GPU / Transformer Engine: TE's linear modules take ``delay_wgrad_compute=True`` and compute W in
   ``backward_dw()``. Megatron's TE wrappers read that flag from their config, so our spec classes hand them a
   config copy with the flag set (the job's TransformerConfig stays valid for Megatron's checks); a W slot
@@ -167,9 +169,18 @@ def _linear_autograd():
 
 
 class _Wgrad:
-    """The deferred W of one linear layer and microbatch: 1F1B's GEMM (``compute``), added where 1F1B adds it
-    (``finish``). A weight used several times in one microbatch (the output layer under MTP) gets one ``finish``
-    with the sum, as autograd sums a leaf's incoming gradients before its accumulator (and DDP's hook) runs once."""
+    """The deferred W of one linear layer and microbatch, with 1F1B's arithmetic, which is Megatron's
+    ``LinearWithGradAccumulationAndAsyncCommunication.backward`` (tensor_parallel/layers.py):
+
+    * gradient-accumulation fusion (``fused_main_grad``: the layer's ``gradient_accumulation_fusion`` and the
+      weight's ``main_grad``; on GPU, the output layer): Megatron's kernel accumulates the GEMM into ``main_grad``
+      in main_grad's dtype (``wgrad_gemm_accum_fp32`` into an fp32 ``main_grad``), once per use of the weight
+      (``accumulate``); the product is never rounded to the operands' dtype. Autograd is then handed a dummy
+      gradient, which DDP's hook, seeing ``grad_added_to_main_grad``, does not add (``finish_fused``).
+    * otherwise: the GEMM in the operands' dtype (``compute``: ``grad_output.t().matmul(total_input)``) becomes
+      ``.grad``, which DDP's hook adds to ``main_grad`` (``finish``). A weight used several times in one
+      microbatch (the output layer under MTP) gets one ``finish`` with the sum, as autograd sums a leaf's incoming
+      gradients before its accumulator (and DDP's hook) runs once."""
 
     __slots__ = ("weight", "grad_output", "total_input", "fused_main_grad")
 
@@ -177,23 +188,46 @@ class _Wgrad:
         self.weight, self.grad_output, self.total_input = weight, grad_output, total_input
         self.fused_main_grad = fused_main_grad
 
+    @property
+    def fused(self) -> bool:
+        return self.fused_main_grad is not None
+
     @torch.no_grad()  # outside autograd's backward: no graph for the GEMM or the accumulation
     def compute(self):
         return self.grad_output.t().matmul(self.total_input)
 
     @torch.no_grad()
+    def accumulate(self) -> None:
+        wgrad_gemm_accum(self.total_input, self.grad_output, self.fused_main_grad)
+
+    @torch.no_grad()
+    def finish_fused(self) -> None:
+        """After the weight's last fused GEMM of the microbatch: the weight gradient Megatron's backward returns
+        (where DDP marks its weights with ``grad_added_to_main_grad``, a dummy of the input's dtype, zeros under
+        ``zero_out_wgrad``, for which DDP's hook does add it; else None), through DDP's hook."""
+        weight = self.weight
+        grad = None
+        if hasattr(weight, "grad_added_to_main_grad"):
+            make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+            grad = make(self.fused_main_grad.shape, dtype=self.total_input.dtype, device=self.total_input.device)
+            weight.grad_added_to_main_grad = True
+        hooks = getattr(weight, ZB_HOOKS, None)
+        if hooks:
+            weight.grad = grad
+            for hook in hooks:
+                hook()
+        # no DDP hook (unit tests): the sum is in main_grad already; autograd would only have kept the dummy
+
+    @torch.no_grad()
     def finish(self, grad_weight) -> None:
-        weight, fused_main_grad = self.weight, self.fused_main_grad
+        weight = self.weight
         hooks = getattr(weight, ZB_HOOKS, None)
         if hooks:  # Megatron DDP's own grad hook, handed to the module (ddp_config.delay_wgrad_compute)
-            if fused_main_grad is not None:  # gradient-accumulation fusion: the GEMM's sum is in main_grad
-                fused_main_grad.add_(grad_weight)
-                weight.grad_added_to_main_grad = True
-            weight.grad = grad_weight  # the hook adds it to main_grad (unless fused) and drops it, as in 1F1B,
+            weight.grad = grad_weight  # the hook adds it to main_grad and drops it, as in 1F1B,
             for hook in hooks:  # then, under overlap_grad_reduce, marks the weight ready for its bucket's reduce
                 hook()
             return
-        main_grad = fused_main_grad if fused_main_grad is not None else getattr(weight, "main_grad", None)
+        main_grad = getattr(weight, "main_grad", None)
         if main_grad is not None:  # Megatron DDP: the hook's ``param.main_grad.add_(param.grad)``
             main_grad.add_(grad_weight)
         elif weight.grad is None:  # no DDP wrapper (unit tests): autograd's accumulation
@@ -202,12 +236,33 @@ class _Wgrad:
             weight.grad.add_(grad_weight)
 
     def __call__(self) -> None:
-        self.finish(self.compute())
+        if self.fused:
+            self.accumulate()
+            self.finish_fused()
+        else:
+            self.finish(self.compute())
+
+
+def wgrad_gemm_accum(total_input, grad_output, main_grad) -> None:
+    """``main_grad += grad_output^T @ total_input`` by Megatron's gradient-accumulation-fusion kernel, chosen as
+    its backward chooses it (fp32 ``main_grad``: ``wgrad_gemm_accum_fp32``; fp16/bf16: ``wgrad_gemm_accum_fp16``).
+    Looked up on Megatron's module, so it is the very kernel its backward calls (Megatron refuses
+    ``gradient_accumulation_fusion`` where the kernel is missing)."""
+    from megatron.core.tensor_parallel import layers
+
+    kernels = layers.fused_weight_gradient_mlp_cuda
+    if main_grad.dtype == torch.float32:
+        kernels.wgrad_gemm_accum_fp32(total_input, grad_output, main_grad)
+    elif main_grad.dtype in (torch.float16, torch.bfloat16):
+        kernels.wgrad_gemm_accum_fp16(total_input, grad_output, main_grad)
+    else:
+        raise RuntimeError("Unsupported gradient type for gradient accumulation fusion")
 
 
 def run_microbatch(work: list) -> None:
-    """Run one microbatch's W work in B's order: TE ``backward_dw`` callables as they are, local GEMMs with one
-    ``finish`` per weight, after its last use (autograd's ``old + new`` per extra use)."""
+    """Run one microbatch's W work in B's order: TE ``backward_dw`` callables as they are; local fused GEMMs each
+    into main_grad as they come, then one ``finish_fused`` per weight after its last use; local unfused GEMMs with
+    one ``finish`` per weight, after its last use (autograd's ``old + new`` per extra use)."""
     last = {id(w.weight): i for i, w in enumerate(work) if isinstance(w, _Wgrad)}
     pending: dict = {}
     for i, step in enumerate(work):
@@ -215,6 +270,11 @@ def run_microbatch(work: list) -> None:
             step()
             continue
         key = id(step.weight)
+        if step.fused:
+            step.accumulate()
+            if last[key] == i:
+                step.finish_fused()
+            continue
         grad = step.compute()
         if key in pending:
             grad = pending.pop(key) + grad

@@ -554,6 +554,90 @@ def test_deferred_linear_queues_w_and_accumulates_like_1f1b():
         zb.STORE.pop()
 
 
+class _Fp32AccumKernels:
+    """CPU stand-in for apex's ``fused_weight_gradient_mlp_cuda`` (the GPU kernel Megatron's gradient-accumulation
+    fusion calls): ``main_grad += grad_output^T @ input`` computed in main_grad's dtype, bf16 operands widened
+    exactly, as cuBLAS accumulates a bf16 GEMM in fp32 (the sum's order is the CPU's, the same for both paths)."""
+
+    calls = 0
+
+    @classmethod
+    def wgrad_gemm_accum_fp32(cls, total_input, grad_output, main_grad):
+        cls.calls += 1
+        main_grad.add_(grad_output.float().t().matmul(total_input.float()))
+
+    wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp32
+
+
+def _ddp_hook(weight):
+    """Megatron DDP's backward post-hook on one weight (distributed_data_parallel.py ``_make_backward_post_hook``,
+    without buckets)."""
+    def hook(*unused):
+        if weight.grad is not None and (not weight.grad_added_to_main_grad or getattr(weight, "zero_out_wgrad", False)):
+            weight.main_grad.add_(weight.grad.data)
+        weight.grad = None
+    return hook
+
+
+@pytest.mark.parametrize("fusion", [True, False], ids=["grad_accum_fusion", "unfused"])
+def test_deferred_bf16_weight_gradient_is_megatrons_1f1b_arithmetic_bitwise(monkeypatch, fusion):
+    """bf16 weights, fp32 main_grad (Megatron DDP's), two microbatches each using the weight twice (the output
+    layer under MTP): the deferred W leaves main_grad bitwise where Megatron's own ColumnParallelLinear backward
+    (non-deferred, what 1F1B runs) and DDP's hook leave it. With gradient-accumulation fusion (the GPU's output
+    layer) Megatron accumulates the GEMM into fp32 main_grad in its kernel; a bf16 GEMM added afterwards (the
+    former deferral) rounds each product to bf16 first and differs."""
+    import dataclasses
+
+    import torch
+    from megatron.core.tensor_parallel import layers
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    from _rank_harness import single_process_group
+    from launcher.schema import ModelConfig, ParallelConfig, PrecisionConfig
+    from models import zero_bubble as zb
+    from models.builder import transformer_config
+
+    single_process_group()
+    monkeypatch.setattr(layers, "fused_weight_gradient_mlp_cuda", _Fp32AccumKernels, raising=False)
+    monkeypatch.setattr(layers, "_grad_accum_fusion_available", True)
+    cfg = transformer_config(model=ModelConfig(num_layers=1, hidden_size=64, ffn_hidden_size=128,
+                                               num_attention_heads=2, num_query_groups=2),
+                             parallel=ParallelConfig(tensor=1, pipeline=1), precision=PrecisionConfig(dtype="fp32"))
+    cfg = dataclasses.replace(cfg, gradient_accumulation_fusion=fusion)
+    column, _ = zb.local_classes()
+    mods = []
+    for cls in (ColumnParallelLinear, column):
+        torch.manual_seed(0)
+        mod = cls(64, 96, config=cfg, init_method=cfg.init_method, bias=False, gather_output=False).to(torch.bfloat16)
+        weight = mod.weight
+        weight.main_grad = torch.full(weight.shape, 0.1, dtype=torch.float32)  # a step's earlier microbatches
+        weight.grad_added_to_main_grad = False  # DDP marks its weights
+        mods.append(mod)
+    ref, deferred = mods
+    deferred.register_wgrad_accumulation_and_reduce_hooks(_ddp_hook(deferred.weight))  # DDP, delay_wgrad_compute
+    gen = torch.Generator().manual_seed(1)
+    inputs = [(torch.randn(16, 2, 64, generator=gen).bfloat16(), torch.randn(16, 2, 64, generator=gen).bfloat16())
+              for _ in range(2)]
+    hook = _ddp_hook(ref.weight)
+    _Fp32AccumKernels.calls = 0
+    zb.STORE.clear()
+    for mb, (x1, x2) in enumerate(inputs):  # Megatron's 1F1B: W in B, then DDP's hook
+        ref.weight.grad_added_to_main_grad = False
+        (ref(x1)[0].float().square().sum() + ref(x2)[0].float().sum()).backward()
+        hook()
+    for mb, (x1, x2) in enumerate(inputs):  # ZB: B now, W from the store
+        deferred.weight.grad_added_to_main_grad = False
+        before = deferred.weight.main_grad.clone()
+        with zb.STORE.capture():
+            (deferred(x1)[0].float().square().sum() + deferred(x2)[0].float().sum()).backward()
+        zb.STORE.flush(mb)
+        assert torch.equal(deferred.weight.main_grad, before)  # W not run yet
+        zb.STORE.pop(mb)
+    assert torch.equal(deferred.weight.main_grad, ref.weight.main_grad)
+    assert _Fp32AccumKernels.calls == (8 if fusion else 0)  # per use and microbatch, on both paths
+    assert deferred.weight.grad is None and ref.weight.grad is None
+
+
 # --------------------------------------------------------------- GPU path, TE faked at its import boundary
 def test_te_spec_passes_delay_wgrad_compute_and_w_calls_backward_dw(monkeypatch):
     """On GPU our spec swaps Megatron's TE linear wrappers for subclasses built with a config copy carrying
