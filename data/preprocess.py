@@ -102,6 +102,18 @@ def _submit(args, argv) -> int:
     return 0
 
 
+def _tokenizer_problem(path: str) -> Optional[str]:
+    """Why ``--tokenizer`` is not a tokenizers JSON file (launcher/core/tokenizer_file.py, the rule validate
+    applies to data.tokenizer), with the file that would do; None when it is one."""
+    from launcher.core.tokenizer_file import tokenizer_file_problem
+
+    found = tokenizer_file_problem(path)
+    if found is None:
+        return None
+    why, other = found
+    return f"--tokenizer {path}: {why}; try --tokenizer {other or 'PATH/tokenizer.json (a Hugging Face tokenizers file)'}"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
@@ -115,6 +127,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     missing = [o for o in ("input", "tokenizer", "output_prefix") if not getattr(args, o)]
     if missing:
         ap.error("the following arguments are required: " + ", ".join("--" + m.replace("_", "-") for m in missing))
+    bad_tokenizer = _tokenizer_problem(args.tokenizer)
+    if bad_tokenizer:
+        print(f"error: {bad_tokenizer}", file=sys.stderr)
+        return 2
     if args.slurm:
         return _submit(args, argv)
     unwritable = _writable_prefix(args.output_prefix)

@@ -59,6 +59,21 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C before or after a run: no traceback, the shell's code for SIGINT
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `python -m launcher --help | head`: the reader left; say nothing, as SIGPIPE would
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """stdout's reader closed the pipe: point stdout at /dev/null so the interpreter's final flush does not raise
+    again (Python's documented recipe, library/signal.html "Note on SIGPIPE"), exit as a process killed by SIGPIPE."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a file descriptor (captured in tests)
+        pass
+    return 141
 
 
 def _main(argv: list[str] | None = None) -> int:

@@ -80,3 +80,97 @@ def test_every_resolver_the_login_node_registers_is_known():
 def test_literal_text_is_not_an_interpolation(cli, environment):
     code, _, err = cli(*SMOKE, "+cluster.env.X='\\${oc.env:WANDB_API_KEY}'", "action=validate")
     assert code == 0, err
+
+
+# ---- class 2: tracebacks ---------------------------------------------------------------------------------------
+
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+ZB_V = ("recipe=smoke", "schedule.kind=zb_v", "parallel.virtual_pipeline=2")
+
+
+def _one_error(code, err, field):
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and "Traceback" not in err and len(lines) == 1, err
+    assert lines[0].startswith(f"error: {field}="), err
+
+
+@pytest.fixture
+def loop(tmp_path):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    return tmp_path / "a"
+
+
+@pytest.mark.parametrize("field", ["output_dir", "checkpoint.dir", "data.cache_dir"])
+@pytest.mark.parametrize("below", ["", "/sub"])
+@pytest.mark.parametrize("action", ["validate", "render"])
+def test_a_symlink_loop_is_one_line(field, below, action, loop, cli, tmp_path):
+    out_dir = [] if field == "output_dir" else [f"output_dir={tmp_path / 'runs'}"]
+    code, _, err = cli("recipe=smoke", *out_dir, f"{field}={loop}{below}", f"action={action}")
+    _one_error(code, err, field)
+    assert "symbolic-link loop" in err and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("costs", ["[inf,1,1]", "[1e308,1,1]", "[nan,1,1]", "[1,-inf,1]", "[1e300,1e-300,1]",
+                                   "[1e-320,1,1]", "[1e7,1e7,1e7]"])
+@pytest.mark.parametrize("action", ["validate", "plan", "render"])
+def test_zb_v_costs_must_be_finite_and_in_range(costs, action, cli, tmp_path):
+    code, _, err = cli(*ZB_V, f"schedule.zb_v_costs={costs}", f"output_dir={tmp_path}", f"action={action}")
+    _one_error(code, err, "schedule.zb_v_costs")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("costs", ["[1000,1,1]", "[1e-6,1e-6,1e-6]", "[12.5,25.1,11.0]"])
+def test_zb_v_costs_in_range_plan(costs, cli, tmp_path):
+    code, _, err = cli(*ZB_V, f"schedule.zb_v_costs={costs}", f"output_dir={tmp_path}", "action=plan")
+    assert code == 0, err
+
+
+def test_help_into_a_closed_pipe_is_quiet():
+    done = subprocess.run(f"{sys.executable} -m launcher --help | head -1", shell=True, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.stdout.startswith("usage:") and done.stderr == "", done.stderr
+
+
+def _preprocess(*args):
+    return subprocess.run([sys.executable, "-m", "data.preprocess", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("kind", ["text", "binary", "config", "empty", "directory", "loop"])
+def test_preprocessor_refuses_a_tokenizer_that_is_not_tokenizers_json(kind, tmp_path):
+    (tmp_path / "c.jsonl").write_text('{"text": "hello"}\n')
+    bad = tmp_path / "t" / ("tokenizer.model" if kind == "binary" else "config.json" if kind == "config" else "x")
+    bad.parent.mkdir()
+    if kind == "text":
+        bad.write_text("not json at all\n")
+    elif kind == "binary":
+        bad.write_bytes(bytes(range(256)) * 8)
+    elif kind == "config":
+        bad.write_text('{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256}')
+    elif kind == "empty":
+        bad.write_text("")
+    elif kind == "directory":
+        bad = bad.parent
+    else:
+        (tmp_path / "t" / "l").symlink_to(bad)
+        bad.symlink_to(tmp_path / "t" / "l")
+    done = _preprocess("--input", str(tmp_path / "c.jsonl"), "--tokenizer", str(bad), "--output-prefix",
+                       str(tmp_path / "out"))
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: --tokenizer {bad}: "), done.stderr
+    assert not list(tmp_path.glob("out*"))
+
+
+def test_preprocessor_points_to_the_tokenizer_beside_a_config(tmp_path):
+    (tmp_path / "c.jsonl").write_text('{"text": "hello"}\n')
+    (tmp_path / "config.json").write_text('{"architectures": ["X"], "vocab_size": 5}')
+    (tmp_path / "tokenizer.json").write_bytes((ROOT / "data/assets/tokenizer.json").read_bytes())
+    done = _preprocess("--input", str(tmp_path / "c.jsonl"), "--tokenizer", str(tmp_path / "config.json"),
+                       "--output-prefix", str(tmp_path / "out"))
+    assert done.returncode == 2 and done.stderr.strip().endswith(f"try --tokenizer {tmp_path / 'tokenizer.json'}")

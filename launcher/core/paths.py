@@ -45,6 +45,25 @@ def length_problem(path: str) -> Optional[str]:
     return None
 
 
+def loop_problem(path: str) -> Optional[str]:
+    """Why ``path`` can never name a file: it, or a directory above it, is a symbolic-link loop (every call on it
+    fails with ELOOP, ``pathlib.Path.resolve`` raises "Symlink loop"), or None."""
+    import errno
+
+    probe = str(path)
+    while True:
+        try:
+            os.stat(probe)
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return f"it passes through a symbolic-link loop at {probe} (no file or directory can be reached there)"
+        parent = os.path.dirname(probe.rstrip("/")) or "/"
+        if parent == probe:
+            return None
+        probe = parent
+
+
 def absolute(path: str, base: Optional[str] = None) -> str:
     """``path`` with ``~`` expanded, made absolute against ``base`` (default: this process's working directory)
     and normalised (``..`` removed lexically; symbolic links are kept as they are)."""

@@ -11,7 +11,7 @@ from launcher import ROOT
 from launcher.core import Layout
 from launcher.core.blend import is_number, parse_blend
 from launcher.core.determinism import ACCEPTED as ACCEPTED_DETERMINISTIC
-from launcher.core.paths import length_problem, path_values
+from launcher.core.paths import length_problem, loop_problem, path_values
 from launcher.fields import get_value, is_allowed
 from launcher.problems import Problem
 from launcher.schema import CheckpointConfig, DataConfig, JobConfig, LoggingConfig, Profiler
@@ -217,7 +217,7 @@ def validate_job(job: JobConfig) -> list[Problem]:
            f"name={(job.name or 'run')[:40]}")
     for field, value in path_values(job):  # render and the ranks would fail on it with ENAMETOOLONG
         if field in LENGTH_CHECKED:
-            why = length_problem(value)
+            why = length_problem(value) or loop_problem(value)
             c.need(why is None, field, value, why, LENGTH_CHECKED[field])
     return c.problems
 

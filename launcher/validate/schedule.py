@@ -40,6 +40,22 @@ def zb_h1_rules(job: JobConfig) -> list[tuple]:
     ]
 
 
+ZB_V_COST_MIN, ZB_V_COST_MAX, ZB_V_COST_SPREAD = 1e-6, 1e6, 1e3
+"""schedule.zb_v_costs' range: the list scheduler (launcher.core.schedules._zb_v) adds costs into clocks and sums
+6pm of them; inf, nan, or 1e308 (whose sum overflows to inf) leave it no finite makespan, and the planner and
+render then have no order at all. Relative costs a thousand times apart, microseconds up to a second, all order."""
+
+
+def zb_v_costs_in_range(costs) -> bool:
+    """Every cost finite, within [ZB_V_COST_MIN, ZB_V_COST_MAX], the largest at most ZB_V_COST_SPREAD x the
+    smallest."""
+    import math
+
+    values = [float(c) for c in costs]
+    return all(math.isfinite(c) and ZB_V_COST_MIN <= c <= ZB_V_COST_MAX for c in values) and \
+        max(values) <= ZB_V_COST_SPREAD * min(values)
+
+
 def zb_v_rules(job: JobConfig, lay: Layout) -> list[tuple]:
     """ZB-V's own layout rules (launcher.core.schedules.schedule_zb_v: two chunks per rank in a V, so rank 0
     holds both the first and the last stage)."""
@@ -62,8 +78,9 @@ def zb_v_rules(job: JobConfig, lay: Layout) -> list[tuple]:
          f"parallel.{uneven}={'false' if uneven and uneven.startswith('account') else 'null'}"),
         # launcher.core.schedules.zb_v_stage_costs: one triple for every stage, or one per stage (2 x PP of them)
         (job.schedule.zb_v_costs is None or (len(job.schedule.zb_v_costs) in (3, 6 * lay.pp)
-                                              and all(c > 0 for c in job.schedule.zb_v_costs)),
-         "schedule.zb_v_costs", job.schedule.zb_v_costs, "relative chunk costs, each > 0: three [T_F, T_B, T_W] for "
+                                              and zb_v_costs_in_range(job.schedule.zb_v_costs)),
+         "schedule.zb_v_costs", job.schedule.zb_v_costs, f"relative chunk costs, each finite, in [{ZB_V_COST_MIN:g}, "
+         f"{ZB_V_COST_MAX:g}] and within {ZB_V_COST_SPREAD:g}x of each other: three [T_F, T_B, T_W] for "
          f"every stage, or {6 * lay.pp} (one triple per pipeline stage 0..{2 * lay.pp - 1}, 2 x parallel.pipeline "
          "stages)", "schedule.zb_v_costs=null (equal costs) or schedule.zb_v_costs=[1,1,1]"),
         # megatron/core/transformer/multi_token_prediction.py:635 (mtp_on_this_rank, 0.19.2): without a custom
