@@ -110,9 +110,13 @@ def preflight(data: Any, *, vocab_size: int, tokens_needed: int) -> List[Problem
         return [Problem("data.blend", list(data.blend), str(exc), "data.blend=[0.3,path/a,0.7,path/b]")]
     if not prefixes:
         return [Problem("data.blend", [], "no dataset prefixes", f"data.blend=[{SHIPPED}/smoke_text_document] or data.kind=mock")]
-    if data.tokenizer and not os.path.isfile(absolute(data.tokenizer)):
-        problems.append(Problem("data.tokenizer", data.tokenizer, "tokenizer file not found (nothing is downloaded)",
-                                f"data.tokenizer={SHIPPED}/tokenizer.json"))
+    if data.tokenizer:  # what the ranks hand to tokenizers.Tokenizer.from_str, checked here (no torch, no tokenizers)
+        from launcher.core.tokenizer_file import tokenizer_file_problem
+
+        bad = tokenizer_file_problem(absolute(data.tokenizer))
+        if bad is not None:
+            problems.append(Problem("data.tokenizer", data.tokenizer, bad[0],
+                                    f"data.tokenizer={bad[1] or f'{SHIPPED}/tokenizer.json'}"))
     if weights is not None:
         _check_weights(weights, problems)
     counts = []

@@ -174,3 +174,29 @@ def test_preprocessor_points_to_the_tokenizer_beside_a_config(tmp_path):
     done = _preprocess("--input", str(tmp_path / "c.jsonl"), "--tokenizer", str(tmp_path / "config.json"),
                        "--output-prefix", str(tmp_path / "out"))
     assert done.returncode == 2 and done.stderr.strip().endswith(f"try --tokenizer {tmp_path / 'tokenizer.json'}")
+
+
+# ---- class 3: accepted on the login node, failing on the ranks --------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["text", "binary", "config", "directory"])
+def test_validate_checks_the_tokenizer_is_tokenizers_json(kind, cli, tmp_path):
+    good = (ROOT / "data/assets/tokenizer.json").read_bytes()
+    if kind == "text":
+        (tmp_path / "t.json").write_text("garbage\n")
+        bad, hint = tmp_path / "t.json", None
+    elif kind == "binary":
+        (tmp_path / "tokenizer.model").write_bytes(bytes(range(256)) * 8)
+        bad, hint = tmp_path / "tokenizer.model", None
+    elif kind == "config":
+        (tmp_path / "config.json").write_text('{"architectures": ["X"], "model_type": "llama"}')
+        (tmp_path / "tokenizer.json").write_bytes(good)
+        bad, hint = tmp_path / "config.json", tmp_path / "tokenizer.json"
+    else:
+        (tmp_path / "tokenizer.json").write_bytes(good)
+        bad, hint = tmp_path, tmp_path / "tokenizer.json"
+    code, _, err = cli("recipe=smoke", f"data.tokenizer={bad}", "action=validate")
+    _one_error(code, err, "data.tokenizer")
+    if hint is not None:
+        assert err.strip().endswith(f"try data.tokenizer={hint}"), err
+        code, _, err = cli("recipe=smoke", f"data.tokenizer={hint}", "action=validate")
+        assert code == 0, err  # the alternative printed validates
