@@ -191,6 +191,57 @@ def straggler_report(times_ms: List[float], margin: float) -> str:
     return text
 
 
+def should_disable_forward_pre_hook(model) -> bool:
+    """Megatron-LM training.py ``should_disable_forward_pre_hook``: the parameter all-gather runs in forward
+    pre-hooks, i.e. the distributed optimizer with ``overlap_param_gather``, and not Megatron-FSDP (which gathers
+    its own way); Megatron-LM's ``has_optimizer`` is always true here. Read from the DDP config the chunks were
+    wrapped with (the job's flags as they took effect: ``launcher.rank.optim.ddp_config``)."""
+    ddp = getattr(model[0], "ddp_config", None)
+    return bool(ddp is not None and not getattr(ddp, "use_megatron_fsdp", False)
+                and ddp.use_distributed_optimizer and ddp.overlap_param_gather)
+
+
+class FirstStepWithoutParamGather:
+    """Megatron-LM ``train()``: "Disable forward pre-hook to start training to ensure that errors in checkpoint
+    loading or random initialization don't propagate to all ranks in first all-gather (which is a no-op if things
+    work correctly)": before the first step of a run (fresh or resumed) the forward pre-hooks are removed without
+    a parameter sync (``disable_forward_pre_hook(model, param_sync=False)``) and ``config.param_sync_func`` is set
+    aside, so the schedule's sync calls are no-ops; after the first step that updated the weights (a skipped step
+    does not count: Megatron moves ``start_iteration`` on) the hooks come back (``enable_forward_pre_hook``) and so
+    does ``param_sync_func``. Only under ``should_disable_forward_pre_hook``; elsewhere every call is a no-op.
+
+    Not in Megatron-LM, whose ``train()`` ends the process: ``restore()`` puts back hooks and ``param_sync_func``
+    left off by a run that ended before such a step, so the model leaves ``Loop.run`` as it came in."""
+
+    def __init__(self, model) -> None:
+        self.model, self.off, self._param_sync_func = model, False, None
+
+    def start(self) -> None:
+        if not should_disable_forward_pre_hook(self.model):
+            return
+        from megatron.core.utils import get_model_config
+
+        for chunk in self.model:
+            chunk.disable_forward_pre_hook(param_sync=False)
+        config = get_model_config(self.model[0])
+        self._param_sync_func, config.param_sync_func = config.param_sync_func, None
+        self.off = True
+
+    def after_step(self, skipped: bool) -> None:
+        if self.off and not skipped:
+            self.restore()
+
+    def restore(self) -> None:
+        if not self.off:
+            return
+        from megatron.core.utils import get_model_config
+
+        for chunk in self.model:
+            chunk.enable_forward_pre_hook()
+        get_model_config(self.model[0]).param_sync_func = self._param_sync_func
+        self.off, self._param_sync_func = False, None
+
+
 class Loop:
     """Step loop state: what a checkpoint restores (step, consumed samples) and the stop flag."""
 
@@ -293,46 +344,52 @@ class Loop:
                         else STOP_FILE if stop_file is not None and stop_file.exists()
                         else stop_check() if stop_check is not None else None))  # e.g. close to the time limit
 
-        while self.step < steps:
-            if profiler is not None:  # profile.*: opens the trace / capture range at profile.step_start
-                profiler.before(self.step + 1)
-            start = time.perf_counter()
-            out = self.train_step(iterators)
-            why = local_reason()
-            loss, agreed = reduce_report(out["local_loss"], why, self.kind)
-            elapsed = time.perf_counter() - start
-            self.signals.step_s = elapsed
-            tflops = flops_per_token * tokens_per_step / elapsed / world / 1e12
-            on_step({"step": self.step, "loss": loss, "lr": out["lr"], "grad_norm": out["grad_norm"],
-                     "ms_per_step": elapsed * 1e3, "tokens_per_s": tokens_per_step / elapsed,
-                     "tflops": tflops,
-                     "mem_gib": memory_gib(), **out.get("aux", {})})  # MoE/MTP losses: appended last
-            if profiler is not None:
-                profiler.after(self.step)
-            if self.train.eval_interval and self.step % self.train.eval_interval == 0:
-                vi = valid_iters()
-                if vi is not None:
-                    on_eval(self.step, self.evaluate(vi))
-            if out.get("nonfinite") or not (math.isfinite(loss) and math.isfinite(out["grad_norm"])):
-                what = f"loss {loss}, grad norm {out['grad_norm']}"
-                if out.get("skipped"):
+        first_step = FirstStepWithoutParamGather(self.model)
+        first_step.start()
+        try:
+            while self.step < steps:
+                if profiler is not None:  # profile.*: opens the trace / capture range at profile.step_start
+                    profiler.before(self.step + 1)
+                start = time.perf_counter()
+                out = self.train_step(iterators)
+                first_step.after_step(bool(out.get("skipped")))  # Megatron-LM: right after train_step
+                why = local_reason()
+                loss, agreed = reduce_report(out["local_loss"], why, self.kind)
+                elapsed = time.perf_counter() - start
+                self.signals.step_s = elapsed
+                tflops = flops_per_token * tokens_per_step / elapsed / world / 1e12
+                on_step({"step": self.step, "loss": loss, "lr": out["lr"], "grad_norm": out["grad_norm"],
+                         "ms_per_step": elapsed * 1e3, "tokens_per_s": tokens_per_step / elapsed,
+                         "tflops": tflops,
+                         "mem_gib": memory_gib(), **out.get("aux", {})})  # MoE/MTP losses: appended last
+                if profiler is not None:
+                    profiler.after(self.step)
+                if self.train.eval_interval and self.step % self.train.eval_interval == 0:
+                    vi = valid_iters()
+                    if vi is not None:
+                        on_eval(self.step, self.evaluate(vi))
+                if out.get("nonfinite") or not (math.isfinite(loss) and math.isfinite(out["grad_norm"])):
+                    what = f"loss {loss}, grad norm {out['grad_norm']}"
+                    if out.get("skipped"):
+                        if on_note:
+                            on_note(f"warning: non-finite {what} at step {self.step}: update skipped "
+                                    "(train.nonfinite=skip)")
+                    else:
+                        self.stop_reason = f"non-finite {what} at step {self.step}"
+                        return "nonfinite"
+                if self.train.straggler_interval and self.step % self.train.straggler_interval == 0:
+                    times = [None] * torch.distributed.get_world_size()
+                    torch.distributed.all_gather_object(times, elapsed * 1e3)
                     if on_note:
-                        on_note(f"warning: non-finite {what} at step {self.step}: update skipped "
-                                "(train.nonfinite=skip)")
-                else:
-                    self.stop_reason = f"non-finite {what} at step {self.step}"
-                    return "nonfinite"
-            if self.train.straggler_interval and self.step % self.train.straggler_interval == 0:
-                times = [None] * torch.distributed.get_world_size()
-                torch.distributed.all_gather_object(times, elapsed * 1e3)
-                if on_note:
-                    on_note(straggler_report(times, self.train.straggler_margin))
-            if agreed is not None:
-                # every rank names the same cause, the one the ranks agreed on (its own words when it saw that
-                # one itself: the time-limit guard's figures), whichever rank noticed it first
-                self.signals.at_boundary()
-                self.stop_reason = why if stop_code(why) == agreed else STOP_REASONS[agreed]
-                return "stopped"
-            if save_interval and self.step % save_interval == 0:
-                on_checkpoint()
-        return "done"
+                        on_note(straggler_report(times, self.train.straggler_margin))
+                if agreed is not None:
+                    # every rank names the same cause, the one the ranks agreed on (its own words when it saw that
+                    # one itself: the time-limit guard's figures), whichever rank noticed it first
+                    self.signals.at_boundary()
+                    self.stop_reason = why if stop_code(why) == agreed else STOP_REASONS[agreed]
+                    return "stopped"
+                if save_interval and self.step % save_interval == 0:
+                    on_checkpoint()
+            return "done"
+        finally:
+            first_step.restore()
