@@ -109,11 +109,6 @@ def train(bundle: Path, console) -> int:
                              any_rank=True)
     elastic.init_process_group_for_restart(job.cluster.backend)  # before setup: a torchrun restart's own keys
     setup.init_distributed(cluster=job.cluster, layout=layout, seed=tr.seed)
-    from megatron.core import parallel_state as ps
-
-    forensics.set_coords(pp=ps.get_pipeline_model_parallel_rank(), dp=ps.get_data_parallel_rank(),
-                         tp=ps.get_tensor_model_parallel_rank(), cp=ps.get_context_parallel_rank(),
-                         pp_size=layout.pp, dp_size=layout.dp)
     if job.cluster.health_check or (job.cluster.health_check is None and job.nodes > 1):
         from launcher.rank import health
 

@@ -50,6 +50,11 @@ def init_distributed(*, cluster: ClusterConfig, layout: Layout, seed: int) -> No
         raise ValueError(f"world size {world} is not a multiple of tensor x pipeline x context = "
                          f"{layout.model_parallel}")
     parallel_state.initialize_model_parallel(**parallel_state_kwargs(layout))
+    from launcher.rank import forensics
+
+    forensics.set_coords(pp=parallel_state.get_pipeline_model_parallel_rank(),  # for the hang watchdog's line
+                         dp=parallel_state.get_data_parallel_rank(), tp=parallel_state.get_tensor_model_parallel_rank(),
+                         cp=parallel_state.get_context_parallel_rank(), pp_size=layout.pp, dp_size=layout.dp)
     rank_seed = stage_seed(seed, parallel_state.get_pipeline_model_parallel_rank())
     torch.manual_seed(rank_seed)
     # Per-rank named RNG streams (TP dropout, and on a GPU every weight: with use_cpu_initialization=False
