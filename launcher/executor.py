@@ -184,13 +184,18 @@ def checkpoint_dir_problem(job):
 
 
 def checkpoint_load_problem(job):
-    """``checkpoint.load`` names nothing on this file system (the same one the write probe reads) while
+    """``checkpoint.load`` is a regular file, or names nothing on this file system (the same one the write probe reads) while
     ``checkpoint.dir`` holds no complete checkpoint of its own to resume instead: the ranks would refuse it after
     the model build. Its alternative: the newest complete checkpoint beside the missing path, else null (start from
     step 0). A Problem, else None."""
     from launcher.problems import Problem
 
     load = job.checkpoint.load
+    if load and not job.checkpoint.load_hf and Path(absolute(load)).is_file():  # a checkpoint is a directory
+        near = cdir.latest_checkpoint(Path(absolute(load)).parent)
+        return Problem("checkpoint.load", load, "is a file; a checkpoint is a directory (iter_N, or the directory "
+                       "holding them)", f"checkpoint.load={near}" if near is not None else
+                       "checkpoint.load=null (start from step 0)")
     if not load or job.checkpoint.load_hf or Path(absolute(load)).exists():
         return None
     if job.checkpoint.dir and cdir.latest_checkpoint(Path(absolute(job.checkpoint.dir))) is not None:

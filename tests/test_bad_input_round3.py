@@ -200,3 +200,24 @@ def test_validate_checks_the_tokenizer_is_tokenizers_json(kind, cli, tmp_path):
         assert err.strip().endswith(f"try data.tokenizer={hint}"), err
         code, _, err = cli("recipe=smoke", f"data.tokenizer={hint}", "action=validate")
         assert code == 0, err  # the alternative printed validates
+
+
+def test_checkpoint_load_that_is_a_file_is_refused_before_rendering(cli, tmp_path):
+    (tmp_path / "ckpt").write_text("not a checkpoint\n")
+    for action in ("validate", "render"):
+        code, _, err = cli("recipe=smoke", f"checkpoint.load={tmp_path / 'ckpt'}", f"action={action}",
+                           f"output_dir={tmp_path / 'out'}")
+        _one_error(code, err, "checkpoint.load")
+        assert "is a file; a checkpoint is a directory" in err and err.strip().endswith(
+            "try checkpoint.load=null (start from step 0)"), err
+    assert not (tmp_path / "out").exists()
+
+
+# ---- class 5: meaning silently changed ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["1f1b", "zb_h1"])
+def test_zb_v_costs_on_another_schedule_are_said_to_be_ignored(kind, cli):
+    code, out, err = cli("recipe=smoke", f"schedule.kind={kind}", "schedule.zb_v_costs=[1,2,1]", "action=validate")
+    assert code == 0
+    assert (f"warning: schedule.zb_v_costs=[1.0, 2.0, 1.0]: orders schedule.kind=zb_v only; {kind} ignores it; "
+            "try schedule.zb_v_costs=null") in err + out

@@ -138,6 +138,9 @@ def validate_schedule(job: JobConfig, lay: Layout) -> list[Problem]:
         c.need(not s.overlap_p2p_comm, "schedule.overlap_p2p_comm", True,
                "p2p overlap needs a virtual pipeline (interleaved, or zb_h1/zb_v with parallel.virtual_pipeline)",
                "schedule.overlap_p2p_comm=false")
+    # the costs order zb_v's list scheduler only (launcher.core.schedules.schedule_zb_v): any other kind ignores them
+    c.need(s.zb_v_costs is None or s.kind == Schedule.ZB_V, "schedule.zb_v_costs", s.zb_v_costs,
+           f"orders schedule.kind=zb_v only; {s.kind} ignores it", "schedule.zb_v_costs=null", severity="warning")
     if s.microbatch_group_size is not None:
         c.need(s.microbatch_group_size >= p.pipeline, "schedule.microbatch_group_size", s.microbatch_group_size,
                f"must be at least parallel.pipeline={p.pipeline}", f"schedule.microbatch_group_size={p.pipeline}")
