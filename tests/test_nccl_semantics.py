@@ -510,4 +510,4 @@ def test_every_zero_bubble_job_offered_replays_under_one_queue():
         programs = p2p.plan_all(sched, placement=_placement(kind, v), overlap=job.schedule.overlap_p2p_comm)
         assert p2p.replay(programs, connections=1) == _messages(kind, p, v, lay.microbatches), name
         seen["zb_h1 over chunks" if kind == "zb_h1" and v > 1 else kind] += 1
-    assert min(seen.values()) >= 3, seen
+    assert min(seen.values()) >= 2, seen  # every kind among them (one chunk: the catalogue recipes without VPP)
