@@ -55,16 +55,11 @@ def _train(job, layout, cache: Path, former: bool):
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_attr_wrapped_model
 
-    from launcher.rank import data, loop, optim
-    from models import build_model
+    from launcher.rank import data, loop
+    from launcher.rank.entry import build_model_and_optimizer
 
     tr = job.train
-    chunks = build_model(model=job.model, parallel=job.parallel, precision=job.precision, layout=layout,
-                         schedule=job.schedule, seed=tr.seed)
-    model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision)
-    optimizer = optim.build_optimizer(model, train=tr, parallel=job.parallel, precision=job.precision)
-    scheduler = optim.build_scheduler(optimizer, train=tr, steps=layout.steps)
-    optim.hook_model_config(model, optimizer, parallel=job.parallel)
+    model, optimizer, scheduler = build_model_and_optimizer(job, layout)  # production's own build sequence
     lp = loop.Loop(model=model, optimizer=optimizer, scheduler=scheduler, train=tr, seq_length=job.model.seq_length,
                    num_microbatches=layout.microbatches, kind=job.schedule.kind, dp_size=layout.dp)
     if former:

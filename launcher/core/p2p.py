@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from launcher.core.schedules import Op, place, stage_of
+from launcher.core.schedules import Op, place, stage_of, timed_run
 from launcher.schema import Schedule
 
 Event = tuple
@@ -154,39 +154,8 @@ deadlock-free program; these are the schedules' own equal-cost setting)."""
 
 
 def _executed_times(schedule: Sequence[Sequence[Op]], placement: str) -> List[List[Tuple[float, float]]]:
-    """(start, end) of every op of every rank when each rank runs its list in order, an op starting once its
-    rank is free and its inputs exist (F after the previous stage's F, B/BW after the next stage's B/BW and its
-    own F, W after its own B), at :data:`_COST`. Raises ValueError when the lists cannot all run."""
-    p = len(schedule)
-    chunks = 1 + max((op.chunk for ops in schedule for op in ops), default=0)
-    last = p * chunks - 1
-    end: Dict[tuple, float] = {}
-    times: List[List[Tuple[float, float]]] = [[] for _ in range(p)]
-    pos, clock, left = [0] * p, [0.0] * p, sum(len(ops) for ops in schedule)
-    while left:
-        moved = False
-        for r in range(p):
-            while pos[r] < len(schedule[r]):
-                op = schedule[r][pos[r]]
-                k, mb = stage_of(placement, p, r, op.chunk), op.microbatch
-                if op.kind == "F":
-                    deps = [("F", k - 1, mb)] if k > 0 else []
-                elif op.kind in ("B", "BW"):
-                    deps = [("F", k, mb)] + ([("B", k + 1, mb)] if k < last else [])
-                else:
-                    deps = [("B", k, mb)]
-                if any(d not in end for d in deps):
-                    break
-                start = max([clock[r]] + [end[d] for d in deps])
-                clock[r] = start + _COST[op.kind]
-                end[("F" if op.kind == "F" else "B" if op.kind in ("B", "BW") else "W", k, mb)] = clock[r]
-                times[r].append((start, clock[r]))
-                pos[r] += 1
-                left -= 1
-                moved = True
-        if not moved:
-            raise ValueError(f"the op lists cannot run: ranks stop at {[ops[i] if i < len(ops) else None for ops, i in zip(schedule, pos)]}")
-    return times
+    """(start, end) of every op of every rank in one timed run at :data:`_COST` (``schedules.timed_run``)."""
+    return timed_run(schedule, placement, lambda stage, op: _COST[op.kind])
 
 
 def _messages_in_time(schedule: Sequence[Sequence[Op]], placement: str) -> tuple:

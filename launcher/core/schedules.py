@@ -253,35 +253,54 @@ def _zb_v_best(p: int, m: int, costs: tuple) -> tuple:
 
 
 def zb_v_makespan(p: int, order, costs: tuple) -> float:
-    """The makespan of a ZB-V op list run at ``costs`` (``zb_v_stage_costs``), no communication time: each op starts
-    when its rank is free and its inputs exist (F after the previous stage's F, B after the next stage's B or, on
-    the last stage, its own F, W after its B) -- ``launcher.plan.simulator.simulate`` with placement zb_v."""
+    """The makespan of a ZB-V op list run at ``costs`` (``zb_v_stage_costs``), no communication time
+    (:func:`timed_run` with each op charged its stage's cost) -- ``launcher.plan.simulator.simulate`` with
+    placement zb_v."""
     per_stage = zb_v_stage_costs(p, costs)
+    try:
+        times = timed_run(order, Schedule.ZB_V, lambda k, op: per_stage[k]["FBW".index(op.kind)])
+    except ValueError:
+        raise RuntimeError(f"zb_v order deadlocks at p={p}") from None
+    return max((end for ops in times for _, end in ops), default=0.0)
+
+
+def timed_run(schedule, placement: str, cost) -> list:
+    """(start, end) of every op of every rank when each rank runs its list in order, an op starting once its rank
+    is free and its inputs exist (F after the previous stage's F, B/BW after the next stage's B/BW and its own F, W
+    after its own B), each taking ``cost(stage, op)``; no communication time. Raises ValueError when the lists
+    cannot all run (an op waits for one that never comes). What the p2p planner orders messages by
+    (``launcher.core.p2p``) and what :func:`zb_v_makespan` times."""
+    p = len(schedule)
+    chunks = 1 + max((op.chunk for ops in schedule for op in ops), default=0)
+    last = p * chunks - 1
     end: dict = {}
-    pos, clock, left = [0] * p, [0.0] * p, sum(len(ops) for ops in order)
+    times: list = [[] for _ in range(p)]
+    pos, clock, left = [0] * p, [0.0] * p, sum(len(ops) for ops in schedule)
     while left:
         moved = False
         for r in range(p):
-            while pos[r] < len(order[r]):
-                op = order[r][pos[r]]
-                k = stage_of(Schedule.ZB_V, p, r, op.chunk)
-                dep = (("F", k - 1) if op.kind == "F" else ("B", k + 1) if op.kind == "B" else ("B", k))
-                if op.kind == "F" and k == 0:
-                    ready = 0.0
-                elif op.kind == "B" and k == 2 * p - 1:
-                    ready = end[("F", k, op.microbatch)]
-                elif (dep[0], dep[1], op.microbatch) in end:
-                    ready = end[(dep[0], dep[1], op.microbatch)]
+            while pos[r] < len(schedule[r]):
+                op = schedule[r][pos[r]]
+                k, mb = stage_of(placement, p, r, op.chunk), op.microbatch
+                if op.kind == "F":
+                    deps = [("F", k - 1, mb)] if k > 0 else []
+                elif op.kind in ("B", "BW"):
+                    deps = [("F", k, mb)] + ([("B", k + 1, mb)] if k < last else [])
                 else:
+                    deps = [("B", k, mb)]
+                if any(d not in end for d in deps):
                     break
-                clock[r] = max(clock[r], ready) + per_stage[k]["FBW".index(op.kind)]
-                end[(op.kind, k, op.microbatch)] = clock[r]
+                start = max([clock[r]] + [end[d] for d in deps])
+                clock[r] = start + cost(k, op)
+                end[("F" if op.kind == "F" else "B" if op.kind in ("B", "BW") else "W", k, mb)] = clock[r]
+                times[r].append((start, clock[r]))
                 pos[r] += 1
                 left -= 1
                 moved = True
         if not moved:
-            raise RuntimeError(f"zb_v order deadlocks at p={p}")
-    return max(clock)
+            raise ValueError(f"the op lists cannot run: ranks stop at "
+                             f"{[ops[i] if i < len(ops) else None for ops, i in zip(schedule, pos)]}")
+    return times
 
 
 def zb_v_stage_costs(p: int, costs: tuple) -> tuple:
