@@ -221,3 +221,13 @@ def test_zb_v_costs_on_another_schedule_are_said_to_be_ignored(kind, cli):
     assert code == 0
     assert (f"warning: schedule.zb_v_costs=[1.0, 2.0, 1.0]: orders schedule.kind=zb_v only; {kind} ignores it; "
             "try schedule.zb_v_costs=null") in err + out
+
+
+@pytest.mark.parametrize("override,field", [("train.lr=1e308", "train.lr"), ("train.lr=1", "train.lr"),
+                                            ("train.min_lr=2", "train.min_lr"),
+                                            ("cluster.peak_tflops_bf16=1e308", "cluster.peak_tflops_bf16"),
+                                            ("cluster.peak_tflops_fp8=inf", "cluster.peak_tflops_fp8")])
+def test_absurd_rates_and_peaks_are_refused(override, field, cli):
+    """Accepted before (a learning rate of 1e308 trains nothing; a peak of 1e308 plans every step in 0 s)."""
+    code, _, err = cli("recipe=smoke", override, "action=validate")
+    _one_error(code, err, field)

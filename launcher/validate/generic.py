@@ -96,7 +96,9 @@ BOUNDS: dict[str, Bound] = {
                                         "wsd_decay_steps", "eval_iters", "recompute_num_layers")},
     "train.warmup_steps": NON_NEGATIVE, "train.eval_interval": Bound(0, why="0 disables"),
     # torch.optim.Adam: "Invalid learning rate / epsilon / beta parameter / weight_decay value"
-    "train.lr": POSITIVE_NUMBER, "train.min_lr": Bound(0), "train.weight_decay": Bound(0),
+    # Adam's step size: every published recipe is below 1e-2; 1 and above move each weight by its own size a step
+    "train.lr": Bound(0, 1, lo_open=True, hi_open=True, why="Adam's step size"),
+    "train.min_lr": Bound(0, 1, hi_open=True, why="Adam's step size"), "train.weight_decay": Bound(0),
     "train.adam_beta1": PROBABILITY, "train.adam_beta2": PROBABILITY,
     "train.adam_eps": Bound(0, lo_open=True, why="Adam divides by sqrt(v) + eps"),
     "train.clip_grad": Bound(0, why="0 disables clipping"), "train.exit_after_minutes": POSITIVE_NUMBER,
@@ -105,7 +107,11 @@ BOUNDS: dict[str, Bound] = {
     "data.num_workers": NON_NEGATIVE, "checkpoint.save_interval": Bound(0, why="0: only at the end"),
     "checkpoint.keep_last": POSITIVE, "logging.log_interval": POSITIVE,
     "cluster.gpus_per_node": POSITIVE, "cluster.memory_reserve_gb": Bound(0),
-    **{f"cluster.{n}": POSITIVE_NUMBER for n in ("gpu_memory_gb", "peak_tflops_bf16", "peak_tflops_fp8",
+    # per GPU: a B200's dense FP8 peak is about 4,500 TFLOP/s; 10^5 leaves room and refuses 1e308 (the planner's
+    # step time then rounds to 0)
+    **{f"cluster.{n}": Bound(0, 1e5, lo_open=True, why="TFLOP/s per GPU") for n in ("peak_tflops_bf16",
+                                                                                   "peak_tflops_fp8")},
+    **{f"cluster.{n}": POSITIVE_NUMBER for n in ("gpu_memory_gb",
                                                  "hbm_bandwidth_gbps", "nvlink_bandwidth_gbps",
                                                  "network_bandwidth_gbps")},
     **{f"cluster.{n}": FRACTION for n in ("gemm_efficiency", "fp8_gemm_efficiency", "comm_efficiency",
