@@ -65,17 +65,12 @@ def one_step(job, layout, kind: str, bundle: Path, steps: int = 1):
     import torch
     from megatron.core import parallel_state as ps
 
-    from launcher.rank import data, loop, optim
-    from models import build_model
+    from launcher.rank import data, loop
+    from launcher.rank.entry import build_model_and_optimizer
 
-    schedule = dataclasses.replace(job.schedule, kind=kind)
+    job = dataclasses.replace(job, schedule=dataclasses.replace(job.schedule, kind=kind))
     tr = job.train
-    chunks = build_model(model=job.model, parallel=job.parallel, precision=job.precision, layout=layout,
-                         schedule=schedule, seed=tr.seed, recompute=tr.recompute,
-                         recompute_num_layers=tr.recompute_num_layers, recompute_modules=tr.recompute_modules)
-    model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision)
-    optimizer = optim.build_optimizer(model, train=job.train, parallel=job.parallel, precision=job.precision)
-    optim.hook_model_config(model, optimizer, parallel=job.parallel)
+    model, optimizer, _ = build_model_and_optimizer(job, layout)  # production's own build sequence
     iters, _ = data.build_train_valid_iterators(
         data=job.data, model=job.model, train=job.train, steps=layout.steps, consumed_samples=0,
         dp_rank=ps.get_data_parallel_rank(), dp_size=layout.dp, num_chunks=1, cache_dir=str(bundle / "cache"))

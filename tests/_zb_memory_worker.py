@@ -23,19 +23,16 @@ def main() -> int:
 
     from launcher.config import compose_job
     from launcher.core import derive
-    from launcher.rank import data, loop, optim, setup
-    from models import build_model
+    from launcher.rank import data, loop, setup
+    from launcher.rank.entry import build_model_and_optimizer
     from models.zero_bubble import STORE
 
     job = compose_job(overrides)
     layout = derive(job)
     assert job.schedule.kind == "zb_h1", job.schedule.kind
     setup.init_distributed(cluster=job.cluster, layout=layout, seed=job.train.seed)
-    chunks = build_model(model=job.model, parallel=job.parallel, precision=job.precision, layout=layout,
-                         schedule=job.schedule, seed=job.train.seed)
-    model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision)
-    optimizer = optim.build_optimizer(model, train=job.train, parallel=job.parallel, precision=job.precision)
-    optim.hook_model_config(model, optimizer, parallel=job.parallel)
+    # production's own build sequence (recompute, determinism and backend checks included)
+    model, optimizer, _ = build_model_and_optimizer(job, layout)
     iters, _ = data.build_train_valid_iterators(
         data=job.data, model=job.model, train=job.train, steps=layout.steps, consumed_samples=0,
         dp_rank=ps.get_data_parallel_rank(), dp_size=layout.dp, num_chunks=1, cache_dir=str(out / "cache"))

@@ -37,10 +37,10 @@ def main() -> int:
 
     from launcher.config import compose_job
     from launcher.core import derive
-    from launcher.rank import data, loop, optim, setup
+    from launcher.rank import data, loop, setup
     from launcher.rank.zero_bubble import Recorder
     from launcher.schema import Schedule
-    from models import build_model
+    from launcher.rank.entry import build_model_and_optimizer
 
     job = compose_job(overrides)
     layout = derive(job)
@@ -52,11 +52,8 @@ def main() -> int:
         steps = 2
     setup.init_distributed(cluster=job.cluster, layout=layout, seed=job.train.seed)
     tr = job.train
-    chunks = build_model(model=job.model, parallel=job.parallel, precision=job.precision, layout=layout,
-                         schedule=job.schedule, seed=tr.seed, recompute=tr.recompute)
-    model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision)
-    optimizer = optim.build_optimizer(model, train=tr, parallel=job.parallel, precision=job.precision)
-    optim.hook_model_config(model, optimizer, parallel=job.parallel)
+    model, optimizer, _ = build_model_and_optimizer(job, layout)  # production's own build sequence
+    chunks = [getattr(m, "module", m) for m in model]
     reads = [c.pre_process or c.post_process for c in chunks]
     iters, _ = data.build_train_valid_iterators(
         data=job.data, model=job.model, train=tr, steps=layout.steps, consumed_samples=0,
