@@ -229,7 +229,8 @@ def test_a_number_hydra_cannot_read_is_the_field_type_line():
 
     with pytest.raises(ConfigError) as caught:
         compose_dict(["train.lr=1e-3;"])
-    assert caught.value.problem.line() == "error: train.lr='1e-3;': must be a number > 0; try train.lr=0.003"
+    assert caught.value.problem.line() == ("error: train.lr='1e-3;': must be a number in (0, 1) (Adam's step size); "
+                                           "try train.lr=0.003")
 
 
 @pytest.mark.parametrize("weight", ["0", "-1", "nan"])

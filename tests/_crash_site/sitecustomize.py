@@ -1,21 +1,32 @@
 """Test support: on PYTHONPATH for ranks that must crash the same way on every attempt (the no-progress rule,
 tests/test_no_progress.py). With LAUNCHER_TEST_CRASH_AT_STEP=K (and LAUNCHER_TEST_CRASH_RANK=R, default 0), rank
-R raises in step K each time it reaches it: a deterministic bug, as a data error or a kernel fault would be."""
+R raises in step K each time it reaches it: a deterministic bug, as a data error or a kernel fault would be.
+With LAUNCHER_TEST_NAN_AT_STEP=K, every rank fills its first weight with NaN before step K: the real forward and
+backward then carry the NaN to the loss and the gradients, and the loop's own non-finite rule sees it (a train.lr
+large enough to diverge is refused by validation, tests/test_nothing_lost.py)."""
 import importlib.abc
 import importlib.util
 import os
 import sys
 
 _STEP = os.environ.get("LAUNCHER_TEST_CRASH_AT_STEP")
+_NAN = os.environ.get("LAUNCHER_TEST_NAN_AT_STEP")
 
 
 def _patch(module) -> None:
     original = module.Loop.train_step
-    step, rank = int(_STEP), os.environ.get("LAUNCHER_TEST_CRASH_RANK", "0")
+    step = int(_STEP) if _STEP else None
+    nan_step = int(_NAN) if _NAN else None
+    rank = os.environ.get("LAUNCHER_TEST_CRASH_RANK", "0")
 
     def train_step(self, iterators):
         if self.step + 1 == step and os.environ.get("RANK") == rank:
             raise RuntimeError(f"injected crash in step {step}")
+        if self.step + 1 == nan_step:
+            import torch
+
+            with torch.no_grad():
+                next(self.model[0].parameters()).fill_(float("nan"))
         return original(self, iterators)
 
     module.Loop.train_step = train_step
@@ -37,5 +48,5 @@ class _Hook(importlib.abc.MetaPathFinder):
         return spec
 
 
-if _STEP and os.environ.get("RANK") is not None:
+if (_STEP or _NAN) and os.environ.get("RANK") is not None:
     sys.meta_path.insert(0, _Hook())
