@@ -81,6 +81,9 @@ def _main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["import"]:  # python -m launcher import SCRIPT: a Megatron-LM job -> a recipe
         from launcher.megatron_lm import import_main
         return import_main(argv[1:])
+    if argv[:1] in (["runs"], ["status"], ["logs"], ["cancel"]):  # what became of a run bundle (launcher/runs.py)
+        from launcher.runs import main as runs_main
+        return runs_main(argv)
     try:
         args = parse_args(argv)
         if args.help:
