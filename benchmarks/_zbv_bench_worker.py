@@ -20,18 +20,14 @@ from launcher.schema import Schedule  # noqa: E402
 def build(job, layout, kind: str, cache: str):
     from megatron.core import parallel_state as ps
 
-    from launcher.rank import data, loop, optim
+    from launcher.rank import data, loop
     from launcher.rank import zero_bubble as zb
-    from models import build_model
+    from launcher.rank.entry import build_model_and_optimizer
 
+    job = dataclasses.replace(job, schedule=dataclasses.replace(job.schedule, kind=kind, overlap_p2p_comm=False,
+                                                                batch_p2p_comm=True))
     tr = job.train
-    schedule = dataclasses.replace(job.schedule, kind=kind, overlap_p2p_comm=False, batch_p2p_comm=True)
-    chunks = build_model(model=job.model, parallel=job.parallel, precision=job.precision, layout=layout,
-                         schedule=schedule, seed=tr.seed)
-    model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision)
-    optimizer = optim.build_optimizer(model, train=tr, parallel=job.parallel, precision=job.precision)
-    scheduler = optim.build_scheduler(optimizer, train=tr, steps=layout.steps)
-    optim.hook_model_config(model, optimizer, parallel=job.parallel)
+    model, optimizer, scheduler = build_model_and_optimizer(job, layout)  # production's own build sequence
     lp = loop.Loop(model=model, optimizer=optimizer, scheduler=scheduler, train=tr, seq_length=job.model.seq_length,
                    num_microbatches=layout.microbatches, kind=kind, dp_size=layout.dp, record_timeline=True,
                    zb_v_costs=job.schedule.zb_v_costs)

@@ -74,8 +74,10 @@ def _ensure_imports(wheel) -> None:
 
 
 def _job(args, on_gpu: bool):
-    """The proxy as a typed job of one rank (the same schema and derived layout the launcher's jobs use)."""
-    from launcher.schema import ClusterConfig, JobConfig, ModelConfig, ParallelConfig, PrecisionConfig, TrainConfig
+    """The proxy as a typed job of one rank (the same schema and derived layout the launcher's jobs use); no
+    activation recompute (the schema's default is selective): the proxy measures the plain forward and backward."""
+    from launcher.schema import (ClusterConfig, JobConfig, ModelConfig, ParallelConfig, PrecisionConfig, Recompute,
+                                 TrainConfig)
 
     model = ModelConfig(
         name="smoke@llama3-8b-width", num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=args.ffn,
@@ -87,7 +89,8 @@ def _job(args, on_gpu: bool):
         parallel=ParallelConfig(distributed_optimizer=False, overlap_grad_reduce=False, overlap_param_gather=False),
         precision=PrecisionConfig(dtype=args.dtype, transformer_engine="false"),
         train=TrainConfig(micro_batch_size=args.micro_batch, global_batch_size=args.micro_batch * args.microbatches,
-                          lr=1e-4, min_lr=1e-5, warmup_steps=0, train_steps=args.warmup + args.steps))
+                          lr=1e-4, min_lr=1e-5, warmup_steps=0, train_steps=args.warmup + args.steps,
+                          recompute=Recompute.NONE))
 
 
 def main(argv=None) -> dict:
@@ -97,23 +100,19 @@ def main(argv=None) -> dict:
 
     from launcher.core import derive
     from launcher.core.flops import flops_per_token
-    from launcher.rank import loop, optim, setup
+    from launcher.rank import loop, setup
+    from launcher.rank.entry import build_model_and_optimizer
     from launcher.rank.metrics import memory_gib
     from launcher.schema import Schedule
-    from models import build_model
 
     on_gpu = torch.cuda.is_available()
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29500 + os.getpid() % 1000)),
                        ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(key, value)
     job = _job(args, on_gpu)
-    layout, train, parallel, precision = derive(job), job.train, job.parallel, job.precision
+    layout, train = derive(job), job.train
     setup.init_distributed(cluster=job.cluster, layout=layout, seed=train.seed)
-    chunks = build_model(model=job.model, parallel=parallel, precision=precision, layout=layout)
-    model = optim.wrap_ddp(chunks, parallel=parallel, precision=precision)
-    optimizer = optim.build_optimizer(model, train=train, parallel=parallel, precision=precision)
-    scheduler = optim.build_scheduler(optimizer, train=train, steps=layout.steps)
-    optim.hook_model_config(model, optimizer, parallel=parallel)
+    model, optimizer, scheduler = build_model_and_optimizer(job, layout)  # production's own build sequence
     lp = loop.Loop(model=model, optimizer=optimizer, scheduler=scheduler, train=train, seq_length=args.seq,
                    num_microbatches=layout.microbatches, kind=Schedule.ONE_F_ONE_B, dp_size=layout.dp)
     data = [_batches(args)]
@@ -134,7 +133,7 @@ def main(argv=None) -> dict:
     tflops = fpt * tokens / elapsed / 1e12
     result = {
         "device": torch.cuda.get_device_name() if on_gpu else "cpu", "torch": torch.__version__,
-        "params_billion": sum(p.numel() for p in chunks[0].parameters()) / 1e9, "layers": args.layers,
+        "params_billion": sum(p.numel() for p in model[0].module.parameters()) / 1e9, "layers": args.layers,
         "hidden": args.hidden, "seq": args.seq, "dtype": args.dtype, "tokens_per_step": tokens,
         "ms_per_step": elapsed * 1e3, "tokens_per_s": tokens / elapsed, "gflop_per_token": fpt / 1e9,
         "tflops": tflops, "mfu": tflops / args.peak, "peak_tflops": args.peak,

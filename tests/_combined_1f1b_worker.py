@@ -72,17 +72,14 @@ def one_step(job, layout, bundle: Path, combined: bool):
     import torch
     from megatron.core import parallel_state as ps
 
-    from launcher.rank import data, loop, optim
-    from models import build_model
+    from launcher.rank import data, loop
+    from launcher.rank.entry import build_model_and_optimizer
 
-    chunks = build_model(model=job.model, parallel=job.parallel, precision=job.precision, layout=layout,
-                         schedule=job.schedule, seed=job.train.seed)
+    model, _, _ = build_model_and_optimizer(job, layout)  # production's own build sequence
     # fp32 on CPU (exact comparison); TransformerConfig's bf16/fp16 assert for the overlap is a GPU numerics rule,
-    # so the flag is set on the built config, which every layer and the schedule read at run time
-    chunks[0].config.overlap_moe_expert_parallel_comm = combined
-    model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision)
-    optimizer = optim.build_optimizer(model, train=job.train, parallel=job.parallel, precision=job.precision)
-    optim.hook_model_config(model, optimizer, parallel=job.parallel)
+    # so the flag is set on the built config (the chunk's, which its DDP wrapper shares; DDP, the optimizer and
+    # the config hooks do not read it), which every layer and the schedule read at run time
+    model[0].config.overlap_moe_expert_parallel_comm = combined
     iters, _ = data.build_train_valid_iterators(
         data=job.data, model=job.model, train=job.train, steps=layout.steps, consumed_samples=0,
         dp_rank=ps.get_data_parallel_rank(), dp_size=layout.dp, num_chunks=1, cache_dir=str(bundle / "cache"))

@@ -4,8 +4,9 @@
 one process: the exact Megatron-Core config objects (``models.builder.transformer_config``, DDP and optimizer
 configs, LR scheduler arguments), then ``parallel_state.initialize_model_parallel`` with the job's real world
 size on torch's *fake* process group (one process plays rank 0, then the last rank, of the real layout: every
-group is created, collectives are no-ops), the model chunks of that rank (``models.build_model``; skipped for
-models too large for this machine), DDP, the (distributed) optimizer and the LR scheduler. Jobs without
+group is created, collectives are no-ops), then that rank's build exactly as the rank entry does it
+(``launcher.rank.entry.build_model_and_optimizer``: the backend checks, the model chunks, DDP, the (distributed)
+optimizer, the LR scheduler and the model config's hooks; skipped for models too large for this machine). Jobs without
 pipeline parallelism also run one forward and backward pass of the first microbatch on CPU. OUT gets {case id:
 error or null}.
 
@@ -68,7 +69,7 @@ def build(job, rank: int) -> None:
 
     from launcher.core import derive
     from launcher.rank import optim, setup
-    from models import build_model
+    from launcher.rank.entry import build_model_and_optimizer
     from models.builder import transformer_config
 
     lay, tr = derive(job), job.train
@@ -86,12 +87,7 @@ def build(job, rank: int) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(tr.seed)
         if too_large(job):
             return
-        chunks = build_model(model=job.model, parallel=job.parallel, precision=job.precision, layout=lay,
-                             schedule=job.schedule, seed=tr.seed, recompute=tr.recompute,
-                             recompute_num_layers=tr.recompute_num_layers, recompute_modules=tr.recompute_modules)
-        model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision)
-        optimizer = optim.build_optimizer(model, train=tr, parallel=job.parallel, precision=job.precision)
-        optim.build_scheduler(optimizer, train=tr, steps=max(lay.steps, 1))
+        model, _, _ = build_model_and_optimizer(job, lay)  # production's own build sequence
         if lay.pp == 1 and lay.world == 1 and job.model.seq_length * tr.micro_batch_size <= MAX_STEP_TOKENS \
                 and _params(job) <= MAX_STEP_PARAMS and not (NO_CXX and job.model.cross_entropy_loss_fusion):
             _step(job, model[0])

@@ -11,6 +11,9 @@ parsed with ``ast`` and followed through the project's own modules, without runn
   each imported only by the core modules its reason names.
 - No wing reaches a tool, and no product module reaches the tests or benchmarks.
 - No module imports itself back through others (an import circle), counting imports inside functions.
+- The rank's training objects (model, DDP, optimizer, scheduler, config hooks) are built in one place,
+  ``launcher.rank.entry.build_model_and_optimizer``: no other file calls a step of that sequence, except the
+  partial builds of ``PARTIAL_BUILDS``, each with why.
 """
 from __future__ import annotations
 
@@ -336,3 +339,106 @@ def test_a_long_module_without_a_reason_is_found(tmp_path):
     said = tmp_path / "said.py"
     said.write_text('"""A module.\nOne room: why.\n"""\n' + "x = 1\n" * (ROOM_LINES + 1))
     assert long_modules_without_a_reason({"launcher.long": long, "launcher.said": said}) == ["launcher.long: 622 lines"]
+
+
+BUILD_SEQUENCE = ("build_model", "wrap_ddp", "build_optimizer", "build_scheduler", "hook_model_config")
+"""The steps of a rank's build, in production's order (``launcher.rank.entry.build_model_and_optimizer``); a copy
+of them elsewhere drifts from what a job runs (recompute, determinism and the backend checks were left out of
+copies before: issue 43)."""
+BUILDERS = ("launcher/rank/entry.py", "launcher/rank/optim.py")
+"""The one builder, and the module that defines the optimizer's steps."""
+PARTIAL_BUILDS = {
+    "models/__init__.py": ({"build_model"}, "the package's lazy forward to models.builder.build_model (no build)"),
+    "launcher/hf/importer.py": (
+        {"build_model"}, "one process's GPTModel to load HF weights into and compare logits: no DDP, no optimizer"),
+    "tests/_seed_worker.py": (
+        {"build_model"}, "fingerprints a stage's initial weights on the CPU and the GPU init path: the model alone"),
+    "tests/test_catalogue.py": (
+        {"build_model"}, "the model builder's unit test per architecture (GPTModel forward/backward, no training)"),
+    "tests/test_combined_1f1b.py": (
+        {"build_model"}, "one MoE chunk for forward_step's schedule plan, in this process: no DDP, no optimizer"),
+    "tests/test_models_build.py": ({"build_model"}, "the unit tests of models.build_model itself"),
+    "tests/test_plan_activations_real.py": (
+        {"build_model"}, "counts the tensors a GPTModel forward saves: DDP and optimizer hold no activations"),
+    "tests/test_wiring.py": (
+        {"build_model"}, "records the GPTModel arguments models.build_model passes (GPTModel replaced)"),
+    "tests/test_rank_param_sync.py": (
+        {"hook_model_config"}, "the unit tests of optim.hook_model_config itself, on stand-in chunks"),
+    "tests/test_train_options.py": (
+        {"build_scheduler"}, "the unit tests of the LR scheduler factory, on a stand-in optimizer"),
+}
+"""file -> (the steps of BUILD_SEQUENCE it may call, why it builds only that part)."""
+
+
+def build_sequence_calls(path: Path) -> set[str]:
+    """The steps of BUILD_SEQUENCE that ``path`` calls: ``f(...)`` or ``mod.f(...)``, also under an import alias
+    (``from models import build_model as bm``); a mention in a docstring or comment is no call."""
+    tree = ast.parse(path.read_text(), str(path))
+    alias = {a.asname: a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+             for a in node.names if a.name in BUILD_SEQUENCE and a.asname}
+    called = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+            called.add(alias.get(name, name))
+    return called & set(BUILD_SEQUENCE)
+
+
+def build_sequence_copies(files: dict[str, Path]) -> list[str]:
+    """``files`` (path from the repository root -> file) that call a step of the build sequence outside the
+    builder and beyond what PARTIAL_BUILDS allows them."""
+    out = []
+    for rel, path in sorted(files.items()):
+        if rel in BUILDERS:
+            continue
+        extra = sorted(build_sequence_calls(path) - PARTIAL_BUILDS.get(rel, (set(), ""))[0])
+        if extra:
+            out.append(f"{rel} calls {', '.join(extra)}")
+    return out
+
+
+def _source_files() -> dict[str, Path]:
+    return {path.relative_to(ROOT).as_posix(): path for path in MODULES.values()}
+
+
+def test_the_rank_build_sequence_has_one_builder():
+    copies = build_sequence_copies(_source_files())
+    assert not copies, ("build through launcher.rank.entry.build_model_and_optimizer(job, layout) (a job composed "
+                        "with launcher.config.compose_job, its layout from launcher.core.derive), or, for a unit "
+                        f"test of one step, add the file to PARTIAL_BUILDS with why: {copies}")
+
+
+def test_every_partial_build_is_still_one():
+    """An entry of PARTIAL_BUILDS names a file that calls exactly the steps it allows, and says why."""
+    files = _source_files()
+    stale = [rel for rel, (steps, why) in PARTIAL_BUILDS.items()
+             if not why or rel not in files or build_sequence_calls(files[rel]) != steps]
+    assert not stale, f"update PARTIAL_BUILDS: {stale}"
+
+
+def test_a_copy_of_the_build_sequence_is_found(tmp_path):
+    """A worker with its own build (as tests/_combined_1f1b_worker.py had), a step under an alias, and an allowed
+    model-only test that starts wrapping in DDP are reported; a docstring mention and the builder's call are not."""
+    copy = tmp_path / "copy.py"
+    copy.write_text("def one_step(job, layout):\n    from launcher.rank import optim\n"
+                    "    from models import build_model\n"
+                    "    chunks = build_model(model=job.model, parallel=job.parallel, precision=job.precision)\n"
+                    "    model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision)\n"
+                    "    optim.hook_model_config(model, optim.build_optimizer(model, train=job.train), "
+                    "parallel=job.parallel)\n")
+    aliased = tmp_path / "aliased.py"
+    aliased.write_text("from launcher.rank.optim import build_scheduler as sched\nsched(None, train=None, steps=1)\n")
+    grown = tmp_path / "grown.py"
+    grown.write_text("from launcher.rank import optim\nfrom models import build_model\n"
+                     "optim.wrap_ddp(build_model(model=None, parallel=None, precision=None))\n")
+    fine = tmp_path / "fine.py"
+    fine.write_text('"""Built by build_model( then wrap_ddp(, as entry does."""\n'
+                    "from launcher.rank.entry import build_model_and_optimizer\n"
+                    "build_model_and_optimizer(None, None)\n")
+    assert build_sequence_copies({"tests/_copy_worker.py": copy, "benchmarks/aliased.py": aliased,
+                                  "tests/test_models_build.py": grown, "tests/_fine_worker.py": fine,
+                                  "launcher/rank/entry.py": copy}) == [
+        "benchmarks/aliased.py calls build_scheduler",
+        "tests/_copy_worker.py calls build_model, build_optimizer, hook_model_config, wrap_ddp",
+        "tests/test_models_build.py calls wrap_ddp"]

@@ -1,8 +1,8 @@
 """The planner's parameter, gradient and optimizer bytes per rank equal what Megatron-Core really allocates.
 
-Four CPU processes (gloo) build the model for several layouts of the smoke model through the launcher's own
-rank-side builders (``models.build_model``, ``launcher.rank.optim.wrap_ddp`` / ``build_optimizer``: a real
-``GPTModel``, Megatron's ``DistributedDataParallel`` gradient buffer, Megatron's optimizer) with its state
+Four CPU processes (gloo) build the model for several layouts of the smoke model through the rank entry's own
+build sequence (``launcher.rank.entry.build_model_and_optimizer``: a real ``GPTModel``, Megatron's
+``DistributedDataParallel`` gradient buffer, Megatron's optimizer) with its state
 initialised (``init_state_fn``: Adam moments, plus fp32 master copies for bf16). Each rank reports its bytes;
 the planner's prediction for that rank's pipeline stage must agree within 1%.
 
@@ -54,28 +54,26 @@ def _job_yaml(overrides) -> str:
 
 # ----------------------------------------------------------------------------------- child side (torch)
 def _measure(config_yaml: str, tmp: str):
-    """Build this rank's model exactly as the rank wing does (models.build_model, launcher.rank.optim), then
-    count the bytes Megatron-Core allocated for weights, the DDP gradient buffer and the optimizer state."""
+    """Build this rank's model exactly as the rank wing does (launcher.rank.entry.build_model_and_optimizer),
+    then count the bytes Megatron-Core allocated for weights, the DDP gradient buffer and the optimizer state."""
     import torch
     from megatron.core import parallel_state as ps
 
     from launcher.core import derive, load_job
-    from launcher.rank import optim, setup
-    from models import build_model
+    from launcher.rank import setup
+    from launcher.rank.entry import build_model_and_optimizer
 
     path = Path(tmp) / f"job-{os.getpid()}.yaml"
     path.write_text(config_yaml)
     job = load_job(path)
     layout = derive(job)
     setup.init_distributed(cluster=job.cluster, layout=layout, seed=job.train.seed)
-    chunks = build_model(model=job.model, parallel=job.parallel, precision=job.precision, layout=layout,
-                         schedule=job.schedule, seed=job.train.seed)
+    model, opt, _ = build_model_and_optimizer(job, layout)  # production's own build sequence
+    chunks = [ddp.module for ddp in model]  # the GPTModel chunks inside the DDP wrappers
     params = sum(p.numel() for c in chunks for p in c.parameters())
     weights = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
-    model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision)
     grads = sum(b.grad_data.numel() * b.grad_data.element_size()
                 for ddp in model for b in ddp.buffers + ddp.expert_parallel_buffers)
-    opt = optim.build_optimizer(model, train=job.train, parallel=job.parallel, precision=job.precision)
     optimizer = 0
     for o in getattr(opt, "chained_optimizers", [opt]):
         o.init_state_fn(o.optimizer, o.config)
