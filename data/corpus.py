@@ -46,7 +46,36 @@ def expand_inputs(patterns: List[str]) -> List[str]:
     if zst and _zstandard() is None:
         raise SystemExit(f"error: --input {zst[0]!r}: .zst input needs the 'zstandard' module (pip install "
                          "zstandard), which is not installed; install it or recompress as .jsonl.gz")
+    for path in paths:
+        bad = _compression_problem(path)
+        if bad:
+            raise SystemExit(f"error: --input {path!r}: {bad}")
     return paths
+
+
+COMPRESSED_MAGIC = {".gz": (b"\x1f\x8b", "gzip"), ".zst": (b"\x28\xb5\x2f\xfd", "zstandard"),
+                    ".zstd": (b"\x28\xb5\x2f\xfd", "zstandard")}
+"""The first bytes of each compressed format the suffix promises (RFC 1952 ID1 ID2; RFC 8878 frame magic)."""
+
+
+def _compression_problem(path: str) -> Optional[str]:
+    """Why ``path`` is not what its suffix says (a plain JSONL named .gz would be read as gzip and fail mid-run with
+    "Not a gzipped file", blamed on the output), or None. An empty file has no frame to check."""
+    suffix = next((s for s in COMPRESSED_MAGIC if path.endswith(s)), None)
+    if suffix is None:
+        return None
+    magic, name = COMPRESSED_MAGIC[suffix]
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(len(magic))
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    if not head or head == magic:
+        return None
+    plain = head[:1] in (b"{", b"[") or head[:1].isspace()
+    what = "plain JSON text" if plain else f"starts with {head!r}"
+    return (f"named {suffix} but not {name}-compressed ({what}); rename it without {suffix}" if plain else
+            f"named {suffix} but not {name}-compressed ({what}); recompress it, or rename it without {suffix}")
 
 
 ZSTD_SUFFIXES = (".zst", ".zstd")
@@ -367,6 +396,10 @@ def _writable_prefix(output_prefix: str) -> Optional[str]:
     import errno
     import tempfile
 
+    if output_prefix.endswith(("/", os.sep)) or Path(output_prefix).name in ("", ".", ".."):
+        # PREFIX.bin and PREFIX.idx: a prefix ending in a directory would write the hidden files DIR/.bin, DIR/.idx
+        return (f"--output-prefix {output_prefix}: a prefix ends in a file name (the dataset is PREFIX.bin and "
+                f"PREFIX.idx); try --output-prefix {os.path.join(output_prefix, 'corpus')}")
     parent = Path(output_prefix).parent
     try:
         parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,7 @@
 """What each action does once a job is composed and valid. Each returns the process exit code."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import re
@@ -8,7 +9,7 @@ import sys
 from pathlib import Path
 
 from launcher.core import Layout, derive
-from launcher.problems import EXIT_USAGE, Problem
+from launcher.problems import EXIT_USAGE, Problem, report
 from launcher.schema import JobConfig
 from launcher.validate import Checked
 
@@ -137,35 +138,51 @@ def preflight_data(job: JobConfig, lay: Layout | None = None) -> list[Problem]:
 
 
 def launch_preflight(job: JobConfig, checked: Checked | None = None) -> list[Problem]:
-    """What render or run would refuse, found by validate too: a checkpoint dir that takes no file, a
-    checkpoint.load that does not exist (with nothing in checkpoint.dir to resume instead), and a Slurm
-    time limit too short for the derived signal lead (the planner's save estimate, or a measured save).
-    ``checked``: the job's validation so far (validated again when None)."""
-    from launcher.executor import checkpoint_dir_problem, checkpoint_load_problem
+    """What render or run would refuse, found by validate too (one function, so validate says exactly what render
+    would): a checkpoint dir that takes no file, a checkpoint.load that does not exist (with nothing in
+    checkpoint.dir to resume instead), and ``render_refusals``. ``checked``: the job's validation so far (validated
+    again when None)."""
+    from launcher.executor import checkpoint_dir_is_a_checkpoint, checkpoint_dir_problem, checkpoint_load_problem
+    from launcher.plan import PlanError, plan_job
 
-    problems = [p for p in (checkpoint_dir_problem(job), checkpoint_load_problem(job)) if p is not None]
-    if job.cluster.launcher == "slurm" and job.slurm.signal_lead_s is None:
-        from launcher.core.signal_lead import lead_for_render
-        from launcher.plan import PlanError, plan_job
-        from launcher.render import _time_limit_s, lead_problem
+    problems = [p for p in (checkpoint_dir_problem(job), checkpoint_dir_is_a_checkpoint(job),
+                            checkpoint_load_problem(job)) if p is not None]
+    try:
+        plan = plan_job(job, checked=checked)
+    except PlanError:
+        return problems
+    return problems + render_refusals(job, plan)
 
-        try:
-            plan = plan_job(job, checked=checked).to_dict()
-        except PlanError:
-            return problems
+
+def oom_problem(job: JobConfig, plan) -> Problem | None:
+    """A predicted out-of-memory without force=true: render refuses it, and validate says so (the details are
+    ``launcher.plan.oom_message``, which render prints above this line)."""
+    if plan.fits or job.force:
+        return None
+    peak = plan.peak_stage
+    return Problem("force", job.force, f"predicted out of memory: pipeline stage {peak.stage} needs "
+                   f"{plan.peak_gb:.1f} GB of the GPU's {plan.gpu_memory_gb:g} GB usable ({plan.name})",
+                   "action=search (layouts that fit), or action=plan for the stages' memory, or force=true")
+
+
+def render_refusals(job: JobConfig, plan) -> list[Problem]:
+    """Every refusal ``render.write_bundle`` makes from the plan, as problems: a predicted OOM (unless force), a
+    Slurm time limit too short for the derived signal lead (the planner's save estimate, or a measured save: every
+    bundle holds an sbatch script, whatever cluster.launcher says) and explicit timeouts that cannot work with the
+    planned step. Render refuses on the same function's findings (``prepare_bundle``)."""
+    from launcher.core.signal_lead import lead_for_render
+    from launcher.render import _time_limit_s, derived_timeouts, lead_problem, timeouts_problems
+
+    problems = [p for p in (oom_problem(job, plan),) if p is not None]
+    plan_dict = plan.to_dict()
+    if job.slurm.signal_lead_s is None:
         limit = _time_limit_s(job)
-        late = lead_problem(job, lead_for_render(job, limit, plan, _ckpt_dir(job)), limit)
+        lead = lead_for_render(job, limit, plan_dict, _ckpt_dir(job))
+        late = lead_problem(job, lead, limit)
         if late is not None:
-            problems.append(late)
+            problems.append(_step_too_long(job, late, lead, limit))
     if any(v is not None for v in (job.timeouts.collective_s, job.timeouts.hang_s, job.timeouts.heartbeat_s)):
-        from launcher.plan import PlanError, plan_job
-        from launcher.render import derived_timeouts, timeouts_problems
-
-        try:
-            plan = plan_job(job, checked=checked).to_dict()
-        except PlanError:
-            return problems
-        problems += timeouts_problems(job, derived_timeouts(job, plan))
+        problems += timeouts_problems(job, derived_timeouts(job, plan_dict))
     return problems
 
 
@@ -251,6 +268,46 @@ def _ckpt_dir(job: JobConfig):
     return checkpoint_dir(job.checkpoint.dir, Path()) if job.checkpoint.dir else None
 
 
+LONGEST_SENSIBLE_LIMIT_S = 30 * 24 * 3600
+"""A time limit past 30 days is no alternative to offer (clusters cap partitions at days; Slurm's own maximum is
+a site setting): a job whose single step outlasts the limit needs a smaller step instead."""
+
+
+def _step_too_long(job: JobConfig, late: Problem, lead: dict, limit: int) -> Problem:
+    """The signal-lead refusal, its hint made a real alternative when the planned step alone is what does not fit
+    (a global batch of 10^12 is a step of years: the time limit it would take is no answer): the largest global
+    batch, a multiple of micro batch x DP, whose planned step leaves the stop its lead, checked by planning it."""
+    from launcher.core.signal_lead import lead_for_render
+    from launcher.fields import set_value
+    from launcher.plan import PlanError, plan_job
+    from launcher.render import lead_problem
+    from launcher.validate.sections import raw_problems
+
+    wanted = 2 * (max(lead["seconds"], 300) + 60)
+    if wanted <= LONGEST_SENSIBLE_LIMIT_S or lead["step_s"] <= 0 or job.train.global_batch_size is None:
+        return late
+    lay = derive(job)
+    unit = job.train.micro_batch_size * lay.dp
+    batch = job.train.global_batch_size
+    # the step is about proportional to the batch: aim at a tenth of the limit, then halve until planned to fit
+    target = max(unit, int(batch * (limit / 10) / lead["step_s"]) // unit * unit)
+    while target >= unit:
+        fixed = copy.deepcopy(job)
+        set_value(fixed, "train.global_batch_size", str(target))
+        try:
+            ok = not any(p.severity == "error" for p in raw_problems(fixed))
+            plan = plan_job(fixed).to_dict() if ok else None
+        except PlanError:
+            ok = False
+        if ok and lead_problem(fixed, lead_for_render(fixed, limit, plan, _ckpt_dir(fixed)), limit) is None:
+            return dataclasses.replace(late, field="train.global_batch_size", value=batch,
+                                       rule=f"a step is planned at {lead['step_s']:.3g} s, longer than slurm.time="
+                                            f"{job.slurm.time} leaves to run it and stop in time",
+                                       hint=f"train.global_batch_size={target}")
+        target = target // 2 // unit * unit
+    return late
+
+
 def prepare_bundle(job: JobConfig, args, checked: Checked):
     """Plan (refusing a predicted OOM unless force), render and write the bundle. The data pre-flight has run
     already, with validation (``launcher.cli.main``, whose findings ``checked`` holds), for every action that
@@ -259,10 +316,10 @@ def prepare_bundle(job: JobConfig, args, checked: Checked):
     from launcher.render import RenderError, write_bundle
 
     plan = plan_job(job, checked=checked)
-    if not plan.fits and not job.force:
+    oom = oom_problem(job, plan)
+    if oom is not None:
         print(oom_message(plan, job), file=sys.stderr)
-        print("error: predicted out of memory; change the layout (try action=search) or set force=true",
-              file=sys.stderr)
+        report([oom])
         return None
     try:
         bundle = write_bundle(job, argv=args.overrides, plan=plan.to_dict(), lay=checked.layout)

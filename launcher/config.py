@@ -34,7 +34,60 @@ def compose_dict(overrides: Sequence[str] = ()) -> DictConfig:
             return compose(config_name="config", overrides=list(overrides))
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         raise ConfigError(_one_line(exc), _type_problem(exc, list(overrides))
-                          or _grammar_problem(exc, list(overrides))) from None
+                          or _grammar_problem(exc, list(overrides))
+                          or _sweep_problem(exc, list(overrides))) from None
+
+
+SWEEP_RULES = {
+    "number": "a comma is Hydra's list of values to sweep, not a decimal comma",
+    "list": "a list is written in brackets (an unbracketed comma is Hydra's list of values to sweep)",
+    "text": "an unquoted comma is Hydra's list of values to sweep; quote the value",
+}
+"""Hydra's "Ambiguous value for argument 'k=a,b'" (a sweep without --multirun), by the field's type."""
+
+
+def _sweep_problem(exc: Exception, overrides: list[str]) -> Optional[Problem]:
+    """Hydra's "Ambiguous value for argument 'train.lr=3,0e-4' 1. To use it as a list ... 3. To sweep over it, add
+    --multirun" as our one line naming the field and its rule, with the alternative the field's type suggests, checked
+    by composing it and validating the field: a decimal point for a number, brackets for a list, quotes for a text.
+    This launcher submits one job per command; a sweep is a loop over commands."""
+    import shlex
+
+    from launcher.fields import FIELD_TYPES
+    from launcher.validate.generic import field_rule
+
+    message = str(exc)
+    if not message.startswith("Ambiguous value for argument"):
+        return None
+    for i, text in enumerate(overrides):
+        key, sep, value = text.partition("=")
+        field = key.lstrip("+~")
+        if not sep or text not in message or field not in FIELD_TYPES:
+            continue
+        kind = FIELD_TYPES[field][1]
+        if "List" in kind:
+            rule, alternative = SWEEP_RULES["list"], f"[{value}]"
+        elif "float" in kind or "int" in kind:
+            rule, alternative = SWEEP_RULES["number"], value.replace(",", ".", 1) if value.count(",") == 1 else None
+        else:
+            rule, alternative = SWEEP_RULES["text"], _hydra_quoted(value)
+        problem = Problem(field, value, f"must be {field_rule(field)}; {rule}", f"{field}=<{field_rule(field)}>")
+        if alternative is None:
+            return problem
+        typed = f"{key}={alternative}"
+        try:
+            job = compose_job([*overrides[:i], typed, *overrides[i + 1:]])
+        except ConfigError as again:  # read as meant, still not a value of the field: its own rule and hint
+            return dataclasses.replace(again.problem, value=value, rule=f"{again.problem.rule}; {rule}") \
+                if again.problem else problem
+        from launcher.validate import raw_problems, verified_hint
+
+        found = raw_problems(job)
+        own = [p for p in found if p.field == field and p.severity == "error"]
+        if own:
+            return verified_hint(job, dataclasses.replace(own[0], value=value), found)
+        return dataclasses.replace(problem, hint=shlex.quote(typed))
+    return None
 
 
 GRAMMAR_RULE = ("Hydra's override grammar reads this value only inside quotes (it holds a character an unquoted "
@@ -123,7 +176,8 @@ def _type_problem(exc: Exception, overrides: list[str]) -> Optional[Problem]:
     from launcher.validate import raw_problems, verified_hint
     from launcher.validate.generic import field_rule
 
-    field = key if key in FIELD_TYPES else ".".join(str(key).split(".")[:2])
+    key = re.sub(r"(\[\d+\])+$", "", str(key))  # an item of a list field: schedule.zb_v_costs[0]
+    field = key if key in FIELD_TYPES else ".".join(key.split(".")[:2])
     if field not in FIELD_TYPES:
         return None
     typed = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in (key, field)]
@@ -136,9 +190,10 @@ def _type_problem(exc: Exception, overrides: list[str]) -> Optional[Problem]:
     current = job
     for part in field.split("."):
         current = getattr(current, part)
-    if isinstance(current, (dict, list)):
+    if isinstance(current, dict):
         return problem
-    shown = "null" if current is None else str(current).lower() if isinstance(current, bool) else str(current)
+    shown = ("null" if current is None else str(current).lower() if isinstance(current, bool) else
+             "[" + ",".join(map(str, current)) + "]" if isinstance(current, list) else str(current))
     hinted = dataclasses.replace(problem, hint=f"{field}={shown}")
     return verified_hint(job, hinted, raw_problems(job))
 

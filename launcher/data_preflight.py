@@ -42,15 +42,44 @@ def max_token_id(bin_path: str, dtype: np.dtype, *, scan_limit: Optional[int] = 
     return int(max(int(data[s:s + block].max()) for s in starts)), False
 
 
-def check_prefix(field: str, prefix: str, shown: str, vocab_size: int, problems: List[Problem]) -> Optional[int]:
-    """Problems of one dataset prefix; returns its token count when readable."""
+def _is_dataset(prefix: str) -> bool:
+    return os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")
+
+
+def meant_prefix(prefix: str, shown: str) -> Optional[tuple[str, str]]:
+    """The dataset a missing prefix surely meant, (shown form, why), or None: the prefix with its ``.bin``/``.idx``
+    suffix dropped (a prefix names both files), with Megatron-LM's ``_text_document`` suffix added
+    (tools/preprocess_data.py writes ``{output_prefix}_text_document.bin``), or the one dataset in a directory."""
+    for suffix in (".bin", ".idx"):
+        if prefix.endswith(suffix) and _is_dataset(prefix[:-len(suffix)]):
+            return shown[:-len(suffix)], f"a prefix names both files: drop {suffix}"
+    if _is_dataset(prefix + "_text_document"):
+        return shown + "_text_document", "Megatron-LM's preprocess_data.py adds _text_document to --output-prefix"
+    if os.path.isdir(prefix):
+        found = sorted(n[:-4] for n in os.listdir(prefix) if n.endswith(".bin") and _is_dataset(
+            os.path.join(prefix, n[:-4])))
+        if len(found) == 1:
+            return os.path.join(shown, found[0]), "a directory is not a prefix; it holds one dataset"
+    return None
+
+
+def check_prefix(field: str, prefix: str, shown: str, vocab_size: int, problems: List[Problem],
+                 blend: Optional[list] = None) -> Optional[int]:
+    """Problems of one dataset prefix; returns its token count when readable. ``blend``: the whole data.blend, for
+    a hint that is the complete override when the prefix surely meant another (``meant_prefix``)."""
     idx, bin_ = prefix + ".idx", prefix + ".bin"
     missing = [p for p in (idx, bin_) if not os.path.isfile(p)]
     if missing:
-        problems.append(Problem(field, shown, f"dataset files missing: {', '.join(os.path.basename(m) for m in missing)}"
-                                f" (expected {shown}.bin and {shown}.idx)",
-                                "python -m data.preprocess --input corpus.jsonl --tokenizer tokenizer.json "
-                                f"--output-prefix {shown} --append-eod"))
+        rule = (f"dataset files missing: {', '.join(os.path.basename(m) for m in missing)} (expected {shown}.bin and "
+                f"{shown}.idx)")
+        hint = ("python -m data.preprocess --input corpus.jsonl --tokenizer tokenizer.json "
+                f"--output-prefix {shown} --append-eod")
+        meant = meant_prefix(prefix, shown)
+        if meant is not None:
+            items = [str(x) for x in (blend if blend is not None else [shown])]
+            items = [meant[0] if x == shown else x for x in items]
+            rule, hint = f"{rule}; {meant[1]}", "data.blend=[" + ",".join(items) + "]"
+        problems.append(Problem(field, shown, rule, hint))
         return None
     try:
         header = read_index_header(idx)
@@ -122,7 +151,7 @@ def preflight(data: Any, *, vocab_size: int, tokens_needed: int) -> List[Problem
     counts = []
     for i, shown in enumerate(prefixes):
         field = f"data.blend[{2 * i + 1 if weights is not None else i}]"
-        counts.append(check_prefix(field, absolute(shown), shown, vocab_size, problems))
+        counts.append(check_prefix(field, absolute(shown), shown, vocab_size, problems, list(data.blend)))
     if any(c is None for c in counts) or tokens_needed <= 0:
         return problems
     _check_epochs(data, prefixes, weights, counts, tokens_needed, problems)

@@ -183,6 +183,30 @@ def checkpoint_dir_problem(job):
     return Problem("output_dir", job.output_dir, why + " (the bundle and its checkpoints go there)", "output_dir=runs")
 
 
+def checkpoint_dir_is_a_checkpoint(job):
+    """``checkpoint.dir`` names one checkpoint (an ``iter_N`` with our manifest, or a dist_checkpointing /
+    torch.distributed.checkpoint directory) instead of the directory that holds them: the ranks would find no
+    ``iter_*`` inside, start from step 0 and write their checkpoints into it (the user meant to resume). A Problem
+    whose alternatives are the directory holding it (resumed from its newest) and loading it; else None."""
+    from launcher.problems import Problem
+
+    if not job.checkpoint.dir:
+        return None
+    path = Path(absolute(job.checkpoint.dir))
+    manifest = cdir.read_manifest(path)
+    ours = isinstance(manifest, dict) and "step" in manifest
+    if not (ours or (path / "metadata.json").is_file() or (path / ".metadata").is_file()):
+        return None
+    what = f"step {manifest['step']}" if ours else "a dist_checkpointing checkpoint"
+    parent = Path(job.checkpoint.dir).parent
+    newest = cdir.latest_checkpoint(path.parent)
+    hint = (f"checkpoint.dir={parent}" if newest is not None and newest.resolve() == path.resolve() else
+            f"checkpoint.load={job.checkpoint.dir} checkpoint.dir={parent / 'continued'}")
+    return Problem("checkpoint.dir", job.checkpoint.dir,
+                   f"is a checkpoint itself ({what}), not the directory that holds them: the run would start from "
+                   "step 0 and write into it", hint)
+
+
 def checkpoint_load_problem(job):
     """``checkpoint.load`` is a regular file, or names nothing on this file system (the same one the write probe reads) while
     ``checkpoint.dir`` holds no complete checkpoint of its own to resume instead: the ranks would refuse it after

@@ -208,8 +208,8 @@ def lead_problem(job: JobConfig, lead: dict, limit: int):
     return Problem("slurm.time", job.slurm.time,
                    f"too short to stop in time: a checkpoint save takes about {lead['save_s']:.0f} s ({where}), so "
                    f"the stop must start {lead['seconds']} s before the limit ({lead['factor']:g} x save + a step + "
-                   f"{lead['margin_s']} s)", f"slurm.time={_hours(2 * (max(lead['seconds'], 300) + 60))}, or set "
-                   "slurm.signal_lead_s explicitly")
+                   f"{lead['margin_s']} s)", f"slurm.time={_hours(2 * (max(lead['seconds'], 300) + 60))} or an explicit "
+                   "slurm.signal_lead_s")
 
 
 def _hours(seconds: float) -> str:

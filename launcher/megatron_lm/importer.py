@@ -63,12 +63,22 @@ def record_script(path: Path, script_args: List[str] = ()) -> List[Tuple[List[st
                                   capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             raise ImportError_(f"{path}: still running after {SCRIPT_TIMEOUT_S} s with stand-in launchers") from None
+        # The script runs in a scratch directory (whatever it creates stays there), but it was written to run from
+        # the directory `import` is called from: a path it built from $PWD / $(pwd) names that directory, not the
+        # scratch one, which is deleted on return (recorded into a recipe, it would name nothing).
+        here = os.getcwd()
+
+        def moved(text: str) -> str:
+            for scratch in dict.fromkeys((str(work), os.path.realpath(work))):
+                text = text.replace(scratch, here)
+            return text
+
         records = []
         for argv_file in sorted(rec_dir.glob("*.argv"), key=lambda p: p.name):
             argv = argv_file.read_bytes().split(b"\0")[:-1]
             env_items = argv_file.with_suffix(".env").read_bytes().split(b"\0")
-            rec_env = dict(item.decode().split("=", 1) for item in env_items if b"=" in item)
-            records.append(([a.decode() for a in argv], rec_env))
+            rec_env = {k: moved(v) for k, v in (item.decode().split("=", 1) for item in env_items if b"=" in item)}
+            records.append(([moved(a.decode()) for a in argv], rec_env))
         if not records:
             tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
             raise ImportError_(f"{path}: ran (exit {done.returncode}) without calling torchrun, python or srun "

@@ -78,6 +78,9 @@ BOUNDS: dict[str, Bound] = {
         "vocab_size", "make_vocab_size_divisible_by", "seq_length", "max_position_embeddings", "num_experts",
         "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
         "qk_pos_emb_head_dim", "v_head_dim", "moe_router_num_groups", "moe_router_group_topk")},
+    # indexed_dataset.DType.optimal_dtype: uint16 below 65500 ids, else int32, the widest the preprocessors write; a
+    # larger vocabulary has ids no dataset of ours can hold (and an embedding of vocab x hidden no GPU can)
+    "model.vocab_size": Bound(1, 2 ** 31, why="token ids are int32 at most in Megatron's indexed datasets"),
     "model.moe_router_topk_scaling_factor": POSITIVE_NUMBER,
     # moe_utils.get_capacity: ceil(tokens x topk / experts x factor) experts' slots; 0 would drop every token
     "model.moe_expert_capacity_factor": Bound(0, lo_open=True, why="0 drops every token"),
@@ -156,8 +159,11 @@ def field_rule(name: str) -> str:
     integer = "int" in kind
     if name in BOUNDS:
         return BOUNDS[name].describe(integer) + nullable
-    for word, text in (("bool", "true or false"), ("int", "an integer"), ("float", "a number"),
-                       ("List", "a list such as [a,b]"), ("Dict", "a mapping"), ("str", "a string")):
+    # containers first: Optional[List[float]] is a list of numbers, not a number
+    for word, text in (("List[float]", "a list of numbers such as [1.0,2.5]"),
+                       ("List[int]", "a list of integers such as [0,1]"), ("List", "a list such as [a,b]"),
+                       ("Dict", "a mapping"), ("bool", "true or false"), ("int", "an integer"), ("float", "a number"),
+                       ("str", "a string")):
         if word in kind:
             return text + nullable
     return "a value of the schema's type" + nullable

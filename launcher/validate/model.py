@@ -198,6 +198,20 @@ def validate_train(job: JobConfig, lay: Layout) -> list[Problem]:
     dp = lay.dp
     if dp and in_bounds(job, "train.micro_batch_size", "train.global_batch_size"):
         unit = t.micro_batch_size * dp
+        if unit > t.global_batch_size and job.nodes > 1 and t.global_batch_size >= t.micro_batch_size * lay.pp:
+            # more data-parallel replicas than a plausible batch (one that fills the pipeline once) has micro
+            # batches: the node count is what is wrong (a batch grown to fit 100,000 nodes is no alternative); the
+            # largest node count whose DP divides the batch (DP x n / nodes replicas on n nodes). A batch below that
+            # is itself the mistake, and the divisibility line below names it.
+            start = min(job.nodes - 1, job.nodes * t.global_batch_size // unit)
+            fits = next((n for n in range(start, 0, -1) if dp * n % job.nodes == 0
+                         and t.global_batch_size % (t.micro_batch_size * dp * n // job.nodes) == 0), None)
+            c.need(False, "nodes", job.nodes,
+                   f"gives DP={dp} data-parallel replicas, more than the global batch holds micro batches "
+                   f"(train.global_batch_size={t.global_batch_size} / train.micro_batch_size={t.micro_batch_size}: "
+                   "every replica needs at least one each step)",
+                   f"nodes={fits}" if fits else f"train.global_batch_size={unit}")
+            return c.problems
         c.need(t.global_batch_size % unit == 0, "train.global_batch_size", t.global_batch_size,
                f"must be divisible by train.micro_batch_size x DP = {t.micro_batch_size}x{dp} = {unit}",
                f"train.global_batch_size={round_up(max(t.global_batch_size, unit), unit)}")
@@ -232,4 +246,21 @@ def validate_train(job: JobConfig, lay: Layout) -> list[Problem]:
                "train.recompute_num_layers", t.recompute_num_layers,
                f"must be at most the layers of one pipeline chunk ({per_chunk})",
                f"train.recompute_num_layers={max(per_chunk, 1)} or train.recompute_num_layers=null")
+    valid_share = _split_share(job.data.split, 1)
+    if t.eval_interval and valid_share == 0:
+        # BlendedMegatronDatasetBuilder builds no validation dataset for a 0 share: every evaluation would be skipped
+        c.need(False, "train.eval_interval", t.eval_interval,
+               f"evaluation every {t.eval_interval} steps, but data.split={job.data.split!r} gives validation no "
+               "share, so no evaluation would ever run", "train.eval_interval=0 or data.split='98,2,0'",
+               severity="warning")
     return c.problems
+
+
+def _split_share(split: str, index: int) -> float | None:
+    """The share of data.split's train/valid/test entry ``index``, or None when the split does not parse (its own
+    rule reports that)."""
+    try:
+        parts = [float(x) for x in str(split).split(",")]
+    except ValueError:
+        return None
+    return parts[index] / sum(parts) if len(parts) == 3 and sum(parts) > 0 else None
