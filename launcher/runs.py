@@ -5,15 +5,8 @@
 - ``logs RUN [--rank N] [--follow]``: a rank's log (``logs/rank-N.log``); ``--follow`` tails it until the run ends.
 - ``cancel RUN``: a stop checkpoint first, then the scheduler's cancel, and a check that the run ended.
 
-Everything is read from the bundle itself, as the launch leaves it (launch.sh, launcher/rank/entry.py,
-launcher/rank/progress.py): ``DONE`` (the last step), ``FAILED`` (one line: why), ``STOPPED`` (at which step, why),
-``STOP`` (a stop asked for), ``progress.json`` (each attempt: resumed, reached, saved, outcome, first error),
-``logs/rank-0.log`` (the step lines: loss, ms/step), the checkpoint dir's complete ``iter_N/launcher.json`` and,
-for Slurm, ``submission.json`` (the job id sbatch gave). Whether a local run is alive is read from ``/proc``: every
-process launch.sh starts inherits ``LAUNCHER_BUNDLE=<bundle>`` (env.sh), as launcher/executor.py's cleanup reads it.
-
-Login-node code: no torch, no megatron, no rank wing; each command answers in about a second (``logs --follow``
-and ``cancel`` then wait for the run).
+What a bundle says is read by launcher/run_state.py. Login-node code: no torch, no megatron, no rank wing; each
+command answers in about a second (``logs --follow`` and ``cancel`` then wait for the run).
 """
 from __future__ import annotations
 
@@ -24,11 +17,13 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
 from launcher.problems import EXIT_USAGE
+from launcher.run_state import (ACTIVE, SLURM_ACTIVE, SLURM_PENDING, RunInfo, live_processes, read_run, read_text,
+                                slurm_state, training)
 
 COMMANDS = ("runs", "status", "logs", "cancel")
 USAGE = {
@@ -37,42 +32,11 @@ USAGE = {
     "logs": "python -m launcher logs RUN [--rank N] [--follow]",
     "cancel": "python -m launcher cancel RUN",
 }
-ACTIVE = ("pending", "starting", "running", "stopping")
-"""States of a run that has not ended (cancel acts on these only)."""
-STEP_LINE = re.compile(r"^step\s+(\d+) \| loss ([0-9.eE+-]+|nan|inf) \|.*?\| ([0-9.]+) ms/step", re.MULTILINE)
-SLURM_PENDING = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "RESV_DEL_HOLD"}
-SLURM_ACTIVE = {"RUNNING", "COMPLETING", "SUSPENDED", "STAGE_OUT", "SIGNALING", "RESIZING", "STOPPED"}
 POLL_S = 0.5
 
 
 class UsageError(Exception):
     """Bad input: one line, exit 2."""
-
-
-@dataclass
-class RunInfo:
-    """What a bundle says about its run (``--json`` prints these fields)."""
-
-    name: str
-    path: str
-    model: str = "?"
-    recipe: str = "?"
-    layout: str = "?"
-    world: Optional[int] = None
-    scheduler: str = "local"
-    job_id: Optional[str] = None
-    slurm_state: Optional[str] = None
-    state: str = "rendered"
-    reason: Optional[str] = None
-    step: Optional[int] = None
-    total: Optional[int] = None
-    loss: Optional[float] = None
-    ms_per_step: Optional[float] = None
-    eta_s: Optional[float] = None
-    attempts: list = field(default_factory=list)
-    checkpoint: Optional[str] = None
-    pids: list = field(default_factory=list)
-    created: Optional[str] = None
 
 
 # ---- entry -------------------------------------------------------------------------------------------------------
@@ -134,10 +98,19 @@ def is_bundle(path: Path) -> bool:
     return (path / "config.yaml").is_file() and (path / "launch.sh").is_file()
 
 
+BUNDLE_NAME = re.compile(r"^(?P<job>.+)-(?P<stamp>\d{8}-\d{6})(?:-(?P<n>\d+))?$")
+"""render.py's bundle names: <job name>-<UTC stamp>[-n] (n: the second launch of the same second)."""
+
+
+def _oldest_first(path: Path) -> tuple:
+    named = BUNDLE_NAME.match(path.name)
+    return (named["stamp"], int(named["n"] or 1), path.name) if named else ("", 0, path.name)
+
+
 def bundles_under(directory: Path) -> list[Path]:
-    """The run bundles directly under ``directory``, oldest first (by their UTC-stamped names)."""
+    """The run bundles directly under ``directory``, oldest first (by the UTC stamp in their names)."""
     try:
-        return sorted((p for p in directory.iterdir() if p.is_dir() and is_bundle(p)), key=lambda p: p.name)
+        return sorted((p for p in directory.iterdir() if p.is_dir() and is_bundle(p)), key=_oldest_first)
     except OSError:
         return []
 
@@ -152,7 +125,7 @@ def resolve(run: str) -> Path:
         return _abs(path)
     if (base / run).is_dir() and is_bundle(base / run):
         return _abs(base / run)
-    named = [p for p in bundles_under(base) if p.name.startswith(f"{run}-")]
+    named = [p for p in bundles_under(base) if (BUNDLE_NAME.match(p.name) or {"job": None})["job"] == run]
     if named:
         return _abs(named[-1])
     known = [p.name for p in bundles_under(base)]
@@ -162,10 +135,9 @@ def resolve(run: str) -> Path:
 
 
 def _abs(path: Path) -> Path:
-    """Absolute, symbolic links kept: the form launch.sh exports as ``LAUNCHER_BUNDLE`` (launcher/core/paths.py)."""
-    from launcher.core.paths import absolute
-
-    return Path(absolute(str(path)))
+    """Absolute, symbolic links resolved: the path render.py writes the bundle at and launch.sh exports as
+    ``LAUNCHER_BUNDLE``."""
+    return Path(path).resolve()
 
 
 def _holding_bundles(path: Path) -> str:
@@ -174,191 +146,6 @@ def _holding_bundles(path: Path) -> str:
         if bundles_under(folder):
             return str(folder)
     return default_dir()
-
-
-# ---- reading one bundle ------------------------------------------------------------------------------------------
-
-def _text(path: Path, limit: int = 2000) -> Optional[str]:
-    try:
-        return path.read_text(errors="replace")[:limit].strip()
-    except OSError:
-        return None
-
-
-def _json(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _tail(path: Path, size: int = 65536) -> str:
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(max(0, fh.seek(0, os.SEEK_END) - size))
-            return fh.read().decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def live_processes() -> dict[str, list[int]]:
-    """bundle path -> PIDs of this machine's processes started for it (they inherited ``LAUNCHER_BUNDLE``)."""
-    found: dict[str, list[int]] = {}
-    me = os.getpid()
-    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
-        if not entry.name.isdigit() or int(entry.name) == me:
-            continue
-        try:
-            env = (entry / "environ").read_bytes()
-        except OSError:  # gone, or not ours
-            continue
-        start = env.find(b"LAUNCHER_BUNDLE=")
-        if start >= 0 and (start == 0 or env[start - 1] == 0):
-            value = env[start + len(b"LAUNCHER_BUNDLE="):].split(b"\0", 1)[0].decode(errors="replace")
-            found.setdefault(os.path.normpath(value), []).append(int(entry.name))
-    return found
-
-
-def read_run(bundle: Path, live: Optional[dict] = None) -> RunInfo:
-    """Everything ``runs`` and ``status`` show for one bundle."""
-    info = RunInfo(name=bundle.name, path=str(bundle))
-    job = _describe(bundle, info)
-    _progress(bundle, info)
-    submission = _json(bundle / "submission.json")
-    if isinstance(submission, dict) and submission.get("job_id"):
-        info.scheduler, info.job_id = "slurm", str(submission["job_id"])
-        info.slurm_state = slurm_state(info.job_id)
-        _slurm_state(bundle, info)
-    else:
-        live = live_processes() if live is None else live
-        info.pids = sorted(live.get(os.path.normpath(str(bundle)), []))
-        _local_state(bundle, info)
-    if job is not None:
-        from launcher.core.checkpoint_dir import checkpoint_dir, latest_checkpoint
-
-        newest = latest_checkpoint(checkpoint_dir(job.checkpoint.dir, bundle))
-        info.checkpoint = str(newest) if newest is not None else None
-    if info.state in ("running", "stopping") and info.ms_per_step and info.total and info.step is not None:
-        info.eta_s = round(info.ms_per_step / 1e3 * max(0, info.total - info.step), 1)
-    return info
-
-
-def _describe(bundle: Path, info: RunInfo):
-    """Model, recipe, layout and total steps from config.yaml (the core's one derivation); the job, or None."""
-    meta = _json(bundle / "meta.json") or {}
-    info.created = meta.get("created_utc")
-    recipes = [a.split("=", 1)[1] for a in meta.get("argv", []) if isinstance(a, str) and a.startswith("recipe=")]
-    try:
-        from launcher.core import derive, load_job
-
-        job = load_job(bundle / "config.yaml")
-        lay = derive(job)
-    except Exception:  # noqa: BLE001 - a bundle of another launcher version: show what can be read
-        return None
-    info.model, info.recipe, info.total, info.world = job.model.name, recipes[-1] if recipes else _default_recipe(), \
-        lay.steps, lay.world
-    parts = [f"TP{lay.tp}", f"PP{lay.pp}"] + [f"{k}{v}" for k, v in (("VPP", lay.vpp), ("CP", lay.cp),
-                                                                       ("EP", lay.ep)) if v and v > 1]
-    info.layout = " ".join(parts + [f"DP{lay.dp}"])
-    return job
-
-
-def _default_recipe() -> str:
-    """The recipe of a launch that named none: the one recipes/config.yaml's defaults list chooses."""
-    from launcher import RECIPES_DIR
-
-    found = re.search(r"^\s*-\s*recipe:\s*(\S+)", _text(RECIPES_DIR / "config.yaml", 100000) or "", re.MULTILINE)
-    return found.group(1) if found else "?"
-
-
-def _progress(bundle: Path, info: RunInfo) -> None:
-    """Attempts (progress.json), the last step line of rank 0's log (loss, ms/step) and the step reached."""
-    data = _json(bundle / "progress.json")
-    attempts = data.get("attempts") if isinstance(data, dict) else None
-    info.attempts = [a for a in attempts if isinstance(a, dict)] if isinstance(attempts, list) else []
-    lines = STEP_LINE.findall(_tail(bundle / "logs" / "rank-0.log"))
-    if lines:
-        info.loss = float(lines[-1][1])
-        recent = sorted(float(ms) for _, _, ms in lines[-5:])
-        info.ms_per_step = recent[len(recent) // 2]
-    reached = [a.get("reached") for a in info.attempts if isinstance(a.get("reached"), int)]
-    info.step = max(reached + [int(lines[-1][0])] if lines else reached, default=None)
-    done = _text(bundle / "DONE")
-    if done and done.isdigit():
-        info.step = int(done)
-
-
-def _ended(bundle: Path, info: RunInfo) -> bool:
-    """The bundle's final markers (launch.sh removes them when a launch starts): set state and reason."""
-    failed, stopped = _text(bundle / "FAILED"), _text(bundle / "STOPPED")
-    if (bundle / "DONE").is_file():
-        info.state = "done"
-    elif failed:
-        info.state, info.reason = "failed", failed.splitlines()[0]
-    elif stopped:
-        info.state, info.reason = "stopped", stopped.splitlines()[0]
-    else:
-        return False
-    return True
-
-
-def _local_state(bundle: Path, info: RunInfo) -> None:
-    if _ended(bundle, info):
-        if info.pids:
-            info.reason = f"{info.reason or info.state}; {len(info.pids)} process(es) still ending"
-        return
-    if info.pids:
-        info.state = "stopping" if (bundle / "STOP").exists() else "running" if info.attempts else "starting"
-    elif info.attempts or (bundle / "logs" / "local.log").is_file():
-        info.state, info.reason = "failed", _crash_reason(bundle, info)
-
-
-def _crash_reason(bundle: Path, info: RunInfo) -> str:
-    """Why a run ended without DONE, FAILED or STOPPED: the first Python error of its last attempt, else the
-    launch's own final line."""
-    last = info.attempts[-1] if info.attempts else {}
-    error = last.get("error")
-    if not error and last.get("id"):
-        error = _text(bundle / "attempts" / f"error-{last['id'].replace(', ', '-').replace(' ', '')}", 500)
-    if error:
-        return error.splitlines()[0]
-    finals = [line for line in _tail(bundle / "logs" / "local.log", 8192).splitlines()
-              if line.startswith("launcher: ")]
-    if finals:
-        return finals[-1].removeprefix("launcher: ")
-    return "ended without DONE, FAILED or STOPPED and no process left (killed?); see logs/rank-*.log"
-
-
-def slurm_state(job_id: str) -> Optional[str]:
-    """The job's state from squeue, else sacct (needs slurmdbd), else scontrol (recent jobs); None if unknown."""
-    for cmd in (["squeue", "-h", "-j", job_id, "-o", "%T"], ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"],
-                ["scontrol", "show", "job", "-o", job_id]):
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=15)
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        if out.returncode != 0 or not out.stdout.strip():
-            continue
-        if cmd[0] == "scontrol":
-            found = re.search(r"\bJobState=(\S+)", out.stdout)
-            return found.group(1) if found else None
-        return out.stdout.split()[0].split("+")[0]  # sacct: "CANCELLED by 0"
-    return None
-
-
-def _slurm_state(bundle: Path, info: RunInfo) -> None:
-    state = info.slurm_state
-    if state in SLURM_PENDING:
-        info.state = "pending"
-    elif state in SLURM_ACTIVE:
-        info.state = "stopping" if (bundle / "STOP").exists() else "running"
-    elif not _ended(bundle, info):
-        if state is None:
-            info.state, info.reason = "unknown", f"Slurm no longer knows job {info.job_id} (no sacct) and the " \
-                                                 "bundle has no DONE, FAILED or STOPPED"
-        else:
-            info.state = "cancelled" if state == "CANCELLED" else "failed"
-            info.reason = f"slurm: {state}" + (f"; {_crash_reason(bundle, info)}" if info.attempts else "")
 
 
 # ---- runs, status ------------------------------------------------------------------------------------------------
@@ -404,7 +191,9 @@ def _step(info: RunInfo) -> str:
 
 
 def _state(info: RunInfo) -> str:
-    return info.state + (f" ({info.slurm_state})" if info.slurm_state and info.state in ACTIVE else "")
+    """The state, and Slurm's own word for it where that says more (COMPLETING, SUSPENDED, REQUEUED, ...)."""
+    said = info.slurm_state and info.state in ACTIVE and info.slurm_state not in ("RUNNING", "PENDING")
+    return info.state + (f" ({info.slurm_state})" if said else "")
 
 
 def table(infos: list[RunInfo]) -> str:
@@ -432,6 +221,10 @@ def detail(info: RunInfo) -> str:
         lines.append(f"attempt {n}:  {a.get('id')}: resumed from {a.get('resumed')}, reached {a.get('reached')}, "
                      f"saved {a.get('saved')}, {a.get('outcome') or 'no clean end'}"
                      + (f"; {a['error']}" if a.get("error") else ""))
+    if info.state in ("failed", "stopped", "cancelled"):  # launch.sh and job.sbatch resume the newest checkpoint
+        again = f"sbatch {info.path}/job.sbatch" if info.scheduler == "slurm" else f"bash {info.path}/launch.sh"
+        lines.append(f"run again:  {'after fixing the cause, ' if info.state == 'failed' else ''}{again} (it resumes "
+                     "from its newest checkpoint, if any)")
     if info.state == "failed":
         lines.append(f"logs:       python -m launcher logs {info.path} --rank N")
     return "\n".join(lines)
@@ -453,12 +246,19 @@ def _logs(argv: list[str]) -> int:
                             f"{bundle}"))
     offset = _copy(path, 0)
     while follow:
-        ended = read_run(bundle).state not in ACTIVE  # read before the copy: nothing written after it is lost
+        ended = not _still_active(bundle, info)  # asked before the copy: nothing written after it is lost
         offset = _copy(path, offset)
         if ended:
             break
         time.sleep(POLL_S)
     return 0
+
+
+def _still_active(bundle: Path, info: RunInfo) -> bool:
+    """A cheap ``read_run(...).state in ACTIVE`` for polling: the job's Slurm state, or its live agents and ranks."""
+    if info.job_id:
+        return slurm_state(info.job_id) in SLURM_ACTIVE | SLURM_PENDING
+    return bool(training(_alive(bundle)))
 
 
 def _rank(raw: str, info: RunInfo) -> int:
@@ -501,28 +301,15 @@ def _cancel(argv: list[str]) -> int:
 
 def _shutdown_timeout_s(bundle: Path) -> int:
     """How long torchrun waits for its ranks' stop checkpoint (launch.sh; the signal lead, at least 300 s)."""
-    found = re.search(r"TORCH_ELASTIC_SHUTDOWN_TIMEOUT=(\d+)", _text(bundle / "launch.sh", 100000) or "")
+    found = re.search(r"TORCH_ELASTIC_SHUTDOWN_TIMEOUT=(\d+)", read_text(bundle / "launch.sh", 100000) or "")
     return int(found.group(1)) if found else 300
-
-
-def _agents(pids: list[int]) -> list[int]:
-    """The torchrun agents among a bundle's processes: the launch to signal (torchrun passes SIGTERM on)."""
-    out = []
-    for pid in pids:
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"launcher.rank.agent" in cmdline or b"torch.distributed.run" in cmdline:
-            out.append(pid)
-    return out
 
 
 def _cancel_local(bundle: Path, info: RunInfo) -> int:
     """SIGTERM to the launch's torchrun agent: it passes the signal to its ranks and waits (its shutdown timeout)
     while they finish the step in flight, all at the same step, save a checkpoint and exit (launcher/rank/
     signals.py). Not launch.sh's shell (bash dies of SIGTERM; ``python -m launcher`` would then end the group)."""
-    targets = _agents(info.pids) or info.pids  # still starting (no agent yet): the processes there are
+    targets = training(info.pids, agents_only=True) or info.pids  # no agent (a rank started by hand): the ranks
     sent = [pid for pid in targets if _kill(pid, signal.SIGTERM)]
     if not sent:
         raise UsageError(f"{info.name} ended while being cancelled; see python -m launcher status {bundle}")
@@ -531,12 +318,29 @@ def _cancel_local(bundle: Path, info: RunInfo) -> int:
     wait_s = _shutdown_timeout_s(bundle) + 60
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
-        if not live_processes().get(os.path.normpath(str(bundle))):
+        if not training(_alive(bundle)):
+            _end_helpers(bundle)
             return _confirm(bundle)
         time.sleep(POLL_S)
     print(f"error: {info.name} is still running {wait_s} s after SIGTERM; its processes: "
-          f"{' '.join(map(str, live_processes().get(os.path.normpath(str(bundle)), [])))}", file=sys.stderr)
+          f"{' '.join(map(str, training(_alive(bundle))))}", file=sys.stderr)
     return 1
+
+
+def _alive(bundle: Path) -> list[int]:
+    return live_processes().get(os.path.normpath(str(bundle)), [])
+
+
+def _end_helpers(bundle: Path, wait_s: float = 15.0) -> None:
+    """The ranks have ended; their helpers go with ``python -m launcher``'s cleanup (its 5 s grace), if it started
+    them. One started by ``bash launch.sh`` has nobody to end it: SIGTERM, then SIGKILL, as that cleanup does."""
+    deadline = time.monotonic() + wait_s
+    while _alive(bundle) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    if _alive(bundle):
+        from launcher.executor import end_strays
+
+        end_strays(str(bundle))
 
 
 def _kill(pid: int, sig) -> bool:

@@ -103,7 +103,7 @@ def test_a_failed_run_says_why_in_one_line(tmp_path):
 
 
 def test_cancel_of_a_running_run_saves_a_checkpoint_first_then_confirms_it_ended(tmp_path):
-    from launcher.runs import live_processes
+    from launcher.run_state import live_processes
 
     proc = launch(tmp_path, "long", "train.train_steps=2000")
     follower = None
@@ -166,3 +166,48 @@ def test_bad_input_gets_one_line_naming_the_problem_and_an_alternative(tmp_path)
     one_line_error(cli(tmp_path, "runs", "elsewhere"), "elsewhere: no such directory", "python -m launcher runs runs")
     one_line_error(cli(tmp_path, "runs", str(bundle)), "is one run bundle", f"python -m launcher status {bundle}")
     assert cli(tmp_path, "runs", "notes").stdout == "no run bundles under notes\n"
+
+
+# --- on the local Slurm cluster (tests/test_slurm_localhost.py's fixture starts it, as for every Slurm test) ------
+
+from test_slurm_localhost import FINAL, PROFILE, job_info, slurm  # noqa: E402,F401  (the cluster fixture)
+
+
+def test_cancel_of_a_slurm_job_saves_a_checkpoint_first_and_is_not_requeued(slurm, tmp_path):
+    """`action=submit` leaves the job id in the bundle; `runs` reads its state from Slurm; `cancel` asks the batch
+    shell to stop (SIGTERM: job.sbatch's trap leaves STOP, the ranks save and exit), then scancels the job, so
+    its script's requeue of a stopped run does not start it again."""
+    one_rank = ["cluster.gpus_per_node=1", "parallel.tensor=1", "parallel.pipeline=1"]
+    submitted = cli(tmp_path, "recipe=smoke", *PROFILE, *one_rank, "data=mock", "train.train_steps=2000",
+                    "checkpoint.save_interval=0", "slurm.time=00:30:00", "output_dir=runs", "name=sl",
+                    "action=submit")
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = re.search(r"submitted: job (\d+)", submitted.stdout)[1]
+    (bundle,) = (tmp_path / "runs").glob("sl-*")
+    try:
+        def running():
+            info = json.loads(cli(tmp_path, "status", "sl", "--json").stdout)
+            assert info["state"] in ("pending", "running"), info
+            return info if info["state"] == "running" and (info["step"] or 0) >= 2 else None
+
+        info = wait_for(running, 300, f"step 2 of Slurm job {job_id}", tmp_path)
+        assert (info["scheduler"], info["job_id"], info["slurm_state"]) == ("slurm", job_id, "RUNNING"), info
+        row = cli(tmp_path, "runs").stdout.splitlines()[1].split()
+        assert row[:8] == [bundle.name, "smoke", "TP1", "PP1", "DP1", "slurm", job_id, "running"], row
+
+        cancel = cli(tmp_path, "cancel", "sl", timeout=900)
+        assert cancel.returncode == 0, (cancel.stdout, cancel.stderr)
+        said = re.fullmatch(r"cancelled \S+: stopped at step (\d+) of 2000: STOP file; checkpoint (\S+)",
+                            cancel.stdout.splitlines()[-1])
+        assert said, cancel.stdout
+        step = int(said[1])
+        assert said[2] == str(bundle / "checkpoints" / f"iter_{step:07d}") and step >= info["step"], cancel.stdout
+        assert json.loads((Path(said[2]) / "launcher.json").read_text())["step"] == step
+        final = job_info(job_id)
+        assert final["JobState"] == "CANCELLED" and final["Restarts"] == "0", final  # ended, not requeued
+    finally:
+        if job_info(job_id).get("JobState") not in FINAL:
+            subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+    status = json.loads(cli(tmp_path, "status", str(bundle), "--json").stdout)
+    assert (status["state"], status["slurm_state"], status["step"]) == ("stopped", "CANCELLED", step), status
+    one_line_error(cli(tmp_path, "cancel", "sl"), "has already ended (stopped: at step")
