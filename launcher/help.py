@@ -18,6 +18,8 @@ action=plan / search / validate only print; action=megatron-args prints the equi
 pretrain_gpt.py arguments, and `python -m launcher import SCRIPT` turns a Megatron-LM launch script into a
 recipe; `python -m launcher export-hf --checkpoint DIR/iter_N --output OUT` writes a checkpoint as a Hugging Face
 model and `python -m launcher import-hf --hf DIR --output CKPT [key=value ...]` the reverse (--help on each).
+After a launch, `python -m launcher runs [DIR]`, `status RUN`, `logs RUN [--rank N] [--follow]` and `cancel RUN`
+(a stop checkpoint first) follow its run bundle.
 Any field below can be overridden with Hydra syntax (parallel.tensor=4, 'data.blend=[0.3,a,0.7,b]',
 +experiment=bf16).
 """

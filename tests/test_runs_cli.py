@@ -211,3 +211,24 @@ def test_cancel_of_a_slurm_job_saves_a_checkpoint_first_and_is_not_requeued(slur
     status = json.loads(cli(tmp_path, "status", str(bundle), "--json").stdout)
     assert (status["state"], status["slurm_state"], status["step"]) == ("stopped", "CANCELLED", step), status
     one_line_error(cli(tmp_path, "cancel", "sl"), "has already ended (stopped: at step")
+
+
+def test_cancel_of_a_pending_slurm_job_only_cancels_it(slurm, tmp_path):
+    """A job that has not started (here: --begin an hour away) has nothing to save: scancel, and say so."""
+    submitted = cli(tmp_path, "recipe=smoke", *PROFILE, "data=mock", "output_dir=runs", "name=later",
+                    "slurm.time=00:30:00", "slurm.extra_args=['--begin=now+3600']", "action=submit")
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = re.search(r"submitted: job (\d+)", submitted.stdout)[1]
+    try:
+        (run,) = json.loads(cli(tmp_path, "runs", "--json").stdout)
+        assert (run["state"], run["slurm_state"], run["job_id"], run["step"]) == ("pending", "PENDING", job_id, None)
+        cancel = cli(tmp_path, "cancel", "later")
+        assert cancel.returncode == 0 and cancel.stdout == \
+            f"cancelled {Path(run['path']).name}: job {job_id} had not started (CANCELLED)\n", cancel
+        assert job_info(job_id)["JobState"] == "CANCELLED"
+    finally:
+        if job_info(job_id).get("JobState") not in FINAL:
+            subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+    (run,) = json.loads(cli(tmp_path, "runs", "--json").stdout)
+    assert (run["state"], run["reason"]) == ("cancelled", "slurm: CANCELLED"), run
+    one_line_error(cli(tmp_path, "cancel", "later"), "has already ended (cancelled: slurm: CANCELLED)")
