@@ -31,6 +31,8 @@ def summary(job: JobConfig, lay: Layout | None = None) -> str:
 
 def do_validate(job: JobConfig, args, checked: Checked) -> int:
     print(f"valid: {summary(job, checked.layout)}")
+    from launcher.resume_plan import print_plan
+    print_plan(job, checked.layout)
     return 0
 
 
@@ -41,6 +43,8 @@ def do_plan(job: JobConfig, args, checked: Checked) -> int:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
         _print_rich(plan.table())
+    from launcher.resume_plan import print_plan
+    print_plan(job, checked.layout, sys.stderr if args.json else sys.stdout)
     _plan_pictures(job, args, checked)
     return 0
 

@@ -84,6 +84,9 @@ def _main(argv: list[str] | None = None) -> int:
     if argv[:1] in (["runs"], ["status"], ["logs"], ["cancel"]):  # what became of a run bundle (launcher/runs.py)
         from launcher.runs import main as runs_main
         return runs_main(argv)
+    if argv[:1] == ["checkpoint-info"]:  # what a checkpoint is: model, layout, formats, step (launcher/resume_plan.py)
+        from launcher.resume_plan import info_main
+        return info_main(argv[1:])
     try:
         args = parse_args(argv)
         if args.help:
@@ -134,6 +137,9 @@ def _main(argv: list[str] | None = None) -> int:
         from launcher.actions import hf_start  # config.json compared (and, to run, imported) before anything runs
         job, found = hf_start(job, import_weights=action != "validate", layout=lay)
         problems += found
+    if not errors(problems) and action in (*RANK_ACTIONS, "plan"):  # the resume plan's refusal, before anything
+        from launcher.resume_plan import problems_for               # renders (launcher/resume_plan.py)
+        problems += problems_for(job, lay)
     report(problems)
     if errors(problems):
         return EXIT_USAGE

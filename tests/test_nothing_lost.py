@@ -288,13 +288,23 @@ def test_second_run_on_a_shared_dir_is_refused_unless_it_names_the_checkpoint(tm
     train(tmp_path, "first", 1, base + ["train.seed=1"])
     manifest = (shared / "iter_0000003" / "launcher.json").read_text()
 
-    # through `python -m launcher`: refused on the rank, which exits 1; the launcher returns promptly after
-    code, out, _, after = launcher_run_timed(tmp_path / "second", base + ["train.seed=2", "train.train_steps=5"], 1)
-    assert code != 0, (code, after, out[-3000:])  # returned within 60 s of the rank's end (launcher_run_timed)
-    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    # through `python -m launcher`: refused on the login node (the resume plan, launcher/resume_plan.py), exit 2,
+    # nothing rendered or started; the ranks refuse it too, with the same rule and alternative
+    second = base + ["train.seed=2", "train.train_steps=5"]
+    proc = subprocess.run([sys.executable, "-m", "launcher", *second, "cluster.gpus_per_node=1",
+                           f"output_dir={tmp_path / 'second' / 'runs'}", "action=run"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and not (tmp_path / "second" / "runs").exists(), proc.stdout[-3000:]
+    assert proc.stderr.splitlines() == [
+        f"error: checkpoint.dir={str(shared)!r}: holds checkpoints of another run (iter_0000003: train.seed=1 there, "
+        f"2 here); try checkpoint.load={shared / 'iter_0000003'} to start from it, or another checkpoint.dir"], \
+        proc.stderr
+    proc = run_train(write_bundle(tmp_path / "second-ranks", second, 1), 1)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
     assert errors == [f"error: checkpoint.dir={shared} holds checkpoints of another run (iter_0000003: "
                       f"train.seed=1 there, 2 here); use checkpoint.load={shared / 'iter_0000003'} to start from "
-                      "it, or another checkpoint.dir"], out
+                      "it, or another checkpoint.dir"], proc.stdout[-3000:]
     assert (shared / "iter_0000003" / "launcher.json").read_text() == manifest  # untouched
 
     third = write_bundle(tmp_path / "third", base + ["train.seed=2", "train.train_steps=5",

@@ -41,39 +41,13 @@ from typing import Dict, Optional
 
 import torch
 
+from launcher.core.resume_rules import conversion_refusal as refusal  # noqa: F401 (the ranks' and the
+# login node's resume plan's one rule of what converts: launcher/core/resume_rules.py)
+
 FSDP = "fsdp_dtensor"
 TORCH_DIST = "torch_dist"
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-
-
-def refusal(path, manifest: dict, saved: str, identity: dict) -> Optional[str]:
-    """One line when a checkpoint in format ``saved`` cannot be converted for this job (identity: its flattened
-    config), else None."""
-    theirs = manifest.get("identity") or {}
-    back = "parallel.megatron_fsdp=true" if saved == FSDP else "parallel.megatron_fsdp=false"
-    head = f"checkpoint {path} is in the {saved} format"
-    opt_fmt = manifest.get("optimizer_format", "dp_reshardable")
-    if manifest.get("weights_only"):
-        return (f"{head} and holds weights only (import-hf): loading those into a Megatron-FSDP job is not "
-                f"implemented; continue it with {back}")
-    if saved == TORCH_DIST and theirs.get("parallel.distributed_optimizer") and opt_fmt != "fully_reshardable":
-        return (f"{head} with checkpoint.optimizer_format={opt_fmt}: the distributed optimizer's state is each DP "
-                "rank's flat buffer slice there, which cannot be converted to fsdp_dtensor; continue it with "
-                f"{back}, and save with checkpoint.optimizer_format=fully_reshardable to get a checkpoint that "
-                "converts")
-    for key, ok, alt in (("model.num_experts", lambda v: not v, "null"),
-                         ("precision.dtype", lambda v: v in ("fp32", "bf16"), "fp32|bf16")):
-        for where, value in (("there", theirs.get(key)), ("here", identity.get(key))):
-            if not ok(value):
-                return (f"{head}: converting it to {FSDP if saved == TORCH_DIST else TORCH_DIST} is implemented for "
-                        f"{key}={alt} only ({value!r} {where}); continue it with {back}")
-    fsdp_tp, where = (((manifest.get("rng_layout") or [1, 1, 1])[1], "there") if saved == FSDP
-                      else (identity.get("parallel.tensor"), "here"))
-    if fsdp_tp not in (None, 1):
-        return (f"{head}: converting between torch_dist and fsdp_dtensor is implemented at parallel.tensor=1 on the "
-                f"Megatron-FSDP side only (TP={fsdp_tp} {where}); continue it with {back}")
-    return None
 
 
 # ---- reading a whole checkpoint --------------------------------------------------------------------------------
