@@ -364,6 +364,20 @@ class TrainConfig:
     nonfinite: str = choice("stop", NONFINITE_POLICIES)
     """A NaN/Inf loss or gradient norm: stop (exit non-zero at that step, no checkpoint saved after it) or
     skip (drop that step's update: parameters, optimizer state and LR schedule stay as they were)."""
+    spike_factor: Optional[float] = None
+    """Loss-spike rule: a step whose loss exceeds spike_factor x the median of the last spike_window steps' losses
+    is a spike (null: no rule). A spike's update is not applied; the run rolls back to its last checkpoint and
+    replays the same batches bitwise. Reproduced (the data did it): that step's batch is skipped, recorded in the
+    run's history (checkpoint.dir/spikes.json) and in every later checkpoint, so any resume skips it too.
+    Not reproduced (a transient fault): recorded, with the rank and host whose loss changed most, and training goes
+    on from the replayed step. Needs checkpoint.save_interval."""
+    spike_window: int = 20
+    """Loss-spike rule: the number of preceding steps whose median the loss is compared with (at most
+    checkpoint.save_interval; the rule waits until the window is full)."""
+    spike_lr_factor: float = 1.0
+    """Loss-spike rule: after a reproduced spike, multiply the learning rate by this for spike_lr_steps steps."""
+    spike_lr_steps: int = 0
+    """Loss-spike rule: how many steps after a reproduced spike run at spike_lr_factor x the learning rate."""
     straggler_interval: int = 0
     """Every n steps, gather each rank's step time and name the slowest rank when it is more than
     straggler_margin slower than the median (0 disables)."""

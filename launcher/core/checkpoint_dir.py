@@ -230,15 +230,16 @@ def own_crcs(tmp: Path, *, checksum: bool, rank: int) -> dict:
 # ---- writing it (rank 0) ---------------------------------------------------------------------------------
 
 def publish(ckpt_dir: Path, tmp: Path, final: Path, *, step: int, identity: dict, crcs: list,
-             seconds: float, rng: list, optimizer_format: str, fmt: str) -> None:
+             seconds: float, rng: list, optimizer_format: str, fmt: str, extra: Optional[dict] = None) -> None:
     """Rank 0, once every rank has written into ``tmp``: the manifest last (it makes the directory a checkpoint),
-    then the rename to ``final``, then ``latest``; a crash in between leaves an ignored partial directory."""
+    then the rename to ``final``, then ``latest``; a crash in between leaves an ignored partial directory.
+    ``extra``: more of the run's state for the manifest (the loss-spike rule's window and skips)."""
     merged = {k: v for part in crcs for k, v in part.items()}
     files = {rel: {"size": (tmp / rel).stat().st_size, "crc32": merged.get(rel)} for rel in files_of(tmp)}
     manifest = {"step": step, "run": run_hash(identity), "identity": identity, "files": files, "rng_layout": rng,
                 "optimizer_format": optimizer_format, "format": fmt,
                 "saved_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "save_seconds": round(seconds, 3)}
+                "save_seconds": round(seconds, 3), **(extra or {})}
     write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     shutil.rmtree(final, ignore_errors=True)  # only ever one of this run's own (checked by the caller)
     os.replace(tmp, final)

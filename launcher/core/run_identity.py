@@ -16,6 +16,7 @@ from dataclasses import asdict
 _NOT_IDENTITY = {"name", "action", "output_dir", "force", "logging", "slurm", "checkpoint",
                  "train.train_steps", "train.train_tokens", "train.exit_after_minutes", "train.eval_interval",
                  "train.eval_iters", "train.nonfinite", "train.straggler_interval", "train.straggler_margin",
+                 "train.spike_factor", "train.spike_window", "train.spike_lr_factor", "train.spike_lr_steps",
                  "data.cache_dir", "data.num_workers", "schedule.record_timeline", "train.deterministic", "profile",
                  "timeouts"}
 _CLUSTER_IDENTITY = ("gpus_per_node", "backend")

@@ -162,6 +162,8 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
     "train.exit_after_minutes": _w(LOOP, "deadline"),
     "train.nonfinite": _w(LOOP, "nonfinite"), "train.straggler_interval": _w(LOOP, "straggler_interval"),
     "train.straggler_margin": _w(LOOP, "straggler_margin"),
+    "train.spike_factor": _w(LOOP, "spike rule"), "train.spike_window": _w(LOOP, "spike rule"),
+    "train.spike_lr_factor": _w(LOOP, "spike rule"), "train.spike_lr_steps": _w(LOOP, "spike rule"),
     "train.deterministic": _tc("deterministic_mode") + _w(LOOP, "torch.use_deterministic_algorithms"),
     # ---- data
     "data.kind": _w(DATA, "dataset class"), "data.blend": _w(DATA, "blend"), "data.split": _w(DATA, "split"),

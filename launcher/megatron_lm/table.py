@@ -353,6 +353,8 @@ LAUNCHER_ONLY: Dict[str, str] = {
     "train.nonfinite": "Megatron-LM stops on a NaN/Inf loss or gradient (--check-for-nan-in-loss-and-grad), "
                        "as nonfinite=stop",
     "train.straggler_interval": "a launcher diagnostic", "train.straggler_margin": "a launcher diagnostic",
+    **{f"train.{n}": "the launcher's loss-spike rollback and replay (Megatron-LM re-runs one step at most: "
+                     "--rerun-mode)" for n in ("spike_factor", "spike_window", "spike_lr_factor", "spike_lr_steps")},
     "checkpoint.save_at_end": "Megatron-LM saves at the end whenever --save is given",
     "checkpoint.keep_last": "Megatron-LM keeps every checkpoint",
     "checkpoint.verify": "launcher checkpoint hygiene (manifest sizes / checksums)",

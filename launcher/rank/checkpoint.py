@@ -348,9 +348,10 @@ def sync_params_before_save(model: List[torch.nn.Module]) -> bool:
 def save(ckpt_dir: Path, *, model, optimizer, scheduler, step: int, consumed: int, keep_last=None,
          identity: Optional[dict] = None, checksum: bool = False,
          optimizer_format: str = DEFAULT_OPTIMIZER_FORMAT, fmt: str = TORCH_DIST,
-         run_state: Optional[CheckpointState] = None) -> Path:
+         run_state: Optional[CheckpointState] = None, extra: Optional[dict] = None) -> Path:
     """Save collectively (every rank calls), then publish atomically from rank 0; returns the checkpoint.
     ``fmt``: torch_dist (dist_checkpointing) or fsdp_dtensor (Megatron-FSDP: launcher/rank/fsdp_checkpoint.py).
+    ``extra``: more run state for the manifest (``publish``).
 
     Never replaces a complete checkpoint of another run. A failed write (disk full, I/O error) raises
     CheckpointError on every rank and publishes nothing."""
@@ -400,7 +401,7 @@ def save(ckpt_dir: Path, *, model, optimizer, scheduler, step: int, consumed: in
         try:
             publish(ckpt_dir, tmp, final, step=step, identity=identity, crcs=all_crcs,
                      seconds=time.perf_counter() - start, rng=rng_layout(), optimizer_format=optimizer_format,
-                     fmt=fmt)
+                     fmt=fmt, extra=extra)
             prune(ckpt_dir, keep_last, run_hash(identity))
         except OSError as exc:
             message = (f"publishing {final} failed: no space left on device" if exc.errno == errno.ENOSPC

@@ -173,6 +173,19 @@ def _build_and_train(bundle, console, job, layout, ckpt_dir, identity, lock, att
                          attempt)
 
 
+def _spike_guard(job, lp, ckpt_dir, latest, console):
+    """train.spike_factor: the run's loss-spike rule (launcher/rank/spikes.py), handed to the loop, with the window
+    and skips of the checkpoint resumed from; None without the rule."""
+    if job.train.spike_factor is None:
+        return None
+    from launcher.rank import checkpoint as ckpt
+    from launcher.rank.spikes import SpikeGuard
+
+    lp.spikes = SpikeGuard(job.train, ckpt_dir, job.schedule.kind, console.line)
+    lp.spikes.loaded(ckpt.read_manifest(latest) if latest is not None else None)
+    return lp.spikes
+
+
 def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp, ckpt_dir, identity, lock,
                   attempt) -> int:
     from launcher.core import signal_lead
@@ -199,16 +212,21 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
                                                    fmt=checkpoint_format(job), run_state=carried)
         if latest is not None:
             console.line(f"resumed from {latest} at step {lp.step} ({lp.consumed} samples consumed)")
+    spikes = _spike_guard(job, lp, ckpt_dir, latest, console)
     saved_at = lp.step
     attempt.update(resumed=lp.step, reached=lp.step)
     progress.STEP[0] = lp.step
     need = ckpt.checkpoint_shares(model, distributed_optimizer=job.parallel.distributed_optimizer)
     ckpt.preflight_dir(ckpt_dir, need["total"], run_state=carried)
     guard = _stop_guard(job, latest, need["busiest_node"], console)
-    train_iters, valid_iters = data.build_train_valid_iterators(
-        data=job.data, model=job.model, train=tr, steps=layout.steps, consumed_samples=lp.consumed,
-        dp_rank=ps.get_data_parallel_rank(), dp_size=layout.dp, num_chunks=len(model),
-        reads=data.chunks_reading_data(len(model), job.schedule.kind), cache_dir=job.data.cache_dir or str(bundle / "data_cache"))
+    def iterators():  # at lp.consumed: the start, and after a loss-spike rollback
+        return data.build_train_valid_iterators(
+            data=job.data, model=job.model, train=tr, steps=layout.steps, consumed_samples=lp.consumed,
+            dp_rank=ps.get_data_parallel_rank(), dp_size=layout.dp, num_chunks=len(model),
+            reads=data.chunks_reading_data(len(model), job.schedule.kind),
+            cache_dir=job.data.cache_dir or str(bundle / "data_cache"))
+
+    train_iters, valid_iters = iterators()
     torch.distributed.barrier()  # every rank measures the CPU share at the same time
     peak, label = metrics.utilisation_basis(peak_tflops_bf16=job.cluster.peak_tflops_bf16,
                                             on_gpu=torch.cuda.is_available(), fp8=job.precision.fp8)
@@ -222,7 +240,10 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
         path = ckpt.save(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler, step=lp.step,
                          consumed=lp.consumed, keep_last=job.checkpoint.keep_last, identity=identity,
                          checksum=checksum, optimizer_format=job.checkpoint.optimizer_format,
-                         fmt=checkpoint_format(job), run_state=carried)
+                         fmt=checkpoint_format(job), run_state=carried,
+                         extra={"spikes": spikes.state()} if spikes is not None else None)
+        if spikes is not None:
+            spikes.saved()
         console.line(f"saved checkpoint {path}")
         attempt.update(saved=lp.step)
         took = time.perf_counter() - started
@@ -248,12 +269,27 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
 
     carried.restore_loaded_rng()  # exactly the saved RNG state at the first step (dropout resumes exactly)
     profiler = profiling.StepProfiler.for_job(job, bundle, rank, note=lambda text: console.line(text, all_ranks=True))
+    deadline = time.time() + minutes * 60 if minutes else None
+
+    def run(train_iters, valid_iters) -> str:
+        return lp.run(iterators=train_iters, valid_iters=valid_iters, steps=layout.steps, on_step=on_step,
+                      on_eval=log.eval, on_checkpoint=save, save_interval=job.checkpoint.save_interval,
+                      flops_per_token=fpt, tokens_per_step=layout.tokens_per_step, world=layout.world,
+                      deadline=deadline, stop_file=bundle / "STOP", on_note=console.line, stop_check=guard.reason,
+                      profiler=profiler)
+
     try:
-        why = lp.run(iterators=train_iters, valid_iters=valid_iters, steps=layout.steps, on_step=on_step,
-                     on_eval=log.eval, on_checkpoint=save, save_interval=job.checkpoint.save_interval,
-                     flops_per_token=fpt, tokens_per_step=layout.tokens_per_step, world=layout.world,
-                     deadline=time.time() + minutes * 60 if minutes else None,
-                     stop_file=bundle / "STOP", on_note=console.line, stop_check=guard.reason, profiler=profiler)
+        why = run(train_iters, valid_iters)
+        while why == "spike":  # roll back to the newest checkpoint (all before the spike) and replay from it
+            lp.step, lp.consumed, latest = ckpt.resume(  # this run's own newest, else the one it started from
+                ckpt_dir, identity=identity, load_from=job.checkpoint.load, checksum=checksum, model=model, optimizer=optimizer,
+                scheduler=scheduler, warn=console.line, distributed_optimizer=job.parallel.distributed_optimizer,
+                fmt=checkpoint_format(job), run_state=carried)
+            spikes.loaded(ckpt.read_manifest(latest) if latest is not None else None)
+            console.line(f"rolled back to {latest} (step {lp.step}, {lp.consumed} samples consumed): replaying")
+            train_iters, valid_iters = iterators()
+            carried.restore_loaded_rng()  # as a resume: the checkpoint's RNG streams at the first replayed step
+            why = run(train_iters, valid_iters)
     finally:
         profiler.close()
     if lp.recorder is not None and lp.recorder.spans:  # schedule.record_timeline: the last step, drawn

@@ -257,6 +257,7 @@ class Loop:
 
             self.recorder = Recorder()
         self.step, self.consumed = 0, 0
+        self.spikes = None  # train.spike_factor: the entry's launcher.rank.spikes.SpikeGuard
         self.signals = signals.STATE
         self.signals.install()
         self.stop_reason: Optional[str] = None
@@ -284,11 +285,21 @@ class Loop:
         # checkpoint may have saved the NaN weights; skipping needs the verdict before the update.
         if self.train.nonfinite == "skip" or not self.train.clip_grad:
             bad = any_rank(not math.isfinite(local_loss) or local_grads_nonfinite(self.model))
+        # the loss-spike rule judges before the update, like the non-finite one (launcher/rank/spikes.py)
+        spike = self.spikes.verdict(self.step + 1, self.consumed, local_loss) if self.spikes and not bad else None
         self.step += 1
         self.consumed += self.train.global_batch_size
         if bad and self.train.nonfinite == "skip":  # no update: weights, Adam state and LR schedule unchanged
             return {"local_loss": local_loss, "lr": lr, "grad_norm": float("nan"), "nonfinite": True,
                     "skipped": True, "aux": aux}
+        if spike is not None:  # 'skip' or 'rollback': no update either, the batch consumed
+            return {"local_loss": local_loss, "lr": lr, "grad_norm": 0.0, "skipped": True, "spike": spike,
+                    "aux": aux}
+        scale = self.spikes.lr_scale(self.step) if self.spikes else 1.0
+        if scale != 1.0:  # after a skipped spike: this update at a lower rate (the scheduler resets it next step)
+            for group in self.optimizer.param_groups:
+                group["lr"] *= scale
+            lr *= scale
         _, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         return {"local_loss": local_loss, "lr": lr, "nonfinite": bool(bad), "aux": aux,
@@ -333,8 +344,9 @@ class Loop:
             stop_file: Optional[Path] = None, on_note: Optional[Callable[[str], None]] = None,
             stop_check: Optional[Callable[[], Optional[str]]] = None, profiler=None) -> str:
         """Train to ``steps``; returns why it stopped: 'done', 'stopped' (STOP file, SIGUSR1 or time
-        limit; the caller then checkpoints) or 'nonfinite' (NaN/Inf loss or grad norm with
-        train.nonfinite=stop; the caller must not checkpoint). Any rank's reason stops all ranks at the same
+        limit; the caller then checkpoints), 'nonfinite' (NaN/Inf loss or grad norm with
+        train.nonfinite=stop; the caller must not checkpoint) or 'spike' (a first loss spike, not applied: the
+        caller rolls back to the last checkpoint and calls run again). Any rank's reason stops all ranks at the same
         step; ``stop_reason`` says which."""
         from launcher.rank.metrics import memory_gib
 
@@ -364,6 +376,9 @@ class Loop:
                          "mem_gib": memory_gib(), **out.get("aux", {})})  # MoE/MTP losses: appended last
                 if profiler is not None:
                     profiler.after(self.step)
+                if out.get("spike") == "rollback":  # the caller rolls back to the last checkpoint and replays
+                    self.stop_reason = f"loss spike at step {self.step}"
+                    return "spike"
                 if self.train.eval_interval and self.step % self.train.eval_interval == 0:
                     vi = valid_iters()
                     if vi is not None:

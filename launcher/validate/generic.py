@@ -97,6 +97,11 @@ BOUNDS: dict[str, Bound] = {
     "schedule.microbatch_group_size": POSITIVE, "precision.fp8_amax_history_len": POSITIVE,
     **{f"train.{n}": POSITIVE for n in ("micro_batch_size", "global_batch_size", "train_steps", "train_tokens",
                                         "wsd_decay_steps", "eval_iters", "recompute_num_layers")},
+    # a factor of 1 or less fires on about every other step (the median) or every step
+    "train.spike_factor": Bound(1, lo_open=True, why="1 or less fires on every other step"),
+    "train.spike_window": Bound(3, why="a median of fewer steps is one noisy loss"),
+    "train.spike_lr_factor": Bound(0, 1, lo_open=True, why="a lower rate after a spike"),
+    "train.spike_lr_steps": NON_NEGATIVE,
     "train.warmup_steps": NON_NEGATIVE, "train.eval_interval": Bound(0, why="0 disables"),
     # torch.optim.Adam: "Invalid learning rate / epsilon / beta parameter / weight_decay value"
     # Adam's step size: every published recipe is below 1e-2; 1 and above move each weight by its own size a step

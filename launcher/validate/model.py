@@ -246,6 +246,17 @@ def validate_train(job: JobConfig, lay: Layout) -> list[Problem]:
                "train.recompute_num_layers", t.recompute_num_layers,
                f"must be at most the layers of one pipeline chunk ({per_chunk})",
                f"train.recompute_num_layers={max(per_chunk, 1)} or train.recompute_num_layers=null")
+    if t.spike_factor is not None and in_bounds(job, "train.spike_factor", "train.spike_window"):
+        interval = job.checkpoint.save_interval
+        # a spike is replayed from the last checkpoint before it: without periodic checkpoints there is none
+        if c.need(interval > 0, "checkpoint.save_interval", interval,
+                  "train.spike_factor rolls a spike back to the last checkpoint and replays it: it needs periodic "
+                  "checkpoints", f"checkpoint.save_interval={max(t.spike_window, 50)} or train.spike_factor=null"):
+            # the statistic covers at most what one rollback replays, so a replay re-judges a spike against the
+            # same kind of history the first pass had (launcher/rank/spikes.py)
+            c.need(t.spike_window <= interval, "train.spike_window", t.spike_window,
+                   f"must be at most checkpoint.save_interval={interval} (a rollback replays at most one interval)",
+                   f"train.spike_window={interval} or checkpoint.save_interval={t.spike_window}")
     valid_share = _split_share(job.data.split, 1)
     if t.eval_interval and valid_share == 0:
         # BlendedMegatronDatasetBuilder builds no validation dataset for a 0 share: every evaluation would be skipped

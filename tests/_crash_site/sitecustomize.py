@@ -3,7 +3,11 @@ tests/test_no_progress.py). With LAUNCHER_TEST_CRASH_AT_STEP=K (and LAUNCHER_TES
 R raises in step K each time it reaches it: a deterministic bug, as a data error or a kernel fault would be.
 With LAUNCHER_TEST_NAN_AT_STEP=K, every rank fills its first weight with NaN before step K: the real forward and
 backward then carry the NaN to the loss and the gradients, and the loop's own non-finite rule sees it (a train.lr
-large enough to diverge is refused by validation, tests/test_nothing_lost.py)."""
+large enough to diverge is refused by validation, tests/test_nothing_lost.py).
+With LAUNCHER_TEST_SPIKE_AT_STEP=K, the last stage multiplies its final norm's weights by -20 for step K's
+forward and backward (the logits turn over and grow 20-fold: a loss spike) and puts them back bitwise after it; with
+LAUNCHER_TEST_SPIKE_ONCE=1 only the first time this process computes step K (a transient fault, which a replay
+does not meet), else every time (a poisoned batch: the replay meets it again) (tests/test_loss_spikes.py)."""
 import importlib.abc
 import importlib.util
 import os
@@ -11,12 +15,14 @@ import sys
 
 _STEP = os.environ.get("LAUNCHER_TEST_CRASH_AT_STEP")
 _NAN = os.environ.get("LAUNCHER_TEST_NAN_AT_STEP")
+_SPIKE = os.environ.get("LAUNCHER_TEST_SPIKE_AT_STEP")
 
 
 def _patch(module) -> None:
     original = module.Loop.train_step
     step = int(_STEP) if _STEP else None
     nan_step = int(_NAN) if _NAN else None
+    spike_step, spiked = (int(_SPIKE) if _SPIKE else None), []
     rank = os.environ.get("LAUNCHER_TEST_CRASH_RANK", "0")
 
     def train_step(self, iterators):
@@ -27,9 +33,28 @@ def _patch(module) -> None:
 
             with torch.no_grad():
                 next(self.model[0].parameters()).fill_(float("nan"))
+        if self.step + 1 == spike_step and not (spiked and os.environ.get("LAUNCHER_TEST_SPIKE_ONCE") == "1"):
+            spiked.append(self.step + 1)
+            return _spiked(self, original, iterators)
         return original(self, iterators)
 
     module.Loop.train_step = train_step
+
+
+def _spiked(loop, original, iterators):
+    import torch
+
+    params = [p for chunk in loop.model for name, p in chunk.named_parameters()
+              if "final_layernorm" in name]
+    kept = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p in params:
+            p.mul_(-20.0)
+    out = original(loop, iterators)
+    with torch.no_grad():
+        for p, k in zip(params, kept):
+            p.copy_(k)  # bitwise as before (the spiked step applied no update: the rule under test skips it)
+    return out
 
 
 class _Hook(importlib.abc.MetaPathFinder):
@@ -48,5 +73,5 @@ class _Hook(importlib.abc.MetaPathFinder):
         return spec
 
 
-if (_STEP or _NAN) and os.environ.get("RANK") is not None:
+if (_STEP or _NAN or _SPIKE) and os.environ.get("RANK") is not None:
     sys.meta_path.insert(0, _Hook())
