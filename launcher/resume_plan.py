@@ -302,6 +302,15 @@ def _candidate(job, lay, identity, path: Path, manifest: dict, plan: ResumePlan)
             return ResumePlan("refused", str(path), plan.source, manifest.get("step"), problem=Problem(
                 "parallel.megatron_fsdp", job.parallel.megatron_fsdp, refused.split("; continue it with")[0],
                 f"parallel.megatron_fsdp={back}"))
+    structure = rules.structure_refusal(manifest, identity, converted=converted)
+    if structure:
+        key, there, why = structure
+        plan.skipped.append(f"{path.name}: {why}")
+        if plan.problem is None:
+            plan.problem = Problem(key, getattr(getattr(job, key.split(".")[0]), key.split(".")[1]),
+                                   f"{path.name}: {why} (the ranks fail to load it after building the model)",
+                                   f"{key}={_override(there)}, as saved")
+        return None
     dp_here = lay.dp * lay.cp
     refused = rules.dp_refusal(manifest, distributed_optimizer=job.parallel.distributed_optimizer, fmt=fmt,
                                dp_here=dp_here, converted=converted)
@@ -311,6 +320,10 @@ def _candidate(job, lay, identity, path: Path, manifest: dict, plan: ResumePlan)
             plan.problem = _dp_problem(job, lay, path, manifest, plan.source)
         return None
     return _loads(job, lay, path, manifest, plan, saved, fmt)
+
+
+def _override(value) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _dp_problem(job, lay, path: Path, manifest: dict, source: str) -> Problem:

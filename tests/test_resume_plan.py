@@ -222,3 +222,42 @@ def test_checkpoint_info_reads_the_checkpoint_alone(capsys, dp2):
     assert info["common_state"] == {"step": K, "consumed_samples": K * 8}  # what the manifest's arithmetic said
     assert info["model"]["model.hidden_size"] == 64 and info["layout"]["DP"] == 2
     assert main(["checkpoint-info", str(saved.parent / "nothing")]) == 2
+
+
+def test_a_virtual_pipeline_change_reshards_and_does(tmp_path, reference_run):
+    full = reference_run(2, BASE + layout(pp=2, vpp=2))
+    saved = full.bundle / "checkpoints" / f"iter_{K:07d}"
+    job = BASE + layout(pp=2) + [f"checkpoint.load={saved}"]
+    plan = _plan(job, 2)
+    assert (plan.verdict, plan.changes, plan.notes) == ("reshard", ["VPP 2 -> 1"], [])  # same (PP, TP, DP): RNG kept
+    _continues(tmp_path / "novpp", job, 2, saved, full)
+
+
+def test_resume_false_starts_fresh_or_is_refused_over_another_runs_checkpoints(dp2):
+    _, saved = dp2  # verdicts only: running these would move the reference run's checkpoints aside
+    plan = _plan(DIST + [f"checkpoint.dir={saved.parent}", "checkpoint.resume=false"], 2)
+    assert (plan.verdict, plan.notes) == ("fresh", ["checkpoint.resume=false: this run's 2 checkpoint(s) there are "
+                                                    "moved aside"])
+    plan = _plan(DIST + [f"checkpoint.dir={saved.parent}", "checkpoint.resume=false", "train.seed=2"], 2)
+    assert plan.verdict == "refused" and plan.problem.line() == (
+        f"error: checkpoint.dir={str(saved.parent)!r}: holds checkpoints of another run (iter_{STEPS:07d}: train.seed="
+        "1234 there, 2 here); checkpoint.resume=false would overwrite them; try another checkpoint.dir")
+
+
+@pytest.mark.parametrize("change,field,theirs", [("parallel.distributed_optimizer=false", "parallel.distributed_optimizer",
+                                                  "true"),
+                                                 ("precision.dtype=bf16", "precision.dtype", "fp32")])
+def test_an_optimizer_state_of_another_structure_is_refused_before_and_fails_on_the_ranks(tmp_path, capsys, dp2,
+                                                                                           change, field, theirs):
+    """The distributed vs the plain optimizer, fp32 vs bf16 (an fp32 main copy or none): the ranks fail in
+    dist_checkpointing's load after building the model, with no field named; the plan names it first."""
+    _, saved = dp2
+    job = DIST + [change, f"checkpoint.load={saved}"]
+    code, out, err = _verdict(job, 2, capsys)
+    assert code == 2 and not out
+    (line,) = err.splitlines()
+    assert line.startswith(f"error: {field}=") and line.endswith(f"try {field}={theirs}, as saved"), line
+    assert "(the ranks fail to load it after building the model)" in line
+    stdout = _refused_by_ranks(tmp_path / "other", job, 2)
+    assert f"error: checkpoint.load={saved}: could not be loaded into this run (tried {saved.name}; last error: " \
+           in stdout, stdout

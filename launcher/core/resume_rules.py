@@ -11,6 +11,12 @@ The rules and where they come from:
   its gradient buckets (Megatron-Core ``optimizer/distrib_optimizer.py`` ``sharded_param_state_dp_reshardable``);
   with torch Adam it did not load back at another DP size here, so the ranks refuse a DP change
   (``dp_refusal``); ``fully_reshardable`` gathers per-parameter tensors and loads at any DP.
+- The optimizer state's structure: Megatron's distributed optimizer and its plain one, and fp32 weights (no fp32
+  main copy) and bf16/fp16 ones (an fp32 main copy in the optimizer state), hold different optimizer tensors; a
+  checkpoint of one does not load into the other (``structure_refusal``; measured here on CPU, Megatron-Core
+  0.19.2: distributed -> plain and plain -> distributed with dp_reshardable and with fully_reshardable, fp32 -> bf16
+  with and without the distributed optimizer: every one failed in dist_checkpointing's load, after the model was
+  built, with "CheckpointException ranks:dict_keys([0])" or "Could not find parameter group").
 - torch_dist <-> fsdp_dtensor (``parallel.megatron_fsdp`` switched) converts on the ranks
   (``launcher/rank/checkpoint_convert.py``) except what ``conversion_refusal`` names.
 - Everything else in the layout (TP, PP, VPP, EP, CP, DP) is resharded by dist_checkpointing: the tensors are
@@ -85,3 +91,28 @@ def conversion_refusal(path, manifest: dict, saved: str, identity: dict) -> Opti
         return (f"{head}: converting between torch_dist and fsdp_dtensor is implemented at parallel.tensor=1 on the "
                 f"Megatron-FSDP side only (TP={fsdp_tp} {where}); continue it with {back}")
     return None
+
+
+def structure_refusal(manifest: dict, identity: dict, *, converted: bool) -> Optional[tuple]:
+    """(field, the checkpoint's value, why) when the optimizer state's structure differs (see the module's notes),
+    or None; a checkpoint converted from the other format, weights only, or without a recorded identity is not
+    judged here."""
+    theirs = manifest.get("identity") or {}
+    if converted or manifest.get("weights_only") or not theirs:
+        return None
+    key = "parallel.distributed_optimizer"
+    if key in theirs and bool(theirs[key]) != bool(identity.get(key)):
+        return (key, theirs[key], f"its optimizer state was saved with {key}={_text(theirs[key])}, this run has "
+                f"{_text(identity.get(key))}: the distributed optimizer's state and the plain optimizer's do not load "
+                "into each other")
+    key = "precision.dtype"
+    there, here = theirs.get(key), identity.get(key)
+    if there and here and (there == "fp32") != (here == "fp32"):
+        return (key, there, f"it was saved with {key}={there}, this run has {here}: the optimizer state "
+                f"{'holds no' if there == 'fp32' else 'holds an'} fp32 main copy of the weights, which "
+                f"{here} training {'needs' if there == 'fp32' else 'does not have'}")
+    return None
+
+
+def _text(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
