@@ -4,9 +4,10 @@ that prepares a run refuses with one line, exit 2, before anything renders).
 
 Everything is read from the checkpoint's own metadata: our manifest ``launcher.json`` (step, the saving run's
 identity: model, layout, batch; ``rng_layout`` (PP, TP, DP), ``format``, ``optimizer_format``), the directory's
-files (present, recorded sizes). The step, consumed samples and the scheduler live in the checkpoint's common state
-(a torch.distributed.checkpoint entry): that needs torch, so it is read in its own process
-(``launcher/checkpoint_state.py``) only for a checkpoint without a manifest, or when asked (``--read-state``).
+files (present, recorded sizes). The consumed samples live in the checkpoint's common state (a
+torch.distributed.checkpoint entry): reading them needs torch, so ``checkpoint-info`` reads them in a process of its
+own (``launcher/checkpoint_state.py``); the resume plan, which validate and plan print in about a second, derives
+them from the manifest (``consumed_of``) and says so.
 
 The verdict walks the ranks' own resume (``launcher/rank/checkpoint.py`` resume) over the same functions:
 ``plan_resume`` (which checkpoints, this run's or ``checkpoint.load``'s; another run's or another model's in
@@ -86,7 +87,17 @@ def read_state(path: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def checkpoint_info(path: Path, *, read_common: bool = False) -> dict:
+def consumed_of(manifest: dict) -> Optional[int]:
+    """The samples a checkpoint's run had consumed, from its manifest alone: recorded there, else step x the saving
+    run's global batch (each step consumes one, a skipped step too: launcher/rank/loop.py). The second is wrong for
+    a run that itself started from a checkpoint of another global batch; the checkpoint's own count is exact."""
+    if isinstance(manifest.get("consumed_samples"), int):
+        return manifest["consumed_samples"]
+    gbs = (manifest.get("identity") or {}).get("train.global_batch_size")
+    return int(manifest["step"]) * int(gbs) if manifest.get("step") is not None and gbs else None
+
+
+def checkpoint_info(path: Path, *, read_common: bool = True) -> dict:
     """What checkpoint-info prints (also its --json): model, layout, formats, step, data position, files."""
     ckpt, manifest, others = find(Path(absolute(str(path))))
     if ckpt is None:
@@ -107,18 +118,24 @@ def checkpoint_info(path: Path, *, read_common: bool = False) -> dict:
            else None,
            "others": [p.name for p in others]}
     gbs = ident.get("train.global_batch_size")
+    if gbs:
+        out["global_batch_size"], out["micro_batch_size"] = gbs, ident.get("train.micro_batch_size")
+    derived = consumed_of(manifest)
     if manifest.get("weights_only"):
         out["consumed_samples"], out["consumed_from"] = 0, "weights only: a run starts at step 0"
-    elif manifest.get("step") is not None and gbs:
-        out["consumed_samples"] = int(manifest["step"]) * int(gbs)
-        out["consumed_from"] = "step x train.global_batch_size: a step consumes one global batch"
-        out["global_batch_size"], out["micro_batch_size"] = gbs, ident.get("train.micro_batch_size")
-    if read_common or out.get("consumed_samples") is None and not manifest.get("weights_only"):
+    elif read_common or derived is None:
         state = read_state(ckpt)
         out["common_state"] = state
         if "error" not in state:
             out["step"], out["consumed_samples"] = state["step"], state["consumed_samples"]
-            out["consumed_from"] = "the checkpoint's common state"
+            out["consumed_from"] = "read from the checkpoint"
+            if derived is not None and derived != state["consumed_samples"]:
+                out["consumed_from"] += (f"; step x train.global_batch_size would say {derived}: the saving run "
+                                         "started from a checkpoint of another global batch")
+    if out.get("consumed_samples") is None and derived is not None:
+        out["consumed_samples"] = derived
+        out["consumed_from"] = ("step x train.global_batch_size, not read from the checkpoint " +
+                                ("(--no-state)" if "common_state" not in out else "(reading it failed)"))
     files = manifest.get("files") or {}
     out["files"], out["bytes"] = len(files), sum(int(r.get("size", 0)) for r in files.values())
     out["problems"] = (cdir.verify_files(ckpt, manifest, checksum=False) if manifest else
@@ -158,16 +175,17 @@ def info_text(info: dict) -> List[str]:
 
 
 def info_main(argv: List[str]) -> int:
-    """``python -m launcher checkpoint-info DIR [--json] [--read-state]``."""
+    """``python -m launcher checkpoint-info DIR [--json] [--no-state]``."""
     paths = [a for a in argv if not a.startswith("-")]
-    unknown = [a for a in argv if a.startswith("-") and a not in ("--json", "--read-state", "-h", "--help")]
+    unknown = [a for a in argv if a.startswith("-") and a not in ("--json", "--no-state", "-h", "--help")]
     if len(paths) != 1 or unknown or "-h" in argv or "--help" in argv:
-        print("usage: python -m launcher checkpoint-info DIR [--json] [--read-state]\n  DIR: a checkpoint (iter_N) "
-              "or a checkpoint directory holding them (its newest complete one); --read-state reads step and "
-              "consumed samples from the checkpoint itself (a process with torch)",
+        print("usage: python -m launcher checkpoint-info DIR [--json] [--no-state]\n  DIR: a checkpoint (iter_N) "
+              "or a checkpoint directory holding them (its newest complete one); step and consumed samples are read "
+              "from the checkpoint itself (a process of its own with torch, seconds); --no-state derives them from "
+              "launcher.json alone",
               file=sys.stdout if ("-h" in argv or "--help" in argv) and not unknown else sys.stderr)
         return 0 if ("-h" in argv or "--help" in argv) and not unknown else 2
-    info = checkpoint_info(Path(paths[0]), read_common="--read-state" in argv)
+    info = checkpoint_info(Path(paths[0]), read_common="--no-state" not in argv)
     print(json.dumps(info, indent=1, default=str) if "--json" in argv else "\n".join(info_text(info)))
     return 2 if "error" in info else 0
 
@@ -397,10 +415,12 @@ def _data_lines(job, lay, manifest: dict, plan: ResumePlan) -> None:
         plan.data.append("data: consumed samples are read by the ranks from the checkpoint (no manifest here)")
         return
     step, mbs = int(plan.step), job.train.micro_batch_size
-    plan.consumed = consumed = step * int(gbs_there)
+    plan.consumed = consumed = consumed_of(manifest)
+    how = ("" if isinstance(manifest.get("consumed_samples"), int) else
+           f" (step {step} x global batch {gbs_there}; checkpoint-info reads the checkpoint's own count)")
     ranks = (f"{lay.dp} DP ranks, rank r from sample {consumed} + {mbs}r, every {mbs * lay.dp}" if lay.dp > 1
              else "one DP rank")
-    plan.data.append(f"data: {consumed} samples consumed; step {step + 1} reads samples {consumed}.."
+    plan.data.append(f"data: {consumed} samples consumed{how}; step {step + 1} reads samples {consumed}.."
                      f"{consumed + gbs - 1} ({lay.microbatches} micro-batches of {mbs} per DP rank; {ranks})")
     if gbs_there != gbs:
         plan.data.append(f"data: train.global_batch_size {gbs_there} -> {gbs}: the step count continues at {step} "

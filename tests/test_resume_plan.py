@@ -80,7 +80,8 @@ def test_same_layout_loads_as_is_and_does(tmp_path, capsys, dp2):
     code, out, err = _verdict(job, 2, capsys)
     assert code == 0, err
     assert f"resume: {saved} (step {K}, checkpoint.load): loads as is" in out
-    assert (f"data: {K * 8} samples consumed; step {K + 1} reads samples {K * 8}..{K * 8 + 7} (2 micro-batches of 2 "
+    assert (f"data: {K * 8} samples consumed (step {K} x global batch 8; checkpoint-info reads the checkpoint's own "
+            f"count); step {K + 1} reads samples {K * 8}..{K * 8 + 7} (2 micro-batches of 2 "
             f"per DP rank; 2 DP ranks, rank r from sample {K * 8} + 2r, every 4)") in out
     plan = _plan(job, 2)
     assert (plan.verdict, plan.changes, plan.step, plan.consumed) == ("as_is", [], K, K * 8)
@@ -181,7 +182,7 @@ def test_a_checkpoint_without_its_manifest(tmp_path, capsys, dp2):
                          capture_output=True, text=True, timeout=300)
     info = json.loads(out.stdout)
     assert (info["step"], info["consumed_samples"], info["complete"]) == (K, K * 8, False), out.stderr
-    assert info["consumed_from"] == "the checkpoint's common state"
+    assert info["consumed_from"] == "read from the checkpoint"
 
 
 def test_a_missing_file_makes_the_ranks_fall_back_and_the_plan_says_so(tmp_path, capsys, dp2):
@@ -214,14 +215,34 @@ def test_checkpoint_info_reads_the_checkpoint_alone(capsys, dp2):
     assert out[0] == f"checkpoint {newest} (1 older beside it: {saved.name})"
     assert out[3] == "  layout: TP1 PP1 VPP1 EP1 CP1 DP2, DDP + distributed optimizer"
     assert out[4] == "  format: torch_dist; optimizer state: dp_reshardable"
-    assert out[5] == (f"  data: {STEPS * 8} samples consumed (step x train.global_batch_size: a step consumes one "
-                      f"global batch), global batch 8 (micro batch 2); the next step reads from sample {STEPS * 8}")
+    assert out[5] == (f"  data: {STEPS * 8} samples consumed (read from the checkpoint), global batch 8 (micro batch "
+                      f"2); the next step reads from sample {STEPS * 8}")
     assert out[6].endswith(", complete")
-    assert main(["checkpoint-info", str(saved), "--json", "--read-state"]) == 0
+    assert main(["checkpoint-info", str(saved), "--json", "--no-state"]) == 0  # launcher.json alone: no torch
     info = json.loads(capsys.readouterr().out)
-    assert info["common_state"] == {"step": K, "consumed_samples": K * 8}  # what the manifest's arithmetic said
+    assert "common_state" not in info and info["consumed_samples"] == K * 8
     assert info["model"]["model.hidden_size"] == 64 and info["layout"]["DP"] == 2
     assert main(["checkpoint-info", str(saved.parent / "nothing")]) == 2
+
+
+def test_after_a_global_batch_change_the_checkpoint_counts_what_was_consumed(tmp_path, capsys, dp2):
+    """A run that loaded step K of global batch 8 and went on with 16: its checkpoints hold 8K + 16 per step since,
+    which checkpoint-info reads from the checkpoint (the manifest's step x batch would say 16 per step)."""
+    from launcher.cli import main
+
+    _, saved = dp2
+    job = DIST + ["train.global_batch_size=16", f"checkpoint.load={saved}"]
+    plan = _plan(job, 2)
+    assert plan.verdict == "as_is" and plan.consumed == K * 8
+    bundle = write_bundle(tmp_path / "gbs16", job, 2)
+    proc = run_train(bundle, 2)
+    assert proc.returncode == 0 and f"resumed from {saved} at step {K} ({K * 8} samples consumed)" in proc.stdout
+    capsys.readouterr()
+    assert main(["checkpoint-info", str(bundle / "checkpoints"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["step"], info["consumed_samples"]) == (STEPS, K * 8 + (STEPS - K) * 16)
+    assert info["consumed_from"] == (f"read from the checkpoint; step x train.global_batch_size would say {STEPS * 16}: "
+                                     "the saving run started from a checkpoint of another global batch")
 
 
 def test_a_virtual_pipeline_change_reshards_and_does(tmp_path, reference_run):
