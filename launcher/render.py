@@ -106,6 +106,7 @@ def template_context(job: JobConfig, bundle_dir: Path, signal_lead: dict | None 
         # torchrun waits this long for ranks saving their stop checkpoint before it kills them (not its 30 s)
         "shutdown_timeout_s": shutdown_timeout_s(signal_lead["seconds"]),
         "max_requeues": slurm.max_requeues,
+        "on_hang": slurm.on_hang,
         # torchrun restarts after a rank dies: on by default where a node can fail under a long job.
         "max_restarts": cluster.max_restarts if cluster.max_restarts is not None
         else (3 if cluster.launcher == "slurm" else 0),

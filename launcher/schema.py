@@ -578,6 +578,11 @@ class SlurmConfig:
     """Requeue the job after preemption or a clean time-limit exit."""
     max_requeues: int = 3
     """Requeue at most this many times (a run that ends without DONE and did not fail is requeued)."""
+    on_hang: str = choice("stop", ("stop", "exclude"))
+    """When the hang watchdog (timeouts.hang_s) names the rank that hangs the others: stop (the job fails with that
+    line), or exclude: submit the bundle again as a new job with the culprit's node left out (sbatch --exclude, the
+    nodes left out before kept), at most max_requeues times; it resumes from the last checkpoint. Each resubmission
+    is recorded in BUNDLE/hangs.jsonl and submission.json follows the new job."""
     exclusive: bool = True
     """Request whole nodes."""
     extra_args: List[str] = field(default_factory=list)

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -169,3 +171,80 @@ def test_a_stopped_rank_is_named_and_the_run_stops(hung_run):
     assert not (hang / "stacks-rank-2.txt").exists()
     assert (bundle / "FAILED").read_text().strip() == line
     assert f"launcher: failed: {line}" in out
+
+
+def test_the_verdict_names_the_culprit_rank_where_one_rank_is_it():
+    """slurm.on_hang=exclude leaves out the culprit's node: the verdict gives that rank (None for a cycle, where no
+    single rank is to blame, and where every member waits)."""
+    states = [_state(r, 3, {"0-1": [5, "broadcast", "in"]}, "0-1", host=f"node-{r}") for r in (0, 1)]
+    assert watchdog.verdict(states, silent={1}, proc_states={1: "T"})[1] == 1
+    assert watchdog.verdict(states, silent=set())[1] is None
+    cycle = [_state(2, 7, {"0-1-2-3": [39, "all_reduce", "out"], "2-3": [12, "all_gather", "in"]}, "2-3"),
+             _state(3, 7, {"0-1-2-3": [40, "all_reduce", "in"], "2-3": [11, "all_gather", "out"]}, "0-1-2-3")]
+    assert watchdog.verdict(cycle, silent=set())[1] is None
+
+
+def test_the_culprits_node_is_recorded_once(tmp_path):
+    watchdog.record_culprit_node(tmp_path, {"rank": 5, "host": "gpu-0153"})
+    watchdog.record_culprit_node(tmp_path, {"rank": 9, "host": "gpu-0200"})  # a second node's watchdog: too late
+    watchdog.record_culprit_node(tmp_path, None)
+    assert (tmp_path / watchdog.HANG_NODE).read_text() == "gpu-0153\n"
+    assert [p.name for p in tmp_path.iterdir()] == [watchdog.HANG_NODE]
+
+
+def test_a_hang_under_slurm_resubmits_the_job_without_the_culprits_node(slurm_cluster, tmp_path):
+    """The real one-node Slurm: rank 2 stopped; the watchdog names it, and the batch script submits the bundle
+    again as a new job with this node excluded, records it in hangs.jsonl, and submission.json follows the new job.
+    The batch script's own `sbatch` is a recorder on PATH (the job inherits the submitter's PATH): a cluster of one
+    node has no other to run the new job, so the real sbatch refuses it ("Requested node configuration is not
+    available", which the script then reports); everything before that last hop is the real job's."""
+    from test_slurm_localhost import job_info, log_of, render
+
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    record = tmp_path / "sbatch-args"
+    (stub / "sbatch").write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {record}\n'
+                                 f'env | grep ^LAUNCHER_ | sort > {record}.env\necho 424242\n')
+    (stub / "sbatch").chmod(0o755)
+    bundle = render(tmp_path, "data=mock", "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128",
+                    "model.num_attention_heads=4", "model.num_query_groups=2", "model.seq_length=64",
+                    "train.train_steps=100000", "train.eval_interval=0", "checkpoint.save_interval=0",
+                    "checkpoint.save_at_end=false", "timeouts.hang_s=20", "slurm.on_hang=exclude",
+                    "slurm.time=00:30:00", "slurm.signal_lead_s=60")
+    env = dict(os.environ, PATH=f"{stub}{os.pathsep}{os.environ['PATH']}")
+    real = shutil.which("sbatch")  # the real one submits; the job, inheriting PATH, finds the recorder first
+    first = subprocess.run([real, "--parsable", str(bundle.sbatch)], capture_output=True, text=True, timeout=60,
+                           check=True, env=env).stdout.strip().split(";")[0]
+    stopped = None
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and stopped is None:
+            if re.search(r"^step +3 \|", log_of(bundle, first), re.MULTILINE):
+                stopped = int(json.loads(forensics.state_path(bundle.path, 2).read_bytes())["pid"])
+                os.kill(stopped, signal.SIGSTOP)
+            assert job_info(first).get("JobState") not in ("FAILED", "COMPLETED", "CANCELLED"), log_of(bundle, first)
+            time.sleep(0.5)
+        assert stopped is not None, log_of(bundle, first)[-4000:]
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and job_info(first).get("JobState") in ("RUNNING", "COMPLETING", "PENDING"):
+            time.sleep(1)
+        log = log_of(bundle, first)
+        node = socket.gethostname()
+        assert (f"launcher: hang on node {node}; submitted job 424242 to resume without it (--exclude={node}, "
+                "resubmission 1 of 3)") in log, log[-6000:]
+        assert (bundle.path / "HANG_NODE").read_text().strip() == node
+        args = record.read_text().splitlines()
+        assert f"--exclude={node}" in args and args[-1] == str(bundle.sbatch), args
+        exported = record.with_name(record.name + ".env").read_text().splitlines()
+        assert f"LAUNCHER_EXCLUDED_NODES={node}" in exported and "LAUNCHER_HANG_RESUBMITS=1" in exported, exported
+        [entry] = [json.loads(line) for line in (bundle.path / "hangs.jsonl").read_text().splitlines()]
+        assert entry["job"] == first and entry["next_job"] == "424242" and entry["node"] == node
+        assert entry["line"].startswith("hang at step ") and "rank 2 " in entry["line"], entry
+        assert json.loads((bundle.path / "submission.json").read_text()) == {"job_id": "424242"}
+    finally:
+        subprocess.run(["scancel", first], capture_output=True, timeout=30)
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGKILL)
+            except OSError:
+                pass

@@ -80,8 +80,8 @@ def test_same_layout_loads_as_is_and_does(tmp_path, capsys, dp2):
     code, out, err = _verdict(job, 2, capsys)
     assert code == 0, err
     assert f"resume: {saved} (step {K}, checkpoint.load): loads as is" in out
-    assert (f"data: {K * 8} samples consumed (step {K} x global batch 8; checkpoint-info reads the checkpoint's own "
-            f"count); step {K + 1} reads samples {K * 8}..{K * 8 + 7} (2 micro-batches of 2 "
+    # the count the saving rank recorded in the manifest (launcher/rank/entry.py save), not step x batch
+    assert (f"data: {K * 8} samples consumed; step {K + 1} reads samples {K * 8}..{K * 8 + 7} (2 micro-batches of 2 "
             f"per DP rank; 2 DP ranks, rank r from sample {K * 8} + 2r, every 4)") in out
     plan = _plan(job, 2)
     assert (plan.verdict, plan.changes, plan.step, plan.consumed) == ("as_is", [], K, K * 8)
@@ -241,8 +241,11 @@ def test_after_a_global_batch_change_the_checkpoint_counts_what_was_consumed(tmp
     assert main(["checkpoint-info", str(bundle / "checkpoints"), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert (info["step"], info["consumed_samples"]) == (STEPS, K * 8 + (STEPS - K) * 16)
-    assert info["consumed_from"] == (f"read from the checkpoint; step x train.global_batch_size would say {STEPS * 16}: "
-                                     "the saving run started from a checkpoint of another global batch")
+    assert info["consumed_from"] == "read from the checkpoint"
+    # the saving rank records the exact count in the manifest too (step x batch would say STEPS * 16): the login
+    # node's plan reads it without torch
+    manifest = json.loads((bundle / "checkpoints" / f"iter_{STEPS:07d}" / "launcher.json").read_text())
+    assert manifest["consumed_samples"] == K * 8 + (STEPS - K) * 16 != STEPS * 16
 
 
 def test_a_virtual_pipeline_change_reshards_and_does(tmp_path, reference_run):

@@ -195,7 +195,7 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
     # ---- slurm
     **{f"slurm.{name}": _w(LOGIN) for name in (
         "time", "job_name", "signal_lead_s", "requeue", "exclusive", "extra_args", "max_requeues",
-        "signal_save_factor", "signal_margin_s")},
+        "signal_save_factor", "signal_margin_s", "on_hang")},
     # ---- timeouts (launcher/core/timeouts.py: resolved at render into env.sh, read by launcher/rank/setup.py)
     "timeouts.collective_s": _w(DIST, "timeout", same=False), "timeouts.heartbeat_s": _w(LOGIN),
     "timeouts.hang_s": _w(LOGIN),  # rendered into env.sh; the node's watchdog (launcher/rank/agent.py) reads it

@@ -76,6 +76,7 @@ def start_watchdog():
             pass
         finally:
             os.unlink(tmp)
+        watchdog.record_culprit_node(Path(bundle), dog.culprit)  # slurm.on_hang=exclude leaves it out next time
         watchdog.kill_local(watchdog.read_states(Path(bundle)), dog.host)
 
     dog = watchdog.Watchdog(Path(bundle), int(raw), on_hang)

@@ -241,7 +241,8 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
                          consumed=lp.consumed, keep_last=job.checkpoint.keep_last, identity=identity,
                          checksum=checksum, optimizer_format=job.checkpoint.optimizer_format,
                          fmt=checkpoint_format(job), run_state=carried,
-                         extra={"spikes": spikes.state()} if spikes is not None else None)
+                         extra={"consumed_samples": lp.consumed,  # the resume plan reads it (resume_plan.py)
+                                **({"spikes": spikes.state()} if spikes is not None else {})})
         if spikes is not None:
             spikes.saved()
         console.line(f"saved checkpoint {path}")

@@ -79,6 +79,7 @@ class Watchdog(threading.Thread):
         self.host, self.clock = host or socket.gethostname(), clock
         self.done = threading.Event()
         self.line: Optional[str] = None
+        self.culprit: Optional[dict] = None  # {"rank", "host"} of the rank named, where one is
 
     def run(self) -> None:
         last, since = None, self.clock()
@@ -89,7 +90,7 @@ class Watchdog(threading.Thread):
                 last, since = fingerprint, self.clock()  # nothing to watch yet, not armed, or progress
                 continue
             if self.clock() - since >= self.hang_s:
-                self.line = investigate(self.bundle, self.host, self.clock() - since)
+                self.line, self.culprit = investigate(self.bundle, self.host, self.clock() - since)
                 self.on_hang(self.line)
                 return
 
@@ -97,8 +98,9 @@ class Watchdog(threading.Thread):
         self.done.set()
 
 
-def investigate(bundle: Path, host: str, quiet_s: float) -> str:
-    """Dump every local rank's stacks, read every state, name the culprit; write BUNDLE/hang-STEP/; the line."""
+def investigate(bundle: Path, host: str, quiet_s: float) -> tuple:
+    """Dump every local rank's stacks, read every state, name the culprit; write BUNDLE/hang-STEP/; (the line, the
+    culprit's {"rank", "host"} or None)."""
     states = read_states(bundle)
     step = max((s.get("step") or 0 for s in states), default=0)
     out = bundle / f"hang-{step}"
@@ -125,14 +127,16 @@ def investigate(bundle: Path, host: str, quiet_s: float) -> str:
             (out / f"stacks-rank-{rank}.txt").write_bytes(f.read())
     procs = {s["rank"]: proc_state(int(s["pid"])) for s in local}
     silent = {s["rank"] for s in local if s["rank"] not in answered or procs[s["rank"]] in STOPPED_STATES}
-    found = analyse(states, silent, procs)
+    found, rank = verdict(states, silent, procs)
     line = (f"hang at step {step}: {found} (no collective progress for {quiet_s:.0f} s); stacks: {out}/")
+    own = next((s for s in states if s.get("rank") == rank), None) if rank is not None else None
+    culprit = {"rank": rank, "host": own.get("host")} if own is not None else None
     report = {"line": line, "step": step, "host": host, "quiet_s": round(quiet_s, 1), "answered": sorted(answered),
-              "silent": sorted(silent), "process_states": procs, "states": states}
+              "silent": sorted(silent), "process_states": procs, "culprit": culprit, "states": states}
     tmp = out / ".report.json.tmp"
     tmp.write_text(json.dumps(report, indent=2) + "\n")
     os.replace(tmp, out / "report.json")
-    return line
+    return line, culprit
 
 
 def _size(path: Path) -> int:
@@ -170,7 +174,12 @@ def _behind(by_rank: dict, key: str, seq: int) -> list:
 
 
 def analyse(states: list[dict], silent: set, proc_states: Optional[dict] = None) -> str:
-    """Who hangs the others. Start at the collective most ranks are inside; a member that never entered it (its count
+    """The line of ``verdict``."""
+    return verdict(states, silent, proc_states)[0]
+
+
+def verdict(states: list[dict], silent: set, proc_states: Optional[dict] = None) -> tuple:
+    """(line, the culprit rank or None where no one rank is it). Who hangs the others. Start at the collective most ranks are inside; a member that never entered it (its count
     on that group is behind) is followed into the collective it is inside itself, until a rank that is in none. A
     rank that does not answer (stopped, in the kernel, gone) is the culprit where the chain ends elsewhere (a p2p
     wait is not counted: the chain cannot follow it); else the chain's end is."""
@@ -180,7 +189,7 @@ def analyse(states: list[dict], silent: set, proc_states: Optional[dict] = None)
     if not inside:
         quiet = sorted(silent) or sorted(by_rank)
         return (f"no rank is inside a collective; {_who(by_rank.get(quiet[0]), quiet[0])} "
-                f"{'stopped answering' if silent else 'is the first to look at'}")
+                f"{'stopped answering' if silent else 'is the first to look at'}", quiet[0] if silent else None)
     (key, seq, op), waiting = inside.most_common(1)[0]
     what = (f"{op} #{seq} of group [{key}] that {waiting} rank{'s' if waiting != 1 else ''} "
             f"{'are' if waiting != 1 else 'is'} waiting in")
@@ -197,7 +206,7 @@ def analyse(states: list[dict], silent: set, proc_states: Optional[dict] = None)
             parts = [f"rank {a} is inside {w[2]} #{w[1]} of group [{w[0]}], which rank {b} never entered"
                      for (a, _), (b, w) in zip(loop[:-1], loop[1:])]
             return (f"ranks {', '.join(str(c[0]) for c in loop[:-1])} wait on each other (collectives called in "
-                    f"different orders): " + "; ".join(parts))
+                    f"different orders): " + "; ".join(parts), None)
         seen.add(r)
         chain.append((r, here))
         first = first or r
@@ -214,7 +223,7 @@ def analyse(states: list[dict], silent: set, proc_states: Optional[dict] = None)
             via = f" (reached from {what})" if (k, q, o) != (key, seq, op) else ""
             return (f"{_who(own, end)} never entered {o} #{q} of group [{k}]"
                     f"{' that ' + what.split(' that ', 1)[1] if (k, q, o) == (key, seq, op) else ''}{via}"
-                    f"{elsewhere if end not in silent else ''}{state}")
+                    f"{elsewhere if end not in silent else ''}{state}", end)
     if silent:  # the chain ends at a rank that answers (its wait is p2p, not counted), or no one is behind
         r = sorted(silent)[0]
         own = by_rank.get(r)
@@ -222,8 +231,30 @@ def analyse(states: list[dict], silent: set, proc_states: Optional[dict] = None)
         where = f" inside {pos[2]} #{pos[1]} of group [{pos[0]}]" if pos else ""
         return (f"{_who(own, r)} stopped responding{where} (process state {proc_states.get(r) or 'gone'}); "
                 f"{waiting} rank{'s' if waiting != 1 else ''} wait in {op} #{seq} of group [{key}]"
-                + (f", which rank {first} never entered" if first is not None else ""))
-    return f"every member of group [{key}] is inside {op} #{seq} ({waiting} ranks); none is behind or silent"
+                + (f", which rank {first} never entered" if first is not None else ""), r)
+    return f"every member of group [{key}] is inside {op} #{seq} ({waiting} ranks); none is behind or silent", None
+
+
+HANG_NODE = "HANG_NODE"
+"""BUNDLE/HANG_NODE: the host of the rank a hang was blamed on (one line), for job.sbatch's slurm.on_hang=exclude."""
+
+
+def record_culprit_node(bundle: Path, culprit: Optional[dict]) -> None:
+    """The culprit's host into BUNDLE/HANG_NODE, whole and only where no node wrote one first (every node's watchdog
+    may investigate the same hang)."""
+    if not culprit or not culprit.get("host"):
+        return
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(prefix=".HANG_NODE.", dir=bundle)
+    with os.fdopen(fd, "w") as f:
+        f.write(str(culprit["host"]) + "\n")
+    try:
+        os.link(tmp, Path(bundle) / HANG_NODE)
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
 
 
 def kill_local(states: list[dict], host: str) -> None:

@@ -7,7 +7,7 @@ source "$BUNDLE/env.sh"
 # Markers of an earlier run of this bundle must not end this one: a stale STOP would stop it after one step.
 # (Under job.sbatch, the batch shell has cleared STOP itself and may set it again on USR1 from now on.)
 if [[ -z "${LAUNCHER_STOP_CLEARED:-}" ]]; then rm -f "$BUNDLE/STOP"; fi
-rm -f "$BUNDLE/STOPPED" "$BUNDLE/FAILED" "$BUNDLE/DONE"
+rm -f "$BUNDLE/STOPPED" "$BUNDLE/FAILED" "$BUNDLE/DONE" "$BUNDLE/HANG_NODE"
 # The no-progress rule (launcher/rank/progress.py) compares the attempts of one launch: this one's torchrun
 # restarts, or every requeue of one Slurm job. Running the bundle again (a new job, a new local run) starts afresh.
 export LAUNCHER_LAUNCH_ID="${SLURM_JOB_ID:+slurm-$SLURM_JOB_ID}"
