@@ -71,3 +71,51 @@ def help_text() -> str:
         for f in dataclasses.fields(cls):
             lines.append(f"  {section + '.' + f.name:<38} {docs[cls.__name__].get(f.name, '')}{_allowed(f)}")
     return "\n".join(lines) + "\n"
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        value = f.default
+    elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        value = f.default_factory()  # type: ignore[misc]
+    else:
+        return ""
+    return "null" if value is None else str(value)
+
+
+def _md(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def fields_markdown() -> str:
+    """docs/fields.md: every field, its default and its documentation, generated from launcher/schema.py
+    (`python -m launcher.help --fields-md > docs/fields.md`; tests/test_docs.py checks the file is current)."""
+    docs = field_docs()
+    root = schema.JobConfig
+    lines = ["# Every field", "",
+             "Generated from `launcher/schema.py` by `python -m launcher.help --fields-md > docs/fields.md`; "
+             "do not edit by hand (`tests/test_docs.py` checks it is current). Set any field on the command line "
+             "with Hydra syntax (`parallel.tensor=4`); `python -m launcher --help` prints the same.", "",
+             f"Recipes: {_options('recipe')}. Clusters: {_options('cluster')}. Models: {_options('model')}. "
+             f"Data: {_options('data')}. Experiments (`+experiment=`): {_options('experiment')}.", ""]
+    top = [f for f in dataclasses.fields(root) if f.name not in schema.SECTIONS]
+    sections = [("top level", root, top, "")] + [(s, c, list(dataclasses.fields(c)), s + ".")
+                                                 for s, c in schema.SECTIONS.items()]
+    for title, cls, fields, prefix in sections:
+        lines += [f"## {title}", ""]
+        if cls is not root and cls.__doc__:
+            lines += [" ".join(cls.__doc__.split()), ""]
+        lines += ["| field | default | documentation |", "| --- | --- | --- |"]
+        for f in fields:
+            doc = docs[cls.__name__].get(f.name, "") + _allowed(f)
+            lines.append(f"| `{prefix}{f.name}` | `{_md(_default(f))}` | {_md(doc.strip())} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m launcher.help --fields-md
+    import sys
+
+    if sys.argv[1:] != ["--fields-md"]:
+        sys.exit("usage: python -m launcher.help --fields-md")
+    sys.stdout.write(fields_markdown())

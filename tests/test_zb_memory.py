@@ -119,7 +119,8 @@ def test_llama3_8b_pp8_zb_h1_plans_pending_w_and_its_peak_is_the_last_stage():
     assert max(ref, key=lambda st: st.total).stage == 0
     assert max(zb, key=lambda st: st.total).stage == 7 and zb[7].total > ref[0].total + 9e9
     quoted = f"{ref[0].total / 1e9:.1f} GB on stage 0 under 1F1B, {zb[7].total / 1e9:.1f} GB on stage 7 under ZB-H1"
-    assert quoted in " ".join((ROOT / "README.md").read_text().split()), f"README should say: {quoted}"
+    assert quoted in " ".join((ROOT / "docs" / "zero-bubble.md").read_text().split()), \
+        f"docs/zero-bubble.md should say: {quoted}"
     notes = f"stage 0 ({ref[0].total / 1e9:.1f} GB, as 1F1B) to stage 7 ({ref[7].total / 1e9:.1f} → {zb[7].total / 1e9:.1f} GB)"
     assert notes in " ".join((ROOT / "launcher" / "plan" / "NOTES.md").read_text().split()), notes
 
