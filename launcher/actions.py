@@ -158,6 +158,17 @@ def launch_preflight(job: JobConfig, checked: Checked | None = None) -> list[Pro
     return problems + render_refusals(job, plan)
 
 
+def print_oom_details(job: JobConfig, checked: Checked) -> None:
+    """The stages over the limit, their parts and what to change (``launcher.plan.oom_message``), above the one
+    line ``oom_problem`` reports: validate and render show the same."""
+    from launcher.plan import PlanError, oom_message, plan_job
+
+    try:
+        print(oom_message(plan_job(job, checked=checked), job), file=sys.stderr)
+    except PlanError:
+        pass
+
+
 def oom_problem(job: JobConfig, plan) -> Problem | None:
     """A predicted out-of-memory without force=true: render refuses it, and validate says so (the details are
     ``launcher.plan.oom_message``, which render prints above this line)."""

@@ -140,6 +140,9 @@ def _main(argv: list[str] | None = None) -> int:
     if not errors(problems) and action in (*RANK_ACTIONS, "plan"):  # the resume plan's refusal, before anything
         from launcher.resume_plan import problems_for               # renders (launcher/resume_plan.py)
         problems += problems_for(job, lay)
+    if any(p.field == "force" and p.severity == "error" for p in problems):  # a predicted OOM: its stages first
+        from launcher.actions import print_oom_details
+        print_oom_details(job, Checked(problems, lay))
     report(problems)
     if errors(problems):
         return EXIT_USAGE

@@ -244,6 +244,8 @@ def resume_plan(job: JobConfig, lay: Layout) -> Optional[ResumePlan]:
         found = cdir.plan_resume(ckpt_dir, identity, absolute(ck.load) if ck.load else None)
     except OSError:
         return None  # unreadable here (another file system): the ranks decide
+    if "error" in found and found["error"].startswith("checkpoint.load=") and not Path(absolute(ck.load)).exists():
+        return None  # names nothing here: launcher/executor.py checkpoint_load_problem owns that line (and its hint)
     if "error" in found:
         return ResumePlan("refused", problem=_plan_problem(found["error"], ckpt_dir, ck.load, identity))
     plan = ResumePlan("fresh", source=found["source"])

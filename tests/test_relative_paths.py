@@ -30,6 +30,9 @@ def test_relative_paths_from_another_directory_reach_the_ranks_as_the_login_node
     for name in ("smoke_text_document.bin", "smoke_text_document.idx", "tokenizer.json"):
         shutil.copy(ROOT / "data" / "assets" / name, elsewhere / "d" / name)
     (elsewhere / "prev").mkdir()
+    # a checkpoint there (dist_checkpointing's marker): an empty directory is refused by the resume plan, as the ranks
+    # would refuse it (launcher/resume_plan.py)
+    (elsewhere / "prev" / "metadata.json").write_text("{}")
     monkeypatch.chdir(elsewhere)  # not the repository root, not launch.sh's workdir
     code, out, err = cli("recipe=smoke", "action=render", "output_dir=out", "checkpoint.dir=ck",
                          "checkpoint.load=prev", "data.blend=[d/smoke_text_document]", "data.tokenizer=d/tokenizer.json",

@@ -81,7 +81,7 @@ def test_a_derived_lead_longer_than_the_time_limit_is_refused_with_one_line(tmp_
         signal_lead_of(job, None)
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("slurm.time='01:00:00': too short to stop in time") and \
-           "measured in" in msg and "; try slurm.time=04:00:00," in msg, msg  # 2 x (6060 + 60) s, in hours
+           "measured in" in msg and "; try slurm.time=04:00:00 or an explicit slurm.signal_lead_s" in msg, msg  # 2 x (6060 + 60) s, in hours
     fixed = compose_job(["recipe=smoke", f"checkpoint.dir={ckpt}", "slurm.time=04:00:00"])
     assert signal_lead_of(fixed, None)["seconds"] == 6060
 

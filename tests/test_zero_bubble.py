@@ -445,7 +445,9 @@ def test_tp_comm_overlap_validates_with_zero_bubble(cli):
     """llama405b (PP8, TP8 with userbuffer overlap, selective recompute, overlapped grad reduce and param gather)
     validates with zb_h1 as published: the rank keeps the TP overlaps TE allows with delayed wgrad
     (models/zero_bubble.py ZB_TP_OVERLAP; tests/test_wiring.py checks they reach TransformerConfig)."""
-    code, _, err = cli("recipe=llama405b", "schedule.kind=zb_h1", "action=validate")
+    # force=true: the job validates; its ZB-H1 peak (124.9 GB on the last stage, FP8 W operands) does not fit an H100,
+    # which validate now says as render does (tests/test_bad_input_round4.py)
+    code, _, err = cli("recipe=llama405b", "schedule.kind=zb_h1", "force=true", "action=validate")
     assert code == 0, err
 
 
