@@ -159,8 +159,9 @@ def launch_preflight(job: JobConfig, checked: Checked | None = None) -> list[Pro
 
 
 def print_oom_details(job: JobConfig, checked: Checked) -> None:
-    """The stages over the limit, their parts and what to change (``launcher.plan.oom_message``), above the one
-    line ``oom_problem`` reports: validate and render show the same."""
+    """The stages over the limit, their parts and what to change (``launcher.plan.oom_message``), below the one
+    line ``oom_problem`` reports (stderr's first line is the error, as for every refusal): validate and render show
+    the same."""
     from launcher.plan import PlanError, oom_message, plan_job
 
     try:
@@ -171,7 +172,7 @@ def print_oom_details(job: JobConfig, checked: Checked) -> None:
 
 def oom_problem(job: JobConfig, plan) -> Problem | None:
     """A predicted out-of-memory without force=true: render refuses it, and validate says so (the details are
-    ``launcher.plan.oom_message``, which render prints above this line)."""
+    ``launcher.plan.oom_message``, printed below this line)."""
     if plan.fits or job.force:
         return None
     peak = plan.peak_stage
@@ -333,8 +334,8 @@ def prepare_bundle(job: JobConfig, args, checked: Checked):
     plan = plan_job(job, checked=checked)
     oom = oom_problem(job, plan)
     if oom is not None:
-        print(oom_message(plan, job), file=sys.stderr)
         report([oom])
+        print(oom_message(plan, job), file=sys.stderr)
         return None
     try:
         bundle = write_bundle(job, argv=args.overrides, plan=plan.to_dict(), lay=checked.layout)

@@ -140,10 +140,10 @@ def _main(argv: list[str] | None = None) -> int:
     if not errors(problems) and action in (*RANK_ACTIONS, "plan"):  # the resume plan's refusal, before anything
         from launcher.resume_plan import problems_for               # renders (launcher/resume_plan.py)
         problems += problems_for(job, lay)
-    if any(p.field == "force" and p.severity == "error" for p in problems):  # a predicted OOM: its stages first
-        from launcher.actions import print_oom_details
-        print_oom_details(job, Checked(problems, lay))
     report(problems)
+    if any(p.field == "force" and p.severity == "error" for p in problems):  # a predicted OOM: the one line
+        from launcher.actions import print_oom_details                      # first, then its stages
+        print_oom_details(job, Checked(problems, lay))
     if errors(problems):
         return EXIT_USAGE
     return run_action(job, action, args, Checked(problems, lay))

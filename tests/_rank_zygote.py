@@ -148,25 +148,29 @@ def _leader(conn: socket.socket, request: dict, out_fd: int, err_fd: int) -> Non
         os.write(fd, f"{store.port}\n".encode())
         os.close(fd)
     codes, failed = {}, None
+    wake = _pidfds(ranks)  # a rank's death wakes the select at once, not at the next 0.2 s poll
     while len(codes) < nproc:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
+        dead = _reap(ranks)
+        if dead is None:  # no child left to wait for
             break
-        if pid == 0:
-            readable, _, _ = select.select([conn], [], [], 0.2)
-            if readable and not conn.recv(1, socket.MSG_PEEK):  # the client went away: end the run
+        for pid, _ in dead:  # a reaped rank's pidfd stays readable: stop watching it
+            if pid in wake:
+                os.close(wake.pop(pid))
+        if not dead:
+            readable, _, _ = select.select([conn, *wake.values()], [], [], 0.2)
+            if conn in readable and not conn.recv(1, socket.MSG_PEEK):  # the client went away: end the run
                 os.killpg(0, signal.SIGKILL)
             continue
-        if pid not in ranks:
-            continue  # a grandchild re-parented to us cannot happen (not a subreaper); be safe
-        code = os.waitstatus_to_exitcode(status)
-        codes[ranks[pid]] = code
-        if code != 0 and failed is None:  # torchrun: one worker failed -> SIGTERM the others, report the first
-            failed = ranks[pid]
+        codes.update((ranks[pid], code) for pid, code in dead)
+        # torchrun: one worker failed -> SIGTERM the others, report the first. Ranks found dead in one sweep died
+        # together as far as we can tell; a rank killed by a signal is the cause, the others' exit 1 its echo
+        # (CI: rank 1 SIGKILLed, rank 0's gloo read failed within the same poll, and rank 0 was reaped first).
+        failures = sorted((code >= 0, ranks[pid], code) for pid, code in dead if code != 0)
+        if failures and failed is None:
+            _, failed, code = failures[0]
             os.write(2, f"zygote: rank {failed} exited with code {code}; stopping the other ranks\n".encode())
             for other in ranks:
-                if other != pid and ranks[other] not in codes:
+                if ranks[other] not in codes:
                     try:
                         os.kill(other, signal.SIGTERM)
                     except ProcessLookupError:
@@ -174,6 +178,32 @@ def _leader(conn: socket.socket, request: dict, out_fd: int, err_fd: int) -> Non
     rc = 0 if failed is None and all(c == 0 for c in codes.values()) else 1
     conn.sendall(json.dumps({"rc": rc, "codes": codes}).encode() + b"\n")
     os._exit(0)
+
+
+def _reap(ranks: dict) -> list[tuple[int, int]] | None:
+    """Every rank that has ended by now, (pid, exit code), without waiting; None when no child is left."""
+    dead = []
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return dead or None
+        if pid == 0:
+            return dead
+        if pid in ranks:  # a grandchild re-parented to us cannot happen (not a subreaper); be safe
+            dead.append((pid, os.waitstatus_to_exitcode(status)))
+
+
+def _pidfds(ranks: dict) -> dict[int, int]:
+    """A pollable descriptor per rank process, by pid (Linux 5.3+); fewer where the kernel has no pidfd_open
+    (the 0.2 s poll still finds every death)."""
+    fds = {}
+    for pid in ranks:
+        try:
+            fds[pid] = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            break
+    return fds
 
 
 def serve(path: str) -> None:

@@ -45,6 +45,8 @@ HUGE = ("model.hidden_size=65536", "model.ffn_hidden_size=131072")
 def test_predicted_oom_is_refused_by_validate_as_by_render(action, cli, tmp_path):
     code, out, err = cli("recipe=smoke", *HUGE, f"action={action}", f"output_dir={tmp_path}")
     line = _one_error(code, err, "force")
+    assert err.startswith(line), err  # the one line first, the stages' details below it (fuzz test's rule)
+    assert "stage 0 (" in err.split(line, 1)[1], err
     assert "predicted out of memory: pipeline stage 0 needs" in line and "force=true" in line, err
     assert list(tmp_path.iterdir()) == []
     code, out, err = cli("recipe=smoke", *HUGE, "force=true", "action=validate")

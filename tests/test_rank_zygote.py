@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import signal
 import os
+import time
 
 import pytest
 
@@ -39,8 +40,18 @@ def test_one_rank_dying_stops_the_others_and_fails_the_run(tmp_path):
         for line in iter(proc.stdout.readline, ""):
             if line.startswith("step     2 |"):
                 break
-        pid = int(re.search(r"pid (\d+)\)", (bundle / "logs" / "rank-1.log").read_text())[1])
-        os.kill(pid, signal.SIGKILL)
+        pids = [int(re.search(r"pid (\d+)\)", (bundle / "logs" / f"rank-{r}.log").read_text())[1]) for r in (0, 1)]
+        # CI's race made certain: the leader sees rank 1 (killed) and rank 0 (its gloo read failed: exit 1) dead in
+        # the same look. The leader is stopped while rank 1 is killed and until rank 0 has ended too.
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            os.kill(pids[1], signal.SIGKILL)
+            deadline = time.monotonic() + 180
+            while _state(pids[0]) not in ("Z", None) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert _state(pids[0]) == "Z", "rank 0 did not end after its peer was killed"
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
         out, err = communicate_on_progress(proc, 240, "the forked run after a rank was killed")
     finally:
         if proc.poll() is None:
@@ -48,6 +59,14 @@ def test_one_rank_dying_stops_the_others_and_fails_the_run(tmp_path):
     assert proc.returncode == 1
     assert f"zygote: rank 1 exited with code {-signal.SIGKILL}; stopping the other ranks" in err
     assert not (bundle / "DONE").exists()
+
+
+def _state(pid: int):
+    """The process's state letter from /proc (Z: ended, not yet reaped); None once it is gone."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
 
 
 def test_what_libraries_write_into_the_test_process_reaches_no_run_and_keeps_the_server(monkeypatch):
