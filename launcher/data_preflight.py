@@ -98,10 +98,19 @@ def check_prefix(field: str, prefix: str, shown: str, vocab_size: int, problems:
                                 "its input had no text)", "remove it from data.blend, or re-run python -m "
                                 "data.preprocess on an input with documents"))
         return None
-    if header.dtype.kind not in "iu" or np.iinfo(header.dtype).max < vocab_size - 1:
-        problems.append(Problem(field, shown, f"token dtype {header.dtype.name} cannot hold ids up to vocab_size-1="
-                                f"{vocab_size - 1}", "re-run preprocess (it picks int32 for vocabularies >= 65500)"))
+    if header.dtype.kind not in "iu":
+        problems.append(Problem(field, shown, f"token dtype {header.dtype.name} is not an integer type",
+                                "rebuild the dataset with python -m data.preprocess"))
         return header.tokens
+    if np.iinfo(header.dtype).max < vocab_size - 1:
+        # Megatron trains on it (the ids present are what the embedding must hold: the scan below), but its
+        # preprocessors write uint16 only for a tokenizer under 65500 ids (indexed_dataset.DType.optimal_dtype):
+        # the data came from a smaller vocabulary than the model's, a padded one or another tokenizer.
+        problems.append(Problem(field, shown, f"token dtype {header.dtype.name} holds ids up to "
+                                f"{np.iinfo(header.dtype).max} only: the data was tokenized with a vocabulary "
+                                f"under 65500, the model has model.vocab_size={vocab_size}",
+                                "nothing to do if the model's vocabulary extends the data's tokenizer; else "
+                                "re-tokenize with the model's tokenizer", severity="warning"))
     top, complete = max_token_id(bin_, header.dtype)
     if top >= vocab_size:
         problems.append(Problem(field, shown, f"largest token id {top} >= model.vocab_size {vocab_size}"

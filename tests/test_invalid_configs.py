@@ -283,3 +283,13 @@ def test_real_process_exit_code_and_no_traceback(args):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.startswith("error:")
+
+
+def test_hang_exclusion_on_a_local_cluster_is_said(cli):
+    """slurm.on_hang=exclude resubmits through Slurm without the culprit's node; a local run has no scheduler:
+    the field was accepted silently and the run just stopped. A warning, with the alternative; Slurm is quiet."""
+    code, out, err = cli("recipe=smoke", "slurm.on_hang=exclude", "action=validate")
+    assert code == 0 and err.startswith("warning: slurm.on_hang='exclude': cluster local runs on this machine"), err
+    assert "try slurm.on_hang=stop" in err
+    code, out, err = cli("recipe=smoke", "slurm.on_hang=exclude", "cluster=h200", "action=validate")
+    assert code == 0 and "slurm.on_hang" not in err, err

@@ -128,6 +128,10 @@ def validate_cluster(job: JobConfig) -> list[Problem]:
     c.need(job.action != "run" or cl.launcher == "local", "action", job.action,
            f"action=run starts torchrun on this machine; cluster {cl.name} launches through Slurm",
            "action=submit or cluster=local")
+    # the exclusion is a new Slurm job without the node (job.sbatch.j2); a local run has no scheduler to ask
+    c.need(job.slurm.on_hang != "exclude" or cl.launcher == "slurm", "slurm.on_hang", job.slurm.on_hang,
+           f"cluster {cl.name} runs on this machine: a hang stops the run, no node can be left out",
+           "slurm.on_hang=stop (or a Slurm profile such as cluster=h200)", severity="warning")
     c.need(job.action != "submit" or cl.launcher == "slurm", "action", job.action,
            f"action=submit needs a Slurm cluster profile; cluster {cl.name} runs locally",
            "action=run or a Slurm profile such as cluster=h200")
