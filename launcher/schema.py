@@ -54,6 +54,11 @@ MOE_FLEX_BACKENDS = ("deepep", "hybridep")
 SCHEDULES = (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED, Schedule.ZB_H1, Schedule.ZB_V)
 DTYPES = ("bf16", "fp16", "fp32")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+# Megatron-LM arguments.py: --main-grads-dtype {fp32,bf16}, --main-params-dtype {fp32,fp16},
+# --exp-avg-dtype / --exp-avg-sq-dtype {fp32,fp16,bf16,fp8} (fp8 is torch.uint8 there)
+OPTIMIZER_GRAD_DTYPES = ("fp32", "bf16")
+OPTIMIZER_PARAM_DTYPES = ("fp32", "fp16")
+OPTIMIZER_STATE_DTYPES = ("fp32", "fp16", "bf16", "fp8")
 FP8_FORMATS = ("hybrid", "e4m3")
 FP8_AMAX_ALGOS = ("max", "most_recent")
 TE_CHOICES = ("auto", "true", "false")
@@ -307,6 +312,18 @@ class PrecisionConfig:
     grad_reduce_in_fp32: bool = True
     """Keep gradient buffers and their data-parallel reduction in fp32 (Megatron's default with bf16);
     false keeps them in the parameter dtype (NVIDIA's performance recipes), saving 2 bytes per parameter."""
+    precision_aware_optimizer: bool = False
+    """Megatron-Core's precision-aware optimizer (use_precision_aware_optimizer: TE's FusedAdam, or with
+    train.optimizer_cpu_offload the hybrid CPU/GPU optimizer): main weights, main gradients and Adam moments may
+    be kept in the lower-precision dtypes below. Needs the distributed optimizer."""
+    main_grads_dtype: str = choice("fp32", OPTIMIZER_GRAD_DTYPES)
+    """Precision-aware optimizer: dtype of the main gradients (bf16 needs precision.grad_reduce_in_fp32=false)."""
+    main_params_dtype: str = choice("fp32", OPTIMIZER_PARAM_DTYPES)
+    """Precision-aware optimizer: dtype of the main (master) weights."""
+    exp_avg_dtype: str = choice("fp32", OPTIMIZER_STATE_DTYPES)
+    """Precision-aware optimizer: dtype Adam's first moment is stored in (fp8 = one byte, scaled by TE)."""
+    exp_avg_sq_dtype: str = choice("fp32", OPTIMIZER_STATE_DTYPES)
+    """Precision-aware optimizer: dtype Adam's second moment is stored in."""
 
     def __post_init__(self) -> None:
         # Hydra parses `precision.transformer_engine=false` as a boolean, which the str field stores as "False".
@@ -346,6 +363,13 @@ class TrainConfig:
     """Adam epsilon."""
     clip_grad: float = 1.0
     """Clip the global gradient norm to this value (0 disables)."""
+    optimizer_cpu_offload: bool = False
+    """Keep (a fraction of) the optimizer state and its Adam step on the host CPU (Megatron-Core's
+    HybridDeviceOptimizer); needs precision.precision_aware_optimizer (Megatron-LM asserts it)."""
+    optimizer_offload_fraction: float = 1.0
+    """With optimizer_cpu_offload: the share of the optimizer state moved to the host (Megatron-LM's default 1.0)."""
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    """With optimizer_cpu_offload: overlap the host Adam step with the gradient download and parameter upload."""
     seed: int = 1234
     """Random seed for initialisation and data order."""
     eval_interval: int = 0

@@ -56,6 +56,7 @@ PATCHED_MODULES = (
     "megatron.core.optimizer.optimizer",  # found_inf / scale tensors on 'cuda'
     "megatron.core.optimizer.distrib_optimizer",  # gather buffers on current_device
     "megatron.core.optimizer.clip_grads",  # norm / overflow buffers on 'cuda'
+    "megatron.core.optimizer.cpu_offloading.hybrid_optimizer",  # optimizer CPU offload: d2h/h2d streams
     "megatron.core.tensor_parallel.layers",  # SP all-gather buffers on current_device
     "megatron.core.tensor_parallel.mappings",  # all_to_all buffers; split sizes for gloo
     "megatron.core.tensor_parallel.random",  # RNG tracker uses torch.cuda RNG state
@@ -315,8 +316,65 @@ def apply() -> bool:
 
     language_module = importlib.import_module("megatron.core.models.common.language_module.language_module")
     _wrap(language_module.LanguageModule, "setup_embeddings_and_output_layer", _tensor_cuda_is_identity)
+    hybrid = importlib.import_module("megatron.core.optimizer.cpu_offloading.hybrid_optimizer")
+    hybrid.HybridDeviceOptimizer._get_sub_optimizer_param_groups = _hybrid_param_groups_on_cpu
+    _wrap(hybrid.HybridDeviceOptimizer, "_move_new_state_to_right_device", _cuda_string_is_cpu)
     _APPLIED = True
     return True
+
+
+def _hybrid_param_groups_on_cpu(self, offload_fraction: float):
+    """``HybridDeviceOptimizer._get_sub_optimizer_param_groups`` (hybrid_optimizer.py, 0.19.2) with the compute
+    device being the CPU. Upstream sorts parameters by ``Tensor.is_cuda``: device parameters are offloaded, first
+    come, until ``offload_fraction`` of their elements has a host copy (``detach().clone().cpu().pin_memory()``,
+    stepped by the CPU optimizer and copied back after its step); the rest stay with the device optimizer; with
+    ``param_update_in_fp32`` each non-fp32 parameter gets an fp32 copy. On CPU every parameter the model holds is
+    a device parameter (is_cuda is False for all of them, which sent all to the host groups without a copy and
+    failed in the first step: KeyError in ``_set_sub_optimizer_grads``); host copies are plain clones (no pinned
+    allocator without an accelerator). Same outputs, same order, same split as on a GPU."""
+    params = [p for group in self.param_groups for p in group["params"]]
+    offload_threshold = sum(p.numel() for p in params) * offload_fraction
+    offloaded = 0
+    cpu_param_groups, gpu_param_groups = [], []
+    gpu_params_map_cpu_copy, cpu_copys_map_gpu_param, param_to_fp32_param = {}, {}, {}
+    for group in self.param_groups:
+        gpu_group, cpu_group = dict(group, params=[]), dict(group, params=[])
+        for orig in group["params"]:
+            param, host = orig, False
+            if offloaded < offload_threshold:
+                param, host = orig.detach().clone(), True
+                offloaded += param.numel()
+            if self.param_update_in_fp32 and param.dtype != torch.float32:
+                param = param.detach().clone().float()
+                param_to_fp32_param[orig] = param
+            if host:
+                gpu_params_map_cpu_copy[orig] = param
+                cpu_copys_map_gpu_param[param] = orig
+            (cpu_group if host else gpu_group)["params"].append(param)
+        if gpu_group["params"]:
+            gpu_param_groups.append(gpu_group)
+        if cpu_group["params"]:
+            cpu_param_groups.append(cpu_group)
+    return cpu_param_groups, gpu_param_groups, gpu_params_map_cpu_copy, cpu_copys_map_gpu_param, param_to_fp32_param
+
+
+@contextlib.contextmanager
+def _cuda_string_is_cpu():
+    """``Tensor.to("cuda")`` is ``Tensor.to("cpu")`` (HybridDeviceOptimizer moves the device optimizer's new state
+    with it)."""
+    original = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        args = tuple("cpu" if isinstance(a, str) and a.startswith("cuda") else a for a in args)
+        if isinstance(kwargs.get("device"), str) and kwargs["device"].startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.to = to
+    try:
+        yield
+    finally:
+        torch.Tensor.to = original
 
 
 _FSDP_APPLIED = False

@@ -168,10 +168,27 @@ CASES = [
     ("pipeline-zero-interleaved", ["recipe=qwen3_30b_a3b", "parallel.pipeline=0"], "parallel.pipeline=0"),
     ("gbs-below-interleaved", ["recipe=deepseek_v3", "train.global_batch_size=1"], "train.global_batch_size=1"),
     ("absurd-vpp", ["recipe=qwen3_30b_a3b", f"parallel.virtual_pipeline={10**400}"], "parallel.virtual_pipeline="),
+    # --- issue 41, the optimizer's levers: Megatron-Core's OptimizerConfig and Megatron-LM's validate_args rules
+    ("optimizer-dtype-needs-precision-aware", L8 + ["precision.exp_avg_dtype=bf16"], "precision.exp_avg_dtype="),
+    ("offload-needs-precision-aware", L8 + ["train.optimizer_cpu_offload=true"], "train.optimizer_cpu_offload="),
+    ("precision-aware-needs-distopt", L8 + ["precision.precision_aware_optimizer=true", "parallel.distributed_optimizer=false"],
+     "precision.precision_aware_optimizer="),
+    ("precision-aware-needs-te-fusedadam", SMOKE + ["precision.dtype=bf16", "parallel.distributed_optimizer=true",
+                                                    "precision.precision_aware_optimizer=true"], "precision.precision_aware_optimizer="),
+    ("offload-fp32-model", SMOKE + ["parallel.distributed_optimizer=true", "precision.precision_aware_optimizer=true", "train.optimizer_cpu_offload=true"], "train.optimizer_cpu_offload="),
+    ("offload-ignores-moment-dtypes", L8 + ["precision.precision_aware_optimizer=true", "train.optimizer_cpu_offload=true", "precision.exp_avg_dtype=bf16"], "precision.exp_avg_dtype="),
+    ("bf16-main-grads-with-fp32-reduce", L8 + ["precision.precision_aware_optimizer=true", "precision.main_grads_dtype=bf16",
+                                               "precision.grad_reduce_in_fp32=true"], "precision.main_grads_dtype="),
+    ("offload-fraction-above-one", L8 + ["precision.precision_aware_optimizer=true", "train.optimizer_cpu_offload=true", "train.optimizer_offload_fraction=1.5"],
+     "train.optimizer_offload_fraction="),
+    ("offload-fp8-params-need-delayed", L8 + ["precision.fp8=tensorwise", "precision.fp8_param=true", "precision.precision_aware_optimizer=true", "train.optimizer_cpu_offload=true"],
+     "train.optimizer_cpu_offload="),
 ]
 
 HINTED = ["fp8-param-needs-distopt", "param-gather-needs-grad-overlap", "tp-overlap-needs-sp", "tp-overlap-needs-te",
-          "pipeline-zero-interleaved", "gbs-below-interleaved"]
+          "pipeline-zero-interleaved", "gbs-below-interleaved", "optimizer-dtype-needs-precision-aware",
+          "precision-aware-needs-te-fusedadam", "offload-fp32-model",
+          "offload-ignores-moment-dtypes", "bf16-main-grads-with-fp32-reduce", "offload-fp8-params-need-delayed"]
 """Cases whose hint is a plain override (or several joined by " or "): each alternative must validate."""
 
 

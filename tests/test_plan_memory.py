@@ -112,3 +112,24 @@ NVIDIA_PRECISION = ["precision.fp8_param=true", "precision.grad_reduce_in_fp32=f
 def test_published_layouts_fit_on_h100_with_nvidia_precision(recipe):
     job = compose_job([f"recipe={recipe}", "cluster=h100", *NVIDIA_PRECISION])
     assert max(s.total for s in memory_per_stage(job)) <= job.cluster.gpu_memory_gb * GB
+
+
+def test_precision_aware_optimizer_and_cpu_offload_bytes_per_param():
+    """The precision-aware optimizer stores its moments and main weights in the asked dtypes (bf16 moments +
+    fp16 main weights: 2+2+2 = 6 bytes over d instead of 12); the CPU offload keeps only (1 - fraction) of the
+    optimizer state on the GPU. What the rank builds is tests/test_wiring.py's and test_optimizer_levers.py's."""
+    base = ["recipe=llama3_8b", "+experiment=bf16", "precision.grad_reduce_in_fp32=true"]
+    job = compose_job(base)
+    rp = stage_params(job, 0)
+    d = 8
+    aware = compose_job([*base, "precision.precision_aware_optimizer=true", "precision.exp_avg_dtype=bf16",
+                         "precision.exp_avg_sq_dtype=bf16", "precision.main_params_dtype=fp16"])
+    assert static_bytes(aware, rp)["optimizer"] / rp.total == pytest.approx(6 / d)
+    assert static_bytes(job, rp)["optimizer"] / rp.total == pytest.approx(12 / d)
+    fp8_moments = compose_job([*base, "precision.precision_aware_optimizer=true", "precision.exp_avg_dtype=fp8",
+                               "precision.exp_avg_sq_dtype=fp8"])
+    assert static_bytes(fp8_moments, rp)["optimizer"] / rp.total == pytest.approx((1 + 1 + 4) / d)
+    off = compose_job([*base, "precision.precision_aware_optimizer=true", "train.optimizer_cpu_offload=true",
+                       "train.optimizer_offload_fraction=0.75"])
+    assert static_bytes(off, rp)["optimizer"] / rp.total == pytest.approx(12 / d * 0.25)
+    assert static_bytes(off, rp)["weights"] == static_bytes(job, rp)["weights"]

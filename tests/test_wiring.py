@@ -42,6 +42,13 @@ VARIANTS = {
     # NVIDIA's best Llama3-8B H100 layout: Megatron-FSDP on one node
     "llama3_8b_fsdp": ["recipe=llama3_8b", "parallel.context=1", "parallel.megatron_fsdp=true",
                        "cluster.env.CUDA_DEVICE_MAX_CONNECTIONS=8"],
+    # the precision-aware optimizer (TE's FusedAdam on GPUs; fp8 moments are uint8) and the optimizer CPU offload
+    "llama3_70b_precision_aware": ["recipe=llama3_70b", "precision.precision_aware_optimizer=true",
+                                   "precision.main_grads_dtype=bf16", "precision.exp_avg_dtype=bf16",
+                                   "precision.exp_avg_sq_dtype=fp8"],
+    "llama3_8b_cpu_offload": ["recipe=llama3_8b", "precision.precision_aware_optimizer=true",
+                              "train.optimizer_cpu_offload=true", "train.optimizer_offload_fraction=0.5",
+                              "train.overlap_cpu_optimizer_d2h_h2d=true"],
     "deepseek_v3_layout": ["recipe=llama3_70b", "model=deepseek_v3", "nodes=128", "parallel.tensor=2",
                            "parallel.pipeline=8", "parallel.virtual_pipeline=4", "parallel.context=1",
                            "parallel.expert=64", "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=false",
@@ -57,6 +64,7 @@ MOE_FIELDS = {f.name for f in dataclasses.fields(schema.ModelConfig) if f.name.s
 SKIP = object()
 """An expectation that does not apply to this job (e.g. MoE fields of a dense model)."""
 GPU_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+OPTIMIZER_DTYPES = {**GPU_DTYPES, "fp8": torch.uint8}  # Megatron-LM arguments.py dtype_map
 
 
 def _field_names() -> list[str]:
@@ -97,6 +105,14 @@ def gpu_rank(monkeypatch):
     for name in ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.module"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.module.base", base)
+    optimizers = types.ModuleType("transformer_engine.pytorch.optimizers")  # what OptimizerConfig inspects
+
+    class FusedAdam:
+        def __init__(self, params, master_weight_dtype=None, exp_avg_dtype=None, exp_avg_sq_dtype=None,
+                     use_decoupled_grad=False):
+            pass
+    optimizers.FusedAdam = FusedAdam
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch.optimizers", optimizers)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(mcore_utils, "get_te_version", lambda: Version("2.8.0"))
@@ -231,6 +247,8 @@ def _expected(field: str, target: str, attr: str, job, lay, built):
         ("precision.fp8_format", TC, "fp8"): pr.fp8_format if pr.fp8 else None,
         ("precision.fp8_amax_history_len", TC, "fp8_amax_history_len"): pr.fp8_amax_history_len if pr.fp8 == "delayed" else SKIP,
         ("precision.fp8_amax_compute_algo", TC, "fp8_amax_compute_algo"): pr.fp8_amax_compute_algo if pr.fp8 == "delayed" else SKIP,
+        **{(f"precision.{n}", OPT, n): OPTIMIZER_DTYPES[getattr(pr, n)]
+           for n in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")},
         ("precision.transformer_engine", TC, "transformer_impl"):
             "local" if pr.transformer_engine == "false" else "transformer_engine",
         ("train.train_steps", SCHED, "lr_decay_steps"): max(lay.steps, t.warmup_steps + 1),

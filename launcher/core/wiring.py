@@ -142,6 +142,9 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
     "precision.fp8_amax_compute_algo": _tc("fp8_amax_compute_algo", same=False),
     "precision.transformer_engine": _tc("transformer_impl", same=False),
     "precision.grad_reduce_in_fp32": _w(DDP, "grad_reduce_in_fp32"),
+    "precision.precision_aware_optimizer": _w(OPT, "use_precision_aware_optimizer"),
+    **{f"precision.{n}": _w(OPT, n, same=False)  # "bf16" -> torch.bfloat16, "fp8" -> torch.uint8 (Megatron-LM)
+       for n in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")},
     # ---- train
     "train.micro_batch_size": _w(LOOP, "micro_batch_size") + _w(DATA, "batch_sampler") + _w(UB, "shape", same=False),
     "train.global_batch_size": _w(LOOP, "num_microbatches") + _w(DATA, "batch_sampler"),
@@ -154,6 +157,9 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
     "train.weight_decay": _w(OPT, "weight_decay") + _w(SCHED, "start_wd", "end_wd"),
     "train.adam_beta1": _w(OPT, "adam_beta1"), "train.adam_beta2": _w(OPT, "adam_beta2"),
     "train.adam_eps": _w(OPT, "adam_eps"), "train.clip_grad": _w(OPT, "clip_grad"),
+    "train.optimizer_cpu_offload": _w(OPT, "optimizer_cpu_offload"),
+    "train.optimizer_offload_fraction": _w(OPT, "optimizer_offload_fraction"),
+    "train.overlap_cpu_optimizer_d2h_h2d": _w(OPT, "overlap_cpu_optimizer_d2h_h2d"),
     "train.seed": _w(LOOP, "model_parallel_cuda_manual_seed") + _w(DATA, "random_seed"),
     "train.eval_interval": _w(LOOP, "eval_interval"), "train.eval_iters": _w(LOOP, "eval_iters"),
     "train.recompute": _tc("recompute_granularity", same=False),

@@ -148,6 +148,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--fp8-amax-history-len", "precision.fp8_amax_history_len", 1, when=DELAYED),
     Flag("--fp8-amax-compute-algo", "precision.fp8_amax_compute_algo", "most_recent", when=DELAYED),
     Flag("--transformer-impl", "precision.transformer_engine", "auto", parse=_impl, show=_impl_show),
+    Flag("--use-precision-aware-optimizer", "precision.precision_aware_optimizer", False, switch=True),
+    Flag("--main-grads-dtype", "precision.main_grads_dtype", "fp32"),
+    Flag("--main-params-dtype", "precision.main_params_dtype", "fp32"),
+    Flag("--exp-avg-dtype", "precision.exp_avg_dtype", "fp32"),
+    Flag("--exp-avg-sq-dtype", "precision.exp_avg_sq_dtype", "fp32"),
     # ---- training
     Flag("--micro-batch-size", "train.micro_batch_size", REQUIRED),
     Flag("--lr", "train.lr", REQUIRED),
@@ -162,6 +167,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--eval-iters", "train.eval_iters", 100),
     Flag("--exit-duration-in-mins", "train.exit_after_minutes", None),
     Flag("--deterministic-mode", "train.deterministic", False, switch=True),
+    Flag("--optimizer-cpu-offload", "train.optimizer_cpu_offload", False, switch=True),
+    Flag("--optimizer-offload-fraction", "train.optimizer_offload_fraction", 1.0),
+    Flag("--overlap-cpu-optimizer-d2h-h2d", "train.overlap_cpu_optimizer_d2h_h2d", False, switch=True),
     # ---- data, checkpoints, logging, cluster
     Flag("--split", "data.split", "969,30,1", when=INDEXED, parse=lambda t: t.replace(" ", "")),
     Flag("--data-cache-path", "data.cache_dir", None),

@@ -35,6 +35,8 @@ ADAM_STATE_BYTES = 8
 """Adam exp_avg + exp_avg_sq, fp32."""
 MASTER_BYTES = 4
 """fp32 master copy of bf16/fp16 parameters (none when training in fp32)."""
+OPTIMIZER_STATE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+"""Bytes per element of the precision-aware optimizer's stored state (main weights, Adam moments)."""
 FP8_WEIGHT_COPY_BYTES = 2
 """Transformer Engine keeps an FP8 copy of each GEMM weight and its transpose (Hopper) between microbatches."""
 FP8_SCALE_BYTES = {"mxfp8": 1 / 32, "blockwise": 4 / 128}
@@ -592,6 +594,16 @@ def static_bytes(job: JobConfig, rp: RankParams, lay: Layout | None = None) -> d
     # Megatron-FSDP keeps fp32 main weights in a buffer of their own even for an fp32 model
     # (megatron_fsdp_main_params_dtype, fp32 by default; measured: tests/test_fsdp.py)
     opt_per_param = ADAM_STATE_BYTES + (MASTER_BYTES if pr.dtype != "fp32" or job.parallel.megatron_fsdp else 0)
+    if pr.precision_aware_optimizer:
+        # Megatron-Core's precision-aware optimizer stores the moments and the main weights in the dtypes asked
+        # (optimizer_config.py exp_avg_dtype / exp_avg_sq_dtype / main_params_dtype; fp8 moments are 1 byte);
+        # bf16 main gradients are the bf16 grad buffer, counted in grads below (validate: grad_reduce_in_fp32=false)
+        opt_per_param = (OPTIMIZER_STATE_BYTES[pr.exp_avg_dtype] + OPTIMIZER_STATE_BYTES[pr.exp_avg_sq_dtype]
+                         + (OPTIMIZER_STATE_BYTES[pr.main_params_dtype] if pr.dtype != "fp32" else 0))
+    if job.train.optimizer_cpu_offload:
+        # HybridDeviceOptimizer (hybrid_optimizer.py) keeps the first optimizer_offload_fraction of the state's
+        # elements, main weights and moments, on the host; the GPU holds the rest
+        opt_per_param *= 1.0 - job.train.optimizer_offload_fraction
     dense_shards, expert_shards = optimizer_shards(job, lay or derive(job))
     weight_bytes = a * rp.total
     fp8 = 0.0

@@ -156,6 +156,11 @@ def build_model_and_optimizer(job, layout) -> tuple:
                          deterministic=tr.deterministic)
     model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision)
     optimizer = optim.build_optimizer(model, train=tr, parallel=job.parallel, precision=job.precision)
+    offloaded = optim.host_offload(optimizer) if tr.optimizer_cpu_offload else None
+    if offloaded:  # the rank's log says what the offload fraction came to (whole parameters move)
+        print(f"optimizer CPU offload: {offloaded[0]:,} of {offloaded[1]:,} elements' Adam state on the host "
+              f"({offloaded[0] / max(1, offloaded[1]):.0%}; train.optimizer_offload_fraction="
+              f"{tr.optimizer_offload_fraction:g})", flush=True)
     scheduler = optim.build_scheduler(optimizer, train=tr, steps=layout.steps)
     optim.hook_model_config(model, optimizer, parallel=job.parallel)
     return model, optimizer, scheduler

@@ -11,6 +11,9 @@ import torch
 
 from launcher.schema import LR_SCHEDULES, ParallelConfig, PrecisionConfig, TrainConfig
 
+OPTIMIZER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8}
+"""schema.OPTIMIZER_*_DTYPES -> torch dtypes, as Megatron-LM's arguments.py dtype_map (fp8 is stored as uint8)."""
+
 LR_STYLES = {"cosine": "cosine", "linear": "linear", "constant": "constant", "wsd": "WSD"}
 """schema.LR_SCHEDULES -> OptimizerParamScheduler's lr_decay_style."""
 assert set(LR_STYLES) == set(LR_SCHEDULES)
@@ -132,7 +135,21 @@ def optimizer_config(*, train: TrainConfig, parallel: ParallelConfig, precision:
         adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2, adam_eps=train.adam_eps,
         clip_grad=train.clip_grad, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         params_dtype=dtype, fp8_recipe=precision.fp8, use_distributed_optimizer=parallel.distributed_optimizer,
-        overlap_param_gather=_overlap_param_gather(parallel, on_gpu))
+        overlap_param_gather=_overlap_param_gather(parallel, on_gpu),
+        # the precision-aware optimizer's dtypes, as Megatron-LM maps its flags (arguments.py dtype_map:
+        # fp8 -> torch.uint8); OptimizerConfig.__post_init__ asserts fp32 for each unless it is on
+        use_precision_aware_optimizer=precision.precision_aware_optimizer,
+        main_grads_dtype=OPTIMIZER_DTYPES[precision.main_grads_dtype],
+        main_params_dtype=OPTIMIZER_DTYPES[precision.main_params_dtype],
+        exp_avg_dtype=OPTIMIZER_DTYPES[precision.exp_avg_dtype],
+        exp_avg_sq_dtype=OPTIMIZER_DTYPES[precision.exp_avg_sq_dtype],
+        # HybridDeviceOptimizer: the offloaded share's Adam runs on the host (torch's AdamW, fp32)
+        optimizer_cpu_offload=train.optimizer_cpu_offload,
+        optimizer_offload_fraction=train.optimizer_offload_fraction,
+        overlap_cpu_optimizer_d2h_h2d=train.overlap_cpu_optimizer_d2h_h2d,
+        # pinned host buffers need an accelerator's allocator (CPU-only torch refuses pin_memory=True); on a GPU
+        # Megatron's defaults (pinned) stand
+        pin_cpu_grads=on_gpu, pin_cpu_params=on_gpu)
 
 
 def build_optimizer(model: List[torch.nn.Module], *, train: TrainConfig, parallel: ParallelConfig,
@@ -142,6 +159,21 @@ def build_optimizer(model: List[torch.nn.Module], *, train: TrainConfig, paralle
 
     config = optimizer_config(train=train, parallel=parallel, precision=precision, on_gpu=torch.cuda.is_available())
     return get_megatron_optimizer(config, model)
+
+
+def host_offload(optimizer) -> tuple[int, int] | None:
+    """(elements whose Adam state and step live on the host, elements of this rank's optimizer) under
+    train.optimizer_cpu_offload, from the HybridDeviceOptimizer(s) Megatron-Core built; None without one."""
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    found = None
+    for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(wrapper, "optimizer", None)
+        if isinstance(inner, HybridDeviceOptimizer):
+            host = sum(p.numel() for g in inner.cpu_param_groups for p in g["params"])
+            total = sum(p.numel() for g in inner.param_groups for p in g["params"])
+            found = (found[0] + host, found[1] + total) if found else (host, total)
+    return found
 
 
 def scheduler_kwargs(*, train: TrainConfig, steps: int) -> dict:

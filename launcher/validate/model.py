@@ -191,6 +191,77 @@ def validate_precision(job: JobConfig, lay: Layout) -> list[Problem]:
     return c.problems
 
 
+OPTIMIZER_DTYPE_FIELDS = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+
+
+def validate_optimizer_levers(job: JobConfig, lay: Layout) -> list[Problem]:
+    """The precision-aware optimizer and the optimizer's CPU offload: Megatron-Core's OptimizerConfig.__post_init__
+    and Megatron-LM's validate_args (arguments.py) assert these on every rank after the model is built; here they
+    are one line each before anything runs."""
+    c = Checks()
+    pr, t, par = job.precision, job.train, job.parallel
+    lowered = [n for n in OPTIMIZER_DTYPE_FIELDS if getattr(pr, n) != "fp32"]
+    if not pr.precision_aware_optimizer:
+        # optimizer_config.py: "main_grads_dtype can only be fp32 when not using precision-aware optimizer" (x4)
+        for name in lowered:
+            c.need(False, f"precision.{name}", getattr(pr, name), "a dtype other than fp32 needs the "
+                   "precision-aware optimizer (Megatron-Core asserts fp32 without it)",
+                   f"precision.precision_aware_optimizer=true or precision.{name}=fp32")
+        # arguments.py: "The optimizer cpu offload must be used in conjunction with --use-precision-aware-optimizer"
+        c.need(not t.optimizer_cpu_offload, "train.optimizer_cpu_offload", True, "the CPU offload reuses the "
+               "precision-aware optimizer's code path (Megatron-LM asserts both are on)",
+               "precision.precision_aware_optimizer=true or train.optimizer_cpu_offload=false")
+    else:
+        # optimizer_config.py: "--use-precision-aware-optimizer only supported with distributed optimizer"
+        c.need(par.distributed_optimizer, "precision.precision_aware_optimizer", True, "the precision-aware "
+               "optimizer needs the distributed optimizer (Megatron-Core asserts it)",
+               "parallel.distributed_optimizer=true or precision.precision_aware_optimizer=false")
+        # stricter than Megatron-Core: Megatron-FSDP keeps its own main weights and gradients
+        # (megatron_fsdp_main_params_dtype / _grads_dtype); the two together have not been run here
+        c.need(not par.megatron_fsdp, "precision.precision_aware_optimizer", True, "Megatron-FSDP keeps its own "
+               "main weights and gradients; the precision-aware optimizer is not run with it here",
+               "precision.precision_aware_optimizer=false or parallel.megatron_fsdp=false")
+        # optimizer_config.py: without the CPU offload it is TE's FusedAdam ("requires FusedAdam from
+        # TransformerEngine, but not found"); no TE without a GPU
+        c.need(t.optimizer_cpu_offload or job.cluster.gpu != "cpu", "precision.precision_aware_optimizer", True,
+               "on GPUs it is Transformer Engine's FusedAdam, which a cpu cluster has not (the CPU offload's hybrid "
+               "optimizer needs no TE)", "train.optimizer_cpu_offload=true or precision.precision_aware_optimizer=false")
+    # arguments.py: "--main-grads-dtype can only be fp32 when --accumulate-allreduce-grads-in-fp32 is set"
+    # (a bf16 main gradient is the bf16 gradient buffer: grad_reduce_in_fp32=false)
+    c.need(pr.main_grads_dtype == "fp32" or not pr.grad_reduce_in_fp32, "precision.main_grads_dtype",
+           pr.main_grads_dtype, "bf16 main gradients are a bf16 gradient buffer, but precision.grad_reduce_in_fp32 "
+           "keeps it in fp32 (Megatron-LM asserts the two agree)",
+           "precision.grad_reduce_in_fp32=false or precision.main_grads_dtype=fp32")
+    if t.optimizer_cpu_offload:
+        # arguments.py: "When --fp8-param-gather is enabled, the optimizer cpu offload must be used in
+        # conjunction with --fp8-recipe delayed"
+        c.need(not pr.fp8_param or pr.fp8 == "delayed", "train.optimizer_cpu_offload", True, "FP8 parameters "
+               f"with the CPU offload need delayed scaling (Megatron-LM asserts it); precision.fp8 is {pr.fp8}",
+               "precision.fp8=delayed or precision.fp8_param=false")
+        # measured (megatron-core 0.19.2, CPU): the distributed optimizer rebuilds HybridDeviceOptimizer over the
+        # fp32 parameters' shards, which are views of the parameters (distrib_optimizer.py
+        # _build_model_and_main_param_groups), and torch refuses them: "can't optimize a non-leaf Tensor"
+        c.need(pr.dtype != "fp32", "train.optimizer_cpu_offload", True, "an fp32 model cannot be offloaded "
+               "(Megatron-Core rebuilds the hybrid optimizer over views of fp32 parameters, which torch refuses)",
+               "precision.dtype=bf16")
+        # hybrid_optimizer.py: the host step is torch's AdamW on fp32 copies (param_update_in_fp32=True); the
+        # stored dtypes would be ignored, and the planner would count memory the run does not save
+        for name in ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+            c.need(getattr(pr, name) == "fp32", f"precision.{name}", getattr(pr, name), "with the CPU offload "
+                   "the optimizer state is torch AdamW's fp32 (Megatron-Core's HybridDeviceOptimizer); a lower "
+                   "dtype would not be used", f"precision.{name}=fp32 or train.optimizer_cpu_offload=false")
+        c.need(t.optimizer_offload_fraction > 0, "train.optimizer_offload_fraction", t.optimizer_offload_fraction,
+               "0 leaves every parameter's state on the GPU", "train.optimizer_offload_fraction=1.0 or "
+               "train.optimizer_cpu_offload=false", severity="warning")
+    else:
+        for name, default in (("optimizer_offload_fraction", 1.0), ("overlap_cpu_optimizer_d2h_h2d", False)):
+            c.need(getattr(t, name) == default, f"train.{name}", getattr(t, name),
+                   "has no effect without the optimizer's CPU offload",
+                   f"train.optimizer_cpu_offload=true (with precision.precision_aware_optimizer=true)",
+                   severity="warning")
+    return c.problems
+
+
 def validate_train(job: JobConfig, lay: Layout) -> list[Problem]:
     """Batch, length and optimizer rules (ranges are in ``BOUNDS``; Megatron-LM arguments.py for the rest)."""
     c = Checks()
