@@ -99,7 +99,8 @@ def test_watchdog_dumps_stacks_and_reports_once_nothing_moves(tmp_path):
     assert re.match(r"hang at step 4: rank 1 \(host \S+, pipeline stage 1, data-parallel rank 0\) never entered "
                     r"all_reduce #9 of group \[0-1\] that 1 rank is waiting in and does not answer \(process state T: "
                     r"stopped\?\) "
-                    r"\(no collective progress for \d+ s\); stacks: .*/hang-4/$", lines[0]), lines[0]
+                    r"\(no collective progress for \d+ s; named from the launcher's collective counters\); stacks: "
+                    r".*/hang-4/$", lines[0]), lines[0]
     hang = tmp_path / "hang-4"
     assert 'File "<string>", line 10 in <module>' in (hang / "stacks-rank-0.txt").read_text()  # its time.sleep line
     assert not (hang / "stacks-rank-1.txt").exists()  # the stopped one could not answer
