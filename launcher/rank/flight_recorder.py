@@ -48,8 +48,8 @@ def trace_bytes() -> bytes:
             except Exception:  # noqa: BLE001 - a group being torn down: left out
                 continue
             config[name] = {"name": name, "desc": getattr(group, "group_desc", "undefined"), "ranks": str(ranks)}
-        if config and all(v.get("ranks") in ("[]", None) for v in data.get("pg_config", {}).values()):
-            data["pg_config"] = config
+        # gloo's entry is a nameless one (its default group's members, or '[]' once there are more groups)
+        data["pg_config"] = {**{k: v for k, v in (data.get("pg_config") or {}).items() if k}, **config}
     return pickle.dumps(data)
 
 
@@ -114,29 +114,36 @@ def op_name(profiling_name: str) -> str:
 
 def analyse(dumps: dict, asked: Iterable[int]) -> Optional[dict]:
     """Who hangs the others, from the traces present. ``asked``: the ranks asked for one that did not answer (a
-    member not asked, e.g. on another node, is not blamed for having none). The collective most traced ranks are in; a member of its group
-    that left no trace though asked, or whose last collective there is older (it never entered), is the culprit;
-    one that is itself inside another collective is followed there. None where no member is to blame."""
+    member not asked, e.g. on another node, is not blamed for having none). First, a collective that traced ranks
+    are in whose group holds a rank that left no trace (most waiters first); else the collective most traced ranks
+    are in and a member whose last collective in that group is older (it never entered), followed into the
+    collective it is inside itself, until one that is in none. None where no member is to blame (all inside, a
+    cycle, or only p2p waits)."""
     asked, members = set(asked), _members(dumps)
     inside = Counter(p for p in (_pending(d) for d in dumps.values()) if p is not None)
-    for (pg, seq, op), waiting in inside.most_common():
-        here, seen, first = (pg, seq, op), set(), None
+
+    def found(rank: int, here: tuple) -> dict:
+        return {"rank": rank, "trace": rank in dumps, "pg": here[0], "seq": here[1], "op": op_name(here[2]),
+                "group": members.get(here[0], []), "waiting": inside[here], "traced": sorted(dumps)}
+
+    for here, _ in inside.most_common():
+        absent = [m for m in members.get(here[0], []) if m not in dumps and m in asked]
+        if absent:
+            return found(absent[0], here)
+    for start, _ in inside.most_common():
+        here, seen, last = start, set(), None
         while here is not None:
-            group = members.get(here[0], [])
-            absent = [m for m in group if m not in dumps and m in asked]
-            behind = [m for m in group if m in dumps and _last_seq(dumps[m], here[0]) < here[1]]
-            if not absent and not behind:
+            behind = [m for m in members.get(here[0], []) if m in dumps and _last_seq(dumps[m], here[0]) < here[1]]
+            if not behind:
                 break
-            rank = (absent or behind)[0]
-            found = {"rank": rank, "trace": rank in dumps, "pg": here[0], "seq": here[1], "op": op_name(here[2]),
-                     "group": group, "waiting": inside[here], "traced": sorted(dumps)}
-            first = first or found
-            if rank in seen or rank not in dumps or _pending(dumps[rank]) is None:
-                return found if rank not in seen else None  # a rank back in the chain: a cycle blames no one
+            rank = behind[0]
+            if rank in seen:  # back to a rank of the chain: collectives called in different orders, no one culprit
+                return None
             seen.add(rank)
+            last = found(rank, here)
             here = _pending(dumps[rank])
-        if first is not None:
-            return first
+        if last is not None:
+            return last
     return None
 
 

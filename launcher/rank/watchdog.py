@@ -167,7 +167,9 @@ def fr_verdict(directory: Path, states: list[dict], silent: set, proc_states: di
         fr = flight_recorder.analyse(flight_recorder.read(directory), silent)
     except Exception:  # noqa: BLE001 - a trace torch changed the shape of: the counters still speak
         return None
-    if fr is None:
+    # A live rank named while another does not answer: that one is the likelier cause, reached through a p2p wait
+    # the Flight Recorder's collective order cannot follow; the counters' verdict prefers the silent rank
+    if fr is None or (fr["trace"] and silent):
         return None
     r, by_rank = fr["rank"], {s["rank"]: s for s in states}
     key = "-".join(map(str, fr["group"]))
