@@ -293,6 +293,7 @@ def fr_traces(tmp_path_factory):
         for p in procs:
             os.kill(p.pid, forensics.DUMP_SIGNAL)
         traces = forensics.fr_dir(bundle)
+        deadline = time.monotonic() + 60  # a few milliseconds each, on a loaded machine
         while time.monotonic() < deadline and len(list(traces.glob("rank_*"))) < 3:
             assert all(p.poll() is None for p in procs), "a rank died of the signal"
             time.sleep(0.2)
@@ -344,3 +345,34 @@ def test_a_silent_rank_without_a_trace_is_named_from_the_traces_present(fr_trace
                      "all_reduce #4 of group [0-1-2] that 2 ranks are waiting in; it left no Flight Recorder trace "
                      "(process state T: stopped?)"), found
     assert flight_recorder.torch_missing(tmp_path) == []
+
+
+def _entry(pg, seq, op="all_reduce", retired=True, p2p=False):
+    return {"process_group": (pg, "undefined"), "collective_seq_id": seq, "profiling_name": f"gloo:{op}",
+            "retired": retired, "is_p2p": p2p}
+
+
+def _dump(groups, *entries):
+    return {"version": "2.10", "pg_config": {k: {"name": k, "desc": "undefined", "ranks": str(v)}
+                                             for k, v in groups.items()}, "entries": list(entries)}
+
+
+def test_the_flight_recorder_parser_follows_the_rank_that_never_entered():
+    """Synthetic traces: ranks 0 and 1 wait in all_reduce #7 of [0-1-2-3]; rank 2 never entered it, being inside
+    all_gather #3 of [2-3], which rank 3 never entered (its last entry there is #2 and it waits on a p2p)."""
+    from launcher.rank import flight_recorder
+
+    world, tp = {"0": [0, 1, 2, 3]}, {"0": [0, 1, 2, 3], "5": [2, 3]}
+    dumps = {0: _dump(world, _entry("0", 6), _entry("0", 7, retired=False)),
+             1: _dump(world, _entry("0", 7, retired=False)),
+             2: _dump(tp, _entry("0", 6), _entry("5", 3, "all_gather", retired=False)),
+             3: _dump(tp, _entry("5", 2, "all_gather"), _entry("0", 7, retired=True),
+                      _entry("0", 0, "send", retired=False, p2p=True))}
+    fr = flight_recorder.analyse(dumps, asked=set())
+    assert (fr["rank"], fr["op"], fr["seq"], fr["group"], fr["waiting"]) == (3, "all_gather", 3, [2, 3], 1), fr
+    del dumps[3]  # rank 3 silent, no trace: it is the one, in the group rank 2 waits in
+    assert flight_recorder.analyse(dumps, asked={3})["rank"] == 3
+    assert flight_recorder.analyse(dumps, asked=set())["rank"] == 2  # not asked (another node): the chain's end
+    dumps[3] = _dump(tp, _entry("5", 2, "all_gather"), _entry("0", 6), _entry("0", 7, retired=False))
+    dumps[2]["entries"][0] = _entry("0", 6)
+    assert flight_recorder.analyse(dumps, asked=set()) is None  # 2 waits for 3 in [2-3], 3 for 2 in #7: a cycle
