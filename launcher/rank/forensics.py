@@ -4,13 +4,14 @@ When a collective never completes, every rank dies on the same process-group tim
 stopped first. Two things make the hung rank nameable from outside the training processes (the node's watchdog,
 :mod:`launcher.rank.watchdog`, run by ``launcher.rank.agent``):
 
-* **Collective sequence numbers** (gloo / CPU, where PyTorch's Flight Recorder does not exist): every
+* **Collective sequence numbers** (gloo / CPU, where nothing dumps PyTorch's Flight Recorder on its own): every
   ``torch.distributed`` collective and blocking p2p call this rank makes is counted per process group, and the rank
   keeps, in a small state file ``BUNDLE/forensics/rank-N.json`` rewritten in place, for each group the number of its
   last collective, its name and whether the rank is inside it, plus its pipeline stage, data-parallel rank and last
   completed step. A rank blocked in all_reduce #812 of a group says so; a rank that never entered it shows #811.
-  On NCCL the Flight Recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``, rendered by env.sh) records the same in C++ at no
-  Python cost, and dumps it on a timeout; there these wrappers are not installed.
+  The Flight Recorder (``TORCH_FR_BUFFER_SIZE``, rendered by env.sh) records the same in C++, gloo's too, and is
+  asked for below; these counters name the rank where its traces cannot (every waiter in a p2p op). On NCCL it
+  also dumps itself on a timeout; there these wrappers are not installed.
 * **Stacks on demand**: ``faulthandler`` registered on ``SIGUSR2`` writes every thread's Python stack into
   ``BUNDLE/forensics/stacks-rank-N.txt``; it runs at the C level, so a rank blocked inside a collective still
   answers. A rank that does not answer is stopped (SIGSTOP), in the kernel, or gone: that is evidence too.
