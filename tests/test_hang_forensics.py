@@ -163,10 +163,11 @@ def test_a_stopped_rank_is_named_and_the_run_stops(hung_run):
     line = said[0].removeprefix("hang watchdog: ")
     # named from the live ranks' Flight Recorder traces: the collective (its torch name and sequence number in its
     # group) that the stopped rank's peers wait in
-    assert re.match(r"hang at step \d+: rank 2 \(host \S+, pipeline stage 1, data-parallel rank 0\) "
-                    r"(never entered|stopped responding inside) \w+ #\d+ of group \[[\d-]*2[\d-]*\] that \d ranks? "
-                    r"(is|are) waiting in; it left no Flight Recorder trace \(process state T: stopped\?\) \(no "
-                    r"collective progress for \d+ s; named from the Flight Recorder traces of ranks 0, 1, 3\)", line), line
+    assert re.match(r"hang at step \d+: rank 2 \(host \S+, pipeline stage 1, data-parallel rank 0 of group "
+                    r"\[2\]\) (never entered|stopped responding inside) \w+ #\d+ of group \[[\d-]*2[\d-]*\] that "
+                    r"\d ranks? (is|are) waiting in; it left no Flight Recorder trace \(process state T: stopped\?\) "
+                    r"\(no collective progress for \d+ s; named from the Flight Recorder traces of ranks 0, 1, 3\)",
+                    line), line
     hang = Path(line.rsplit("stacks: ", 1)[1].rstrip("/"))
     assert hang.parent == bundle and (hang / "report.json").is_file()
     assert sorted(p.name for p in (hang / "fr").iterdir()) == ["rank_0", "rank_1", "rank_3"]  # the stopped one: none
@@ -321,11 +322,11 @@ def test_the_flight_recorder_names_the_rank_that_never_entered_and_torch_agrees(
     assert {k: fr[k] for k in ("rank", "trace", "op", "seq", "group", "waiting")} == \
         {"rank": 1, "trace": True, "op": "all_reduce", "seq": 4, "group": [0, 1, 2], "waiting": 2}, fr
     assert ("all_reduce", 4, [0, 1, 2], [1]) in flight_recorder.torch_missing(fr_traces)
-    states = [_state(r, 3, {}, None, coords={"pp": 0, "dp": r, "tp": 0, "cp": 0, "pp_size": 1, "dp_size": 3})
-              for r in range(3)]
+    states = [_state(r, 3, {}, None, coords={"pp": 0, "dp": r, "tp": 0, "cp": 0, "pp_size": 1, "dp_size": 3,
+                                             "dp_group": [0, 1, 2]}) for r in range(3)]
     found, rank, source = watchdog.fr_verdict(fr_traces, states, set(), {})
-    assert (found, rank) == ("rank 1 (host h, pipeline stage 0, data-parallel rank 1) never entered all_reduce #4 "
-                             "of group [0-1-2] that 2 ranks are waiting in", 1)
+    assert (found, rank) == ("rank 1 (host h, pipeline stage 0, data-parallel rank 1 of group [0-1-2]) never entered "
+                             "all_reduce #4 of group [0-1-2] that 2 ranks are waiting in", 1)
     assert source == "the Flight Recorder by torch's fr_trace analysis"
 
 

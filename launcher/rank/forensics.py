@@ -192,10 +192,15 @@ def _counted(rec: Recorder, name: str, original):
     return call
 
 
-def set_coords(*, pp: int, dp: int, tp: int, cp: int, pp_size: int, dp_size: int) -> None:
-    """This rank's place in the layout (after parallel_state is initialised), for the watchdog's line."""
+def set_coords(*, pp: int, dp: int, tp: int, cp: int, pp_size: int, dp_size: int,
+               dp_group: Optional[list] = None) -> None:
+    """This rank's place in the layout (after parallel_state is initialised), for the watchdog's line;
+    ``dp_group``: the global ranks of its data-parallel group (the replicas a hang there stalls together)."""
     if RECORDER[0] is not None:
-        RECORDER[0].set(coords={"pp": pp, "dp": dp, "tp": tp, "cp": cp, "pp_size": pp_size, "dp_size": dp_size})
+        coords = {"pp": pp, "dp": dp, "tp": tp, "cp": cp, "pp_size": pp_size, "dp_size": dp_size}
+        if dp_group is not None:
+            coords["dp_group"] = [int(r) for r in dp_group]
+        RECORDER[0].set(coords=coords)
 
 
 def set_step(step: int) -> None:

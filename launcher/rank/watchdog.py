@@ -216,7 +216,8 @@ def _who(s: Optional[dict], rank: int) -> str:
     c = s.get("coords") or {}
     where = [f"host {s.get('host')}"]
     if c:
-        where += [f"pipeline stage {c['pp']}", f"data-parallel rank {c['dp']}"]
+        dp_group = f" of group [{'-'.join(map(str, c['dp_group']))}]" if c.get("dp_group") else ""
+        where += [f"pipeline stage {c['pp']}", f"data-parallel rank {c['dp']}{dp_group}"]
         if c.get("tp"):
             where.append(f"tensor rank {c['tp']}")
     return f"rank {rank} ({', '.join(where)})"
