@@ -132,6 +132,8 @@ def template_context(job: JobConfig, bundle_dir: Path, signal_lead: dict | None 
         "nccl_env": [(k, v) for k, v in timeouts_mod.gpu_env(timeouts, str(bundle_dir)) if k not in env] if is_gpu
         else [],
         "flight_recorder_dir": str(bundle_dir / timeouts_mod.FLIGHT_RECORDER_DIR),
+        # every bundle: the Flight Recorder records each rank's collectives (gloo's too) for the hang evidence
+        "fr_env": [(k, v) for k, v in timeouts_mod.fr_env() if k not in env],
         # profile.kind=nsys: torchrun starts rank.sh, which runs the profiled ranks under Nsight Systems
         "nsys": job.profile.kind == Profiler.NSYS,
         "profile_ranks": " ".join(str(r) for r in job.profile.ranks),

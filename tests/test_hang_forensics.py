@@ -99,7 +99,8 @@ def test_watchdog_dumps_stacks_and_reports_once_nothing_moves(tmp_path):
     assert re.match(r"hang at step 4: rank 1 \(host \S+, pipeline stage 1, data-parallel rank 0\) never entered "
                     r"all_reduce #9 of group \[0-1\] that 1 rank is waiting in and does not answer \(process state T: "
                     r"stopped\?\) "
-                    r"\(no collective progress for \d+ s\); stacks: .*/hang-4/$", lines[0]), lines[0]
+                    r"\(no collective progress for \d+ s; named from the launcher's collective counters\); stacks: "
+                    r".*/hang-4/$", lines[0]), lines[0]
     hang = tmp_path / "hang-4"
     assert 'File "<string>", line 10 in <module>' in (hang / "stacks-rank-0.txt").read_text()  # its time.sleep line
     assert not (hang / "stacks-rank-1.txt").exists()  # the stopped one could not answer
@@ -160,11 +161,16 @@ def test_a_stopped_rank_is_named_and_the_run_stops(hung_run):
     said = [line for line in err.splitlines() if line.startswith("hang watchdog: ")]
     assert code != 0 and len(said) == 1, (code, out[-2000:], err[-3000:])
     line = said[0].removeprefix("hang watchdog: ")
-    assert re.match(r"hang at step \d+: rank 2 \(host \S+, pipeline stage 1, data-parallel rank 0\) "
-                    r"(never entered \w+ #\d+ of group \[[\d-]+\].*does not answer \(process state T|stopped "
-                    r"responding.* \(process state T\); \d+ ranks? wait in \w+ #\d+ of group \[[\d-]+\])", line), line
+    # named from the live ranks' Flight Recorder traces: the collective (its torch name and sequence number in its
+    # group) that the stopped rank's peers wait in
+    assert re.match(r"hang at step \d+: rank 2 \(host \S+, pipeline stage 1, data-parallel rank 0 of group "
+                    r"\[2\]\) (never entered|stopped responding inside) \w+ #\d+ of group \[[\d-]*2[\d-]*\] that "
+                    r"\d ranks? (is|are) waiting in; it left no Flight Recorder trace \(process state T: stopped\?\) "
+                    r"\(no collective progress for \d+ s; named from the Flight Recorder traces of ranks 0, 1, 3\)",
+                    line), line
     hang = Path(line.rsplit("stacks: ", 1)[1].rstrip("/"))
     assert hang.parent == bundle and (hang / "report.json").is_file()
+    assert sorted(p.name for p in (hang / "fr").iterdir()) == ["rank_0", "rank_1", "rank_3"]  # the stopped one: none
     for rank in (0, 1, 3):  # every rank that could answer left all its threads' stacks
         assert "Thread" in (hang / f"stacks-rank-{rank}.txt").read_text() or \
             "Current thread" in (hang / f"stacks-rank-{rank}.txt").read_text()
@@ -248,3 +254,126 @@ def test_a_hang_under_slurm_resubmits_the_job_without_the_culprits_node(slurm_cl
                 os.kill(stopped, signal.SIGKILL)
             except OSError:
                 pass
+
+
+_FR_RANK = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"  # env.sh's (launcher/core/timeouts.py fr_env): before the group exists
+from launcher.rank import forensics, signals
+signals.STATE.install()
+forensics.install({bundle!r}, {rank}, count_collectives=True)
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://{store}", rank={rank}, world_size=3)
+t = torch.ones(2)
+for _ in range(3):
+    dist.all_reduce(t)
+if {rank} != 1:  # rank 1 never enters all_reduce #4
+    dist.all_reduce(t)
+time.sleep(300)
+"""
+
+
+@pytest.fixture(scope="module")
+def fr_traces(tmp_path_factory):
+    """Three real gloo ranks: 0 and 2 wait in all_reduce #4 of the world group, rank 1 (alive) never entered it.
+    Each is asked with the watchdog's signal and writes its real Flight Recorder trace."""
+    bundle = tmp_path_factory.mktemp("fr")
+    procs = [subprocess.Popen([sys.executable, "-c", _FR_RANK.format(root=str(ROOT), bundle=str(bundle),
+                                                                     store=bundle / "store", rank=r)])
+             for r in range(3)]
+    try:
+        deadline = time.monotonic() + 300
+        inside = lambda r: (json.loads(forensics.state_path(bundle, r).read_bytes() or b"{}").get("groups", {})
+                            .get("0-1-2", [0])[0] == 4)
+        while time.monotonic() < deadline and not all(forensics.state_path(bundle, r).exists() and inside(r)
+                                                      for r in (0, 2)):
+            assert all(p.poll() is None for p in procs), "a rank ended"
+            time.sleep(0.2)
+        time.sleep(0.5)  # the counter is set just before the all_reduce is entered
+        for p in procs:
+            os.kill(p.pid, forensics.DUMP_SIGNAL)
+        traces = forensics.fr_dir(bundle)
+        deadline = time.monotonic() + 60  # a few milliseconds each, on a loaded machine
+        while time.monotonic() < deadline and len(list(traces.glob("rank_*"))) < 3:
+            assert all(p.poll() is None for p in procs), "a rank died of the signal"
+            time.sleep(0.2)
+        yield traces
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_each_rank_writes_its_flight_recorder_trace_on_the_watchdogs_signal(fr_traces):
+    from launcher.rank import flight_recorder
+
+    dumps = flight_recorder.read(fr_traces)
+    assert sorted(dumps) == [0, 1, 2] and not list(fr_traces.glob(".*"))  # whole files, no temporary left
+    assert dumps[0]["pg_config"]["0"]["ranks"] == "[0, 1, 2]"  # gloo registers no members: the rank fills them
+    last = dumps[0]["entries"][-1]
+    assert (last["profiling_name"], last["collective_seq_id"], last["retired"]) == ("gloo:all_reduce", 4, False)
+
+
+def test_the_flight_recorder_names_the_rank_that_never_entered_and_torch_agrees(fr_traces):
+    from launcher.rank import flight_recorder
+
+    fr = flight_recorder.analyse(flight_recorder.read(fr_traces), asked=set())
+    assert {k: fr[k] for k in ("rank", "trace", "op", "seq", "group", "waiting")} == \
+        {"rank": 1, "trace": True, "op": "all_reduce", "seq": 4, "group": [0, 1, 2], "waiting": 2}, fr
+    assert ("all_reduce", 4, [0, 1, 2], [1]) in flight_recorder.torch_missing(fr_traces)
+    states = [_state(r, 3, {}, None, coords={"pp": 0, "dp": r, "tp": 0, "cp": 0, "pp_size": 1, "dp_size": 3,
+                                             "dp_group": [0, 1, 2]}) for r in range(3)]
+    found, rank, source = watchdog.fr_verdict(fr_traces, states, set(), {})
+    assert (found, rank) == ("rank 1 (host h, pipeline stage 0, data-parallel rank 1 of group [0-1-2]) never entered "
+                             "all_reduce #4 of group [0-1-2] that 2 ranks are waiting in", 1)
+    assert source == "the Flight Recorder by torch's fr_trace analysis"
+
+
+def test_a_silent_rank_without_a_trace_is_named_from_the_traces_present(fr_traces, tmp_path):
+    """The stopped rank writes no trace; torch's analysis cannot name it (it reports missing ranks only among the
+    dumps), the traces present do: the others wait in #4 of a group it belongs to."""
+    from launcher.rank import flight_recorder
+
+    for r in (0, 2):
+        shutil.copy(fr_traces / f"rank_{r}", tmp_path / f"rank_{r}")
+    assert flight_recorder.analyse(flight_recorder.read(tmp_path), asked=set()) is None  # not asked: not blamed
+    states = [_state(r, 3, {"0-1-2": [4 if r != 1 else 3, "all_reduce", "in" if r != 1 else "out"]},
+                     "0-1-2" if r != 1 else None) for r in range(3)]
+    found, rank, source = watchdog.fr_verdict(tmp_path, states, {1}, {1: "T"})
+    assert rank == 1 and source == "the Flight Recorder traces of ranks 0, 2", source
+    assert found == ("rank 1 (host h, pipeline stage 0, data-parallel rank 0, tensor rank 1) never entered "
+                     "all_reduce #4 of group [0-1-2] that 2 ranks are waiting in; it left no Flight Recorder trace "
+                     "(process state T: stopped?)"), found
+    assert flight_recorder.torch_missing(tmp_path) == []
+
+
+def _entry(pg, seq, op="all_reduce", retired=True, p2p=False):
+    return {"process_group": (pg, "undefined"), "collective_seq_id": seq, "profiling_name": f"gloo:{op}",
+            "retired": retired, "is_p2p": p2p}
+
+
+def _dump(groups, *entries):
+    return {"version": "2.10", "pg_config": {k: {"name": k, "desc": "undefined", "ranks": str(v)}
+                                             for k, v in groups.items()}, "entries": list(entries)}
+
+
+def test_the_flight_recorder_parser_follows_the_rank_that_never_entered():
+    """Synthetic traces: ranks 0 and 1 wait in all_reduce #7 of [0-1-2-3]; rank 2 never entered it, being inside
+    all_gather #3 of [2-3], which rank 3 never entered (its last entry there is #2 and it waits on a p2p)."""
+    from launcher.rank import flight_recorder
+
+    world, tp = {"0": [0, 1, 2, 3]}, {"0": [0, 1, 2, 3], "5": [2, 3]}
+    dumps = {0: _dump(world, _entry("0", 6), _entry("0", 7, retired=False)),
+             1: _dump(world, _entry("0", 7, retired=False)),
+             2: _dump(tp, _entry("0", 6), _entry("5", 3, "all_gather", retired=False)),
+             3: _dump(tp, _entry("5", 2, "all_gather"), _entry("0", 7, retired=True),
+                      _entry("0", 0, "send", retired=False, p2p=True))}
+    fr = flight_recorder.analyse(dumps, asked=set())
+    assert (fr["rank"], fr["op"], fr["seq"], fr["group"], fr["waiting"]) == (3, "all_gather", 3, [2, 3], 1), fr
+    del dumps[3]  # rank 3 silent, no trace: it is the one, in the group rank 2 waits in
+    assert flight_recorder.analyse(dumps, asked={3})["rank"] == 3
+    assert flight_recorder.analyse(dumps, asked=set())["rank"] == 2  # not asked (another node): the chain's end
+    dumps[3] = _dump(tp, _entry("5", 2, "all_gather"), _entry("0", 6), _entry("0", 7, retired=False))
+    dumps[2]["entries"][0] = _entry("0", 6)
+    assert flight_recorder.analyse(dumps, asked=set()) is None  # 2 waits for 3 in [2-3], 3 for 2 in #7: a cycle

@@ -83,15 +83,17 @@ def test_an_override_wins_and_reaches_the_bundle(cli, tmp_path):
     assert _env(bundle2)[timeouts.HEARTBEAT_ENV] == "5000"
 
 
-def test_a_cpu_bundle_sets_the_timeout_but_no_nccl_variables(cli, tmp_path):
+def test_a_cpu_bundle_sets_the_timeout_and_the_flight_recorder_but_no_nccl_variables(cli, tmp_path):
     env = _env(_render(cli, tmp_path))  # the embedded default: cluster=local, gloo
     assert env[timeouts.ENV] == str(timeouts.FIRST_STEP_FLOOR_S)
-    assert not any(k.startswith("TORCH_NCCL") or k.startswith("TORCH_FR") for k in env)
+    assert env["TORCH_FR_BUFFER_SIZE"] == str(timeouts.TRACE_BUFFER)  # gloo's collectives are recorded too
+    assert not any(k.startswith("TORCH_NCCL") or k.startswith("TORCH_FR_DUMP") for k in env)
 
 
 def test_cluster_env_wins_over_the_flight_recorder_defaults(cli, tmp_path):
-    env = _env(_render(cli, tmp_path, "recipe=llama3_70b", "cluster=h100", "+cluster.env.TORCH_NCCL_TRACE_BUFFER_SIZE=50"))
-    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50"
+    env = _env(_render(cli, tmp_path, "recipe=llama3_70b", "cluster=h100", "+cluster.env.TORCH_NCCL_TRACE_BUFFER_SIZE=50",
+                       "+cluster.env.TORCH_FR_BUFFER_SIZE=60"))
+    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50" and env["TORCH_FR_BUFFER_SIZE"] == "60"
 
 
 @pytest.mark.parametrize("args,field,hint", [

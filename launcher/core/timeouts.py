@@ -64,12 +64,25 @@ TRACE_BUFFER = 2000
 """Collectives each rank's Flight Recorder keeps (PyTorch's own suggestion for debugging hangs)."""
 
 
+FR_BUFFER_ENV = "TORCH_FR_BUFFER_SIZE"
+"""The Flight Recorder's size in torch >= 2.7 (torch/distributed/distributed_c10d.py reads it before its older name
+``TORCH_NCCL_TRACE_BUFFER_SIZE``); it records gloo's collectives too, so every bundle sets it."""
+
+
+def fr_env() -> list:
+    """Every bundle's Flight Recorder: each rank keeps its last ``TRACE_BUFFER`` collectives (set before the process
+    group exists, as env.sh is), which it writes into the hang evidence when the node's watchdog asks
+    (launcher/rank/flight_recorder.py)."""
+    return [(FR_BUFFER_ENV, str(TRACE_BUFFER))]
+
+
 def gpu_env(timeouts: dict, bundle: str) -> list:
     """The NCCL watchdog's variables on a GPU cluster (cluster.env wins where it sets one): the heartbeat outlasts
     the collective timeout, and a collective that times out makes every rank dump its Flight Recorder (its last
     ``TRACE_BUFFER`` collectives, with sequence numbers and state) into the bundle, for the analysis torch ships
     (``python -m torch.distributed.flight_recorder.fr_trace``). The dump file's name is ``TORCH_FR_DUMP_TEMP_FILE``
-    in recent PyTorch and ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` in older releases (both are set)."""
+    in recent PyTorch and ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE`` in older releases (both are set), as is the buffer's
+    older name (``fr_env`` sets the newer one on every bundle)."""
     prefix = f"{bundle}/{FLIGHT_RECORDER_DIR}/rank-"
     return [(HEARTBEAT_ENV, str(timeouts["heartbeat_s"])), ("TORCH_NCCL_TRACE_BUFFER_SIZE", str(TRACE_BUFFER)),
             ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"), ("TORCH_FR_DUMP_TEMP_FILE", prefix),

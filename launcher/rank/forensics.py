@@ -4,16 +4,21 @@ When a collective never completes, every rank dies on the same process-group tim
 stopped first. Two things make the hung rank nameable from outside the training processes (the node's watchdog,
 :mod:`launcher.rank.watchdog`, run by ``launcher.rank.agent``):
 
-* **Collective sequence numbers** (gloo / CPU, where PyTorch's Flight Recorder does not exist): every
+* **Collective sequence numbers** (gloo / CPU, where nothing dumps PyTorch's Flight Recorder on its own): every
   ``torch.distributed`` collective and blocking p2p call this rank makes is counted per process group, and the rank
   keeps, in a small state file ``BUNDLE/forensics/rank-N.json`` rewritten in place, for each group the number of its
   last collective, its name and whether the rank is inside it, plus its pipeline stage, data-parallel rank and last
   completed step. A rank blocked in all_reduce #812 of a group says so; a rank that never entered it shows #811.
-  On NCCL the Flight Recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``, rendered by env.sh) records the same in C++ at no
-  Python cost, and dumps it on a timeout; there these wrappers are not installed.
+  The Flight Recorder (``TORCH_FR_BUFFER_SIZE``, rendered by env.sh) records the same in C++, gloo's too, and is
+  asked for below; these counters name the rank where its traces cannot (every waiter in a p2p op). On NCCL it
+  also dumps itself on a timeout; there these wrappers are not installed.
 * **Stacks on demand**: ``faulthandler`` registered on ``SIGUSR2`` writes every thread's Python stack into
   ``BUNDLE/forensics/stacks-rank-N.txt``; it runs at the C level, so a rank blocked inside a collective still
   answers. A rank that does not answer is stopped (SIGSTOP), in the kernel, or gone: that is evidence too.
+* **Flight Recorder trace on the same request**: faulthandler chains to Python's C-level handler, which writes the
+  signal's number to the rank's wake-up socket (launcher/rank/signals.py); its watcher thread writes this rank's
+  Flight Recorder trace to ``BUNDLE/forensics/fr/rank_N`` (launcher/rank/flight_recorder.py). On gloo nothing
+  else dumps it; a stopped rank writes none.
 
 The wrappers must be installed before Megatron-Core is imported (it looks the functions up on ``torch.distributed``
 at call time; code that imported a name earlier keeps the original).
@@ -26,6 +31,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import threading
 from pathlib import Path
 from typing import Optional
@@ -111,10 +117,41 @@ def install(bundle: Path, rank: int, *, count_collectives: bool) -> Recorder:
     rec = Recorder(bundle, rank)
     RECORDER[0] = rec
     stacks = open(stacks_path(bundle, rank), "a")  # kept open for the process's life: faulthandler writes to its fd
-    faulthandler.register(DUMP_SIGNAL, file=stacks, all_threads=True, chain=False)
+    # Python's handler first: faulthandler's chain restores the previous handler and raises the signal again
+    # (CPython Modules/faulthandler.c faulthandler_user), which for SIG_DFL would end the process. Python's C-level
+    # handler then writes the number to the wake-up socket, where the watcher thread dumps the Flight Recorder.
+    signal.signal(DUMP_SIGNAL, _noted)
+    faulthandler.register(DUMP_SIGNAL, file=stacks, all_threads=True, chain=True)
+    from launcher.rank import signals
+
+    signals.STATE.also(DUMP_SIGNAL, lambda: dump_flight_recorder(bundle, rank))
+    rec.set(fr=signals.STATE.installed)  # the watchdog waits for a trace only from a rank that will write one
     if count_collectives:
         _wrap_collectives(rec)
     return rec
+
+
+def fr_dir(bundle: Path) -> Path:
+    """Where each rank writes its Flight Recorder trace when asked (the watchdog copies the fresh ones)."""
+    from launcher.rank import flight_recorder
+
+    return Path(bundle) / DIR / flight_recorder.DIR
+
+
+def dump_flight_recorder(bundle: Path, rank: int) -> None:
+    """This rank's Flight Recorder trace into ``fr_dir`` (one line on stderr where it cannot)."""
+    from launcher.rank import flight_recorder
+
+    try:
+        flight_recorder.dump(fr_dir(bundle), rank)
+    except Exception as exc:  # noqa: BLE001 - evidence is best effort; the rank goes on either way
+        print(f"rank {rank}: no Flight Recorder trace for the hang watchdog: {type(exc).__name__}: {exc}",
+              file=sys.stderr, flush=True)
+
+
+def _noted(signum, frame) -> None:
+    """The Python-level handler of DUMP_SIGNAL: nothing (faulthandler wrote the stacks; the watcher thread dumps
+    the Flight Recorder)."""
 
 
 def _wrap_collectives(rec: Recorder) -> None:
@@ -155,10 +192,15 @@ def _counted(rec: Recorder, name: str, original):
     return call
 
 
-def set_coords(*, pp: int, dp: int, tp: int, cp: int, pp_size: int, dp_size: int) -> None:
-    """This rank's place in the layout (after parallel_state is initialised), for the watchdog's line."""
+def set_coords(*, pp: int, dp: int, tp: int, cp: int, pp_size: int, dp_size: int,
+               dp_group: Optional[list] = None) -> None:
+    """This rank's place in the layout (after parallel_state is initialised), for the watchdog's line;
+    ``dp_group``: the global ranks of its data-parallel group (the replicas a hang there stalls together)."""
     if RECORDER[0] is not None:
-        RECORDER[0].set(coords={"pp": pp, "dp": dp, "tp": tp, "cp": cp, "pp_size": pp_size, "dp_size": dp_size})
+        coords = {"pp": pp, "dp": dp, "tp": tp, "cp": cp, "pp_size": pp_size, "dp_size": dp_size}
+        if dp_group is not None:
+            coords["dp_group"] = [int(r) for r in dp_group]
+        RECORDER[0].set(coords=coords)
 
 
 def set_step(step: int) -> None:

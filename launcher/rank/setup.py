@@ -54,7 +54,8 @@ def init_distributed(*, cluster: ClusterConfig, layout: Layout, seed: int) -> No
 
     forensics.set_coords(pp=parallel_state.get_pipeline_model_parallel_rank(),  # for the hang watchdog's line
                          dp=parallel_state.get_data_parallel_rank(), tp=parallel_state.get_tensor_model_parallel_rank(),
-                         cp=parallel_state.get_context_parallel_rank(), pp_size=layout.pp, dp_size=layout.dp)
+                         cp=parallel_state.get_context_parallel_rank(), pp_size=layout.pp, dp_size=layout.dp,
+                         dp_group=torch.distributed.get_process_group_ranks(parallel_state.get_data_parallel_group()))
     rank_seed = stage_seed(seed, parallel_state.get_pipeline_model_parallel_rank())
     torch.manual_seed(rank_seed)
     # Per-rank named RNG streams (TP dropout, and on a GPU every weight: with use_cpu_initialization=False

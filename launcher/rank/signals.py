@@ -43,6 +43,18 @@ class StopSignals:
         self._timer: Optional[threading.Timer] = None
         self._installed = False
         self._lock = threading.Lock()
+        self._also: dict = {}
+
+    @property
+    def installed(self) -> bool:
+        """Whether the wake-up socket's watcher runs (``also`` actions need it)."""
+        return self._installed
+
+    def also(self, sig: signal.Signals, action) -> None:
+        """Run ``action()`` on the watcher thread whenever ``sig`` arrives (its Python handler must be set, so that
+        the C-level handler writes its number to the wake-up socket): launcher/rank/forensics.py's Flight Recorder
+        dump on the hang watchdog's SIGUSR2, which a blocked main thread could not run."""
+        self._also[int(sig)] = action
 
     def install(self) -> None:
         if self._installed or threading.current_thread() is not threading.main_thread():
@@ -67,6 +79,8 @@ class StopSignals:
             for number in data:
                 if number in {int(s) for s in STOP_SIGNALS}:
                     self.deliver(signal.Signals(number))
+                elif number in self._also:
+                    self._also[number]()
 
     def deliver(self, sig: signal.Signals) -> None:
         """A stop signal arrived (called by the watcher thread; tests call it directly)."""

@@ -12,9 +12,13 @@ timeout: checkpoint load, data index build, compile). The line::
     of group [5-37-69-101] that 3 ranks are waiting in; stacks: BUNDLE/hang-812/
 
 or, where the rank did enter it but stopped answering (SIGSTOP, stuck in the kernel, gone), "stopped responding
-inside". Evidence in ``BUNDLE/hang-STEP/``: every answering rank's stacks (all threads), every rank's state, the
-analysis (``report.json``); the line also goes to ``BUNDLE/FAILED`` (launch.sh's last line, and no restart or
-requeue retries a hang). Pure Python (no torch): files, /proc and signals.
+inside". The same request makes every answering rank write its Flight Recorder trace (launcher/rank/
+flight_recorder.py); where those traces name the rank (torch's ``fr_trace`` analysis, or the traces present: a
+member of the waited-in collective's group that left none or never entered it), the line is theirs, else the
+counters'; it says which (``named from ...``). Evidence in ``BUNDLE/hang-STEP/``: every answering rank's stacks
+(all threads) and Flight Recorder trace (``fr/rank_N``), every rank's state, the analysis (``report.json``); the
+line also goes to ``BUNDLE/FAILED`` (launch.sh's last line, and no restart or requeue retries a hang). Files,
+/proc and signals; torch only for its own Flight Recorder analysis (the agent has it loaded).
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable, Optional
 
-from launcher.rank import forensics
+from launcher.rank import flight_recorder, forensics
 
 ANSWER_S = 5.0
 """How long the watchdog waits for the ranks' stack dumps after asking (faulthandler writes in milliseconds)."""
@@ -111,6 +115,8 @@ def investigate(bundle: Path, host: str, quiet_s: float) -> tuple:
     out.mkdir(parents=True)
     local = _local(states, host)
     before = {s["rank"]: _size(forensics.stacks_path(bundle, s["rank"])) for s in local}
+    traces = forensics.fr_dir(bundle)
+    fr_before = {s["rank"]: _mtime(traces / f"{flight_recorder.PREFIX}{s['rank']}") for s in local if s.get("fr")}
     for s in local:
         try:
             os.kill(int(s["pid"]), forensics.DUMP_SIGNAL)
@@ -118,25 +124,83 @@ def investigate(bundle: Path, host: str, quiet_s: float) -> tuple:
             pass
     deadline = time.monotonic() + ANSWER_S
     answered: set = set()
-    while time.monotonic() < deadline and len(answered) < len(local):
+    traced: set = set()
+    while time.monotonic() < deadline and (len(answered) < len(local) or not answered & set(fr_before) <= traced):
         time.sleep(0.2)
         answered = {r for r in before if _size(forensics.stacks_path(bundle, r)) > before[r]}
+        traced = {r for r in fr_before if _mtime(traces / f"{flight_recorder.PREFIX}{r}") != fr_before[r]}
     for rank in sorted(answered):
         with open(forensics.stacks_path(bundle, rank), "rb") as f:
             f.seek(before[rank])
             (out / f"stacks-rank-{rank}.txt").write_bytes(f.read())
+    for rank in sorted(traced):  # whole, as the rank wrote it (tmp, then rename)
+        name = f"{flight_recorder.PREFIX}{rank}"
+        (out / flight_recorder.DIR).mkdir(exist_ok=True)
+        tmp = out / flight_recorder.DIR / f".{name}.tmp"
+        tmp.write_bytes((traces / name).read_bytes())
+        os.replace(tmp, out / flight_recorder.DIR / name)
     procs = {s["rank"]: proc_state(int(s["pid"])) for s in local}
     silent = {s["rank"] for s in local if s["rank"] not in answered or procs[s["rank"]] in STOPPED_STATES}
     found, rank = verdict(states, silent, procs)
-    line = (f"hang at step {step}: {found} (no collective progress for {quiet_s:.0f} s); stacks: {out}/")
+    source = "the launcher's collective counters"
+    fr = fr_verdict(out / flight_recorder.DIR, states, silent, procs) if traced else None
+    if fr is not None:
+        found, rank, source = fr
+    line = (f"hang at step {step}: {found} (no collective progress for {quiet_s:.0f} s; named from {source}); "
+            f"stacks: {out}/")
     own = next((s for s in states if s.get("rank") == rank), None) if rank is not None else None
     culprit = {"rank": rank, "host": own.get("host")} if own is not None else None
     report = {"line": line, "step": step, "host": host, "quiet_s": round(quiet_s, 1), "answered": sorted(answered),
-              "silent": sorted(silent), "process_states": procs, "culprit": culprit, "states": states}
+              "silent": sorted(silent), "process_states": procs, "culprit": culprit, "source": source,
+              "flight_recorder_traces": sorted(traced), "states": states}
     tmp = out / ".report.json.tmp"
     tmp.write_text(json.dumps(report, indent=2) + "\n")
     os.replace(tmp, out / "report.json")
     return line, culprit
+
+
+def fr_verdict(directory: Path, states: list[dict], silent: set, proc_states: dict) -> Optional[tuple]:
+    """(found, the culprit rank, source) from the Flight Recorder traces in ``directory``, or None where they name
+    no rank (then the counters' verdict stands). Only a rank that did not answer at all is blamed for having no
+    trace (one that answered with its stacks but no trace, e.g. a rank of an older launcher, is no evidence)."""
+    try:
+        fr = flight_recorder.analyse(flight_recorder.read(directory), silent)
+    except Exception:  # noqa: BLE001 - a trace torch changed the shape of: the counters still speak
+        return None
+    # A live rank named while another does not answer: that one is the likelier cause, reached through a p2p wait
+    # the Flight Recorder's collective order cannot follow; the counters' verdict prefers the silent rank
+    if fr is None or (fr["trace"] and silent):
+        return None
+    r, by_rank = fr["rank"], {s["rank"]: s for s in states}
+    key = "-".join(map(str, fr["group"]))
+    n = fr["waiting"]
+    what = (f"{fr['op']} #{fr['seq']} of group [{key}] that {n} rank{'s' if n != 1 else ''} "
+            f"{'are' if n != 1 else 'is'} waiting in")
+    source = f"the Flight Recorder traces of ranks {', '.join(map(str, fr['traced']))}"
+    if fr["trace"]:
+        found = f"{_who(by_rank.get(r), r)} never entered {what}"
+        missing = flight_recorder.torch_missing(directory) or []
+        if any(op == fr["op"] and seq == fr["seq"] and r in gone for op, seq, _, gone in missing):
+            source = "the Flight Recorder by torch's fr_trace analysis"  # utils.py error_analysis: "missing ranks"
+        return found, r, source
+    own = by_rank.get(r) or {}
+    counted = (own.get("groups") or {}).get(key)
+    if counted and counted[2] == "in":
+        verb = "stopped responding inside"
+    elif counted:
+        verb = "never entered"
+    else:
+        verb = "did not answer in"
+    state = proc_states.get(r)
+    return (f"{_who(by_rank.get(r), r)} {verb} {what}; it left no Flight Recorder trace (process state "
+            f"{state or 'gone'}{': stopped?' if state in STOPPED_STATES else ''})", r, source)
+
+
+def _mtime(path: Path) -> int:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return 0
 
 
 def _size(path: Path) -> int:
@@ -152,7 +216,8 @@ def _who(s: Optional[dict], rank: int) -> str:
     c = s.get("coords") or {}
     where = [f"host {s.get('host')}"]
     if c:
-        where += [f"pipeline stage {c['pp']}", f"data-parallel rank {c['dp']}"]
+        dp_group = f" of group [{'-'.join(map(str, c['dp_group']))}]" if c.get("dp_group") else ""
+        where += [f"pipeline stage {c['pp']}", f"data-parallel rank {c['dp']}{dp_group}"]
         if c.get("tp"):
             where.append(f"tensor rank {c['tp']}")
     return f"rank {rank} ({', '.join(where)})"

@@ -16,6 +16,8 @@ export LAUNCHER_BUNDLE=/lustre/runs/llama405b-golden
 # "timeouts" says from what; timeouts.collective_s and timeouts.hang_s override them).
 export LAUNCHER_COLLECTIVE_TIMEOUT_S=600
 export LAUNCHER_HANG_S=120
+# PyTorch's Flight Recorder: each rank's last collectives, written into the hang evidence when the watchdog asks.
+export TORCH_FR_BUFFER_SIZE=2000
 # NCCL's watchdog: a timed-out collective dumps every rank's Flight Recorder trace into the bundle.
 export TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC=720
 export TORCH_NCCL_TRACE_BUFFER_SIZE=2000
