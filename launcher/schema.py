@@ -471,7 +471,10 @@ class CheckpointConfig:
     """Distributed-optimizer state on disk: dp_reshardable (each DP rank's shard; resume needs the same DP size)
     or fully_reshardable (gathered on DP rank 0; resumes at any DP size, about 10x the save time on CPU)."""
     async_save: bool = False
-    """Write checkpoints asynchronously (GPU clusters)."""
+    """Write torch_dist checkpoints in the background while training goes on (Megatron-Core's async save: each
+    rank's shards are staged in host memory, a writer process writes them, the checkpoint is published, manifest
+    last, once every rank's writer finished). At most one save in flight; a stop or the end of training waits for
+    it. Not with parallel.megatron_fsdp (fsdp_dtensor is written synchronously)."""
 
 
 @dataclass

@@ -280,13 +280,13 @@ def rank_log_tails(bundle: Path, chars: int = 3000) -> str:
                    for f in sorted((Path(bundle) / "logs").glob("*")))
 
 
-def run_until(bundle: Path, nproc: int, marker: str, timeout: int = 240) -> str:
+def run_until(bundle: Path, nproc: int, marker: str, timeout: int = 240, env: Optional[dict] = None) -> str:
     """Start a run and SIGKILL its whole process group (torchrun + ranks, started here) as soon as a stdout
-    line contains ``marker``: a crash, not a clean exit. Returns the stdout seen."""
+    line contains ``marker``: a crash, not a clean exit. Returns the stdout seen. ``env``: as ``run_train``'s."""
     import threading
     import time
 
-    _, proc = _start(["-m", "launcher.rank", "--bundle", str(bundle)], nproc, None, stderr=subprocess.DEVNULL)
+    _, proc = _start(["-m", "launcher.rank", "--bundle", str(bundle)], nproc, env, stderr=subprocess.DEVNULL)
     # ``timeout`` is a hang detector on progress: the run is killed once it has printed nothing for that long
     # (a watchdog thread: the readline below blocks while nothing comes)
     seen, last, done = [], [time.monotonic()], threading.Event()

@@ -130,6 +130,21 @@ def estimated_save_s(params: float, dtype: str, *, nodes: int, write_gbps: float
     return estimated_bytes(params, dtype) / (max(nodes, 1) * write_gbps * 1e9)
 
 
+def async_save_costs(params: float, dtype: str, *, nodes: int, gpus_per_node: int, write_gbps: float) -> dict:
+    """What checkpoint.async_save trades (the planner's, stated per save): the save time hidden from training
+    (``estimated_save_s``: the ranks no longer wait for the write) for host memory: each rank stages a copy of the
+    shards it writes in host memory and keeps it until its writer has finished (Megatron-Core's async save:
+    ``FileSystemWriterAsync.preload_tensors`` copies them to CPU, dist_checkpointing/strategies/filesystem_async.py;
+    on CPU, fork's copy-on-write pages, up to the same bytes as training rewrites the weights). Under fully parallel
+    save the shards are spread about evenly over the ranks, so a rank holds about the checkpoint's bytes over the
+    world size, a node about its bytes over the nodes."""
+    total = estimated_bytes(params, dtype)
+    world = max(nodes, 1) * max(gpus_per_node, 1)
+    return {"bytes": total, "save_s": estimated_save_s(params, dtype, nodes=nodes, write_gbps=write_gbps),
+            "hidden_s": estimated_save_s(params, dtype, nodes=nodes, write_gbps=write_gbps),
+            "host_bytes_per_rank": total / world, "host_bytes_per_node": total / max(nodes, 1)}
+
+
 def node_save_s(node_bytes: float, *, write_gbps: float) -> float:
     """The ranks' save time before any save was measured: a save ends when the node writing most has written
     its bytes (``node_bytes``, counted per rank under fully parallel save) at ``cluster.checkpoint_write_gbps``."""

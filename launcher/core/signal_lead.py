@@ -6,7 +6,10 @@ kills it; otherwise everything since the previous checkpoint is lost. The time t
     needed_s = slurm.signal_save_factor x save_s + step_s + slurm.signal_margin_s
 
 (the factor covers a save slower than the last one: a busier file system, a larger optimizer state; the margin
-covers teardown and the job script's requeue). It is used in two places, because the sbatch ``--signal`` lead is
+covers teardown and the job script's requeue). With ``checkpoint.async_save`` a save may still be in flight when
+the stop begins; the stop save waits for it to be published first (launcher/rank/entry.py, as Megatron-LM's
+``maybe_finalize_async_save(blocking=True)`` before its exit save), so one more factor x save_s is needed: always at
+render (the signal may come just after a save began), on the ranks while one is in flight. It is used in two places, because the sbatch ``--signal`` lead is
 rendered once and a requeue reruns the same script:
 
 - **render** (login node, ``lead_for_render``): ``#SBATCH --signal=B:USR1@<lead>``. An explicit
@@ -43,14 +46,16 @@ LEAD_ENV = "LAUNCHER_SIGNAL_LEAD_S"
 """The --signal lead job.sbatch was rendered with (so the ranks can say when it is too short)."""
 
 
-def needed_s(save_s: float, step_s: float, *, factor: float, margin_s: float) -> float:
-    """Seconds before the time limit at which a stop must begin: factor x save + one step + margin."""
-    return factor * max(save_s, 0.0) + max(step_s, 0.0) + margin_s
+def needed_s(save_s: float, step_s: float, *, factor: float, margin_s: float, in_flight: bool = False) -> float:
+    """Seconds before the time limit at which a stop must begin: factor x save + one step + margin, and factor x
+    save more while an asynchronous save is in flight (the stop save waits for it)."""
+    return factor * max(save_s, 0.0) * (2 if in_flight else 1) + max(step_s, 0.0) + margin_s
 
 
-def derived_lead_s(*, limit_s: int, save_s: float, step_s: float, factor: float, margin_s: float) -> int:
+def derived_lead_s(*, limit_s: int, save_s: float, step_s: float, factor: float, margin_s: float,
+                   in_flight: bool = False) -> int:
     """The --signal lead for a null slurm.signal_lead_s: needed_s rounded up, at least min(FLOOR_S, limit/4)."""
-    need = math.ceil(needed_s(save_s, step_s, factor=factor, margin_s=margin_s))
+    need = math.ceil(needed_s(save_s, step_s, factor=factor, margin_s=margin_s, in_flight=in_flight))
     return max(need, min(FLOOR_S, limit_s // 4))
 
 
@@ -71,13 +76,14 @@ def lead_for_render(job, limit_s: int, plan: Optional[dict] = None, ckpt_dir: Op
     if s.signal_lead_s is not None:
         return {"seconds": int(s.signal_lead_s), "source": "slurm.signal_lead_s (explicit)"}
     step_s, save_s, estimate, measured = step_and_save_s(job, plan, ckpt_dir)
+    in_flight = bool(job.checkpoint.async_save)  # a stop may find an async save in flight: it waits for it
     lead = derived_lead_s(limit_s=limit_s, save_s=save_s, step_s=step_s, factor=s.signal_save_factor,
-                          margin_s=s.signal_margin_s)
+                          margin_s=s.signal_margin_s, in_flight=in_flight)
     return {"seconds": lead, "source": "derived", "save_s": round(save_s, 3), "estimated_save_s": round(estimate, 3),
             "measured_save_s": measured[0] if measured else None,
             "measured_in": str(measured[1]) if measured else None, "step_s": round(step_s, 3),
             "factor": s.signal_save_factor, "margin_s": s.signal_margin_s,
-            "floor_s": min(FLOOR_S, limit_s // 4)}
+            "floor_s": min(FLOOR_S, limit_s // 4), **({"async_save_in_flight": True} if in_flight else {})}
 
 
 def step_and_save_s(job, plan: Optional[dict] = None, ckpt_dir: Optional[Path] = None) -> tuple:
@@ -122,6 +128,8 @@ class StopGuard:
         self.job_end, self.save_s, self.factor, self.margin_s = job_end, save_s, factor, margin_s
         self.steps: deque = deque(maxlen=20)
         self.clock = clock
+        self.in_flight = False
+        """An asynchronous save is being written (the entry sets it each step): a stop waits for it first."""
 
     def step_took(self, seconds: float) -> None:
         self.steps.append(seconds)
@@ -130,7 +138,8 @@ class StopGuard:
         self.save_s = seconds
 
     def needed(self) -> float:
-        return needed_s(self.save_s, max(self.steps, default=0.0), factor=self.factor, margin_s=self.margin_s)
+        return needed_s(self.save_s, max(self.steps, default=0.0), factor=self.factor, margin_s=self.margin_s,
+                        in_flight=self.in_flight)
 
     def reason(self) -> Optional[str]:
         """Why to stop now, or None (also None when the job's end time is unknown)."""

@@ -101,6 +101,9 @@ class Plan:
     """Validation warnings worth showing next to the plan."""
     timeouts: dict = field(default_factory=dict)
     """The collective and heartbeat timeouts render will write (launcher/core/timeouts.py ``derive``)."""
+    checkpoint: dict = field(default_factory=dict)
+    """checkpoint.async_save only: the save time hidden and the host memory a save in flight holds
+    (launcher/core/checkpoint_dir.py ``async_save_costs``); empty otherwise."""
 
     @property
     def peak_stage(self) -> StageMemory:
@@ -129,6 +132,7 @@ class Plan:
             "flops_per_token": self.flops_per_token, "gflops_per_token": self.flops_per_token / 1e9,
             "flops_per_step": self.flops_per_step, "params": self.params,
             "step": self.step.to_dict(), **self.perf, "warnings": self.warnings, "timeouts": self.timeouts,
+            **({"checkpoint": self.checkpoint} if self.checkpoint else {}),
         }
 
     def table(self):
@@ -178,6 +182,11 @@ class Plan:
             summary += (f"\ntimeouts: hang {t['hang_s']} s (5 steps {t['step_wait_s']} s, a save {t['save_wait_s']} s), "
                         f"collective {t['collective_s']} s (first step {t['first_step_s']} s), heartbeat "
                         f"{t['heartbeat_s']} s; timeouts.* overrides")
+        c = self.checkpoint
+        if c:
+            summary += (f"\nasync save: {c['hidden_s']:.0f} s per save hidden; a save in flight holds "
+                        f"{c['host_bytes_per_rank'] / GB:.1f} GB of host memory per rank "
+                        f"({c['host_bytes_per_node'] / GB:.0f} GB per node)")
         return Group(mem, tim, summary, *[f"[yellow]{w}[/]" for w in self.warnings])
 
     def text(self, width: int = 160) -> str:
@@ -255,7 +264,18 @@ def plan_job(job: JobConfig, *, checked: Checked | None = None) -> Plan:
         name=job.name, layout=layout, stages=memory_per_stage(job, lay),
         gpu_memory_gb=job.cluster.gpu_memory_gb, flops_per_token=flops_per_token(job.model),
         flops_per_step=flops_per_step(job.model, lay.tokens_per_step),
-        params=counts, step=st, perf=throughput(job, st, lay), warnings=warnings, timeouts=_timeouts(job, counts, st))
+        params=counts, step=st, perf=throughput(job, st, lay), warnings=warnings, timeouts=_timeouts(job, counts, st),
+        checkpoint=_async_save(job, counts))
+
+
+def _async_save(job: JobConfig, counts: dict) -> dict:
+    """checkpoint.async_save's costs for the whole model's checkpoint, else {}."""
+    if not job.checkpoint.async_save:
+        return {}
+    from launcher.core.checkpoint_dir import async_save_costs
+
+    return async_save_costs(counts["total"], job.precision.dtype, nodes=job.nodes,
+                            gpus_per_node=job.cluster.gpus_per_node, write_gbps=job.cluster.checkpoint_write_gbps)
 
 
 def _timeouts(job: JobConfig, counts: dict, st: StepTime) -> dict:

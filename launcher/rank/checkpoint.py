@@ -70,13 +70,13 @@ TORCH_DIST = "torch_dist"
 """The format of a checkpoint whose manifest names none (written before fsdp_dtensor existed here)."""
 
 
-def check_options(checkpoint) -> None:
+def check_options(checkpoint, fmt: str = TORCH_DIST) -> None:
     """What this writer supports: torch_dist (fsdp_dtensor under parallel.megatron_fsdp: launcher/core/
-    checkpoint_format.py), synchronous saves (validation refuses the rest first)."""
+    checkpoint_format.py); asynchronous saves of torch_dist only (validation refuses the rest first)."""
     if checkpoint.format != "torch_dist":
         raise ValueError(f"checkpoint.format={checkpoint.format!r} is not supported; use torch_dist")
-    if checkpoint.async_save:
-        raise ValueError("checkpoint.async_save=true is not implemented (saves are synchronous); "
+    if checkpoint.async_save and fmt != TORCH_DIST:
+        raise ValueError(f"checkpoint.async_save=true writes torch_dist only, this job writes {fmt}; "
                          "use checkpoint.async_save=false")
 
 
@@ -243,6 +243,9 @@ def save_strategy():
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
+    from launcher.rank.signals import writer_results_queue
+
+    writer_results_queue()  # a helper that outlives stop signals (the stop save needs it)
     return FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"),
                                             parallel_state.get_data_parallel_group(with_context_parallel=True),
                                             False)  # ckpt_assume_constant_structure's default
@@ -348,16 +351,25 @@ def sync_params_before_save(model: List[torch.nn.Module]) -> bool:
 def save(ckpt_dir: Path, *, model, optimizer, scheduler, step: int, consumed: int, keep_last=None,
          identity: Optional[dict] = None, checksum: bool = False,
          optimizer_format: str = DEFAULT_OPTIMIZER_FORMAT, fmt: str = TORCH_DIST,
-         run_state: Optional[CheckpointState] = None, extra: Optional[dict] = None) -> Path:
+         run_state: Optional[CheckpointState] = None, extra: Optional[dict] = None,
+         background=None, on_published: Optional[Callable[[Path, float], None]] = None
+         ) -> Optional[Path]:
     """Save collectively (every rank calls), then publish atomically from rank 0; returns the checkpoint.
     ``fmt``: torch_dist (dist_checkpointing) or fsdp_dtensor (Megatron-FSDP: launcher/rank/fsdp_checkpoint.py).
     ``extra``: more run state for the manifest (``publish``).
+
+    ``background`` (checkpoint.async_save, torch_dist: a ``launcher.rank.async_save.AsyncSaves``): the files are
+    written by its writer process
+    while training goes on, and this returns None once the write has started; the checkpoint is published later,
+    when ``AsyncSaves.poll``/``wait`` finalizes it, which then calls ``on_published(path, seconds)``.
 
     Never replaces a complete checkpoint of another run. A failed write (disk full, I/O error) raises
     CheckpointError on every rank and publishes nothing."""
     from megatron.core import dist_checkpointing
 
     identity = identity or {}
+    if background is not None:  # at most one in flight: a new save waits for the previous one to be published
+        background.wait()
     sync_params_before_save(model)
     ckpt_dir = Path(ckpt_dir)
     final, tmp = ckpt_dir / checkpoint_name(step), ckpt_dir / (checkpoint_name(step) + ".tmp")
@@ -376,6 +388,13 @@ def save(ckpt_dir: Path, *, model, optimizer, scheduler, step: int, consumed: in
                 message = dir_error(ckpt_dir, exc)
     agree_or_raise(message)
     start = time.perf_counter()
+    publish_args = dict(step=step, identity=identity, optimizer_format=optimizer_format, fmt=fmt, extra=extra,
+                        keep_last=keep_last)
+    if background is not None:
+        background.start(model=model, optimizer=optimizer, scheduler=scheduler, consumed=consumed, tmp=tmp,
+                         final=final, ckpt_dir=ckpt_dir, checksum=checksum, run_state=run_state, started=start,
+                         on_published=on_published, publish_args=publish_args)
+        return None
     try:
         if fmt == fsdp_checkpoint.FORMAT:
             fsdp_checkpoint.save(tmp, model=model, optimizer=optimizer, scheduler=scheduler, step=step,
@@ -386,22 +405,41 @@ def save(ckpt_dir: Path, *, model, optimizer, scheduler, step: int, consumed: in
             dist_checkpointing.save(state, str(tmp), save_strategy())
         message, crcs = None, own_crcs(tmp, checksum=checksum, rank=rank)
     except BaseException as exc:  # torch's CheckpointException is a BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        # every rank reaches the agreement below (dist_checkpointing reports write failures collectively).
-        # A full disk shows up as an opaque worker error ("unexpected pos ..."): judge by the free space.
-        message, crcs = f"saving {final} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}", {}
-        free = shutil.disk_usage(ckpt_dir).free if rank == 0 else None
-        need = run_state.need_bytes if run_state is not None else 0
-        if mentions_enospc(exc) or (free is not None and free < max(need, 1 << 20)):
-            message = (f"saving {final} failed: no space left on device in checkpoint.dir={ckpt_dir} "
-                       f"({free / 1e9:.3g} GB free, a checkpoint needs about {need / 1e9:.3g} GB)")
+        # every rank reaches the agreement below (dist_checkpointing reports write failures collectively)
+        message, crcs = _failed_save(exc, final, ckpt_dir, run_state), {}
+    _publish_agreed(ckpt_dir, tmp, final, message, crcs, seconds=time.perf_counter() - start, **publish_args)
+    if on_published is not None:
+        on_published(final, time.perf_counter() - start)
+    return final
+
+
+def _failed_save(exc: BaseException, final: Path, ckpt_dir: Path, run_state: Optional[CheckpointState]) -> str:
+    """The one line for a failed write (disk full, I/O error), on the rank that saw it. A full disk shows up as an
+    opaque worker error ("unexpected pos ..."): judge by the free space."""
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        raise exc
+    message = f"saving {final} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    free = shutil.disk_usage(ckpt_dir).free if _rank() == 0 else None
+    need = run_state.need_bytes if run_state is not None else 0
+    if mentions_enospc(exc) or (free is not None and free < max(need, 1 << 20)):
+        message = (f"saving {final} failed: no space left on device in checkpoint.dir={ckpt_dir} "
+                   f"({free / 1e9:.3g} GB free, a checkpoint needs about {need / 1e9:.3g} GB)")
+    return message
+
+
+def _publish_agreed(ckpt_dir: Path, tmp: Path, final: Path, message: Optional[str], crcs: dict, *, step: int,
+                    identity: dict, seconds: float, optimizer_format: str, fmt: str, extra: Optional[dict],
+                    keep_last) -> None:
+    """Collective, once every rank has written its files into ``tmp`` (or failed: ``message``): rank 0 writes the
+    manifest last and renames (``publish``), then prunes; any rank's failure raises CheckpointError everywhere and
+    publishes nothing. Pruning runs only here, after the new checkpoint is complete: an in-flight one is never
+    counted, so the newest complete one is never removed."""
+    rank = _rank()
     all_crcs = _gather(crcs)
     if message is None and rank == 0:
         try:
-            publish(ckpt_dir, tmp, final, step=step, identity=identity, crcs=all_crcs,
-                     seconds=time.perf_counter() - start, rng=rng_layout(), optimizer_format=optimizer_format,
-                     fmt=fmt, extra=extra)
+            publish(ckpt_dir, tmp, final, step=step, identity=identity, crcs=all_crcs, seconds=seconds,
+                    rng=rng_layout(), optimizer_format=optimizer_format, fmt=fmt, extra=extra)
             prune(ckpt_dir, keep_last, run_hash(identity))
         except OSError as exc:
             message = (f"publishing {final} failed: no space left on device" if exc.errno == errno.ENOSPC
@@ -409,7 +447,6 @@ def save(ckpt_dir: Path, *, model, optimizer, scheduler, step: int, consumed: in
     if message is not None and rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     agree_or_raise(message)
-    return final
 
 
 def start_fresh(ckpt_dir: Path, identity: dict) -> List[Path]:

@@ -116,7 +116,9 @@ def train(bundle: Path, console) -> int:
             console.line(line)
     # The checkpoint dir's lock before anything expensive: a second run on the same dir stops in seconds, not
     # after building its model.
-    ckpt.check_options(job.checkpoint)
+    from launcher.core.checkpoint_format import checkpoint_format
+
+    ckpt.check_options(job.checkpoint, checkpoint_format(job))
     ckpt_dir = checkpoint_dir(job.checkpoint.dir, bundle)
     identity = run_identity(job)
     lock = ckpt.DirLock(ckpt_dir, bundle=bundle, run=run_hash(identity))
@@ -194,6 +196,7 @@ def _spike_guard(job, lp, ckpt_dir, latest, console):
 def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp, ckpt_dir, identity, lock,
                   attempt) -> int:
     from launcher.core import signal_lead
+    from launcher.core.checkpoint_dir import checkpoint_name
     from launcher.core.checkpoint_format import checkpoint_format
     from launcher.core.flops import flops_per_token
     from launcher.rank import checkpoint as ckpt, data, forensics, loop, metrics, profiling, progress, setup
@@ -238,21 +241,17 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
     log = metrics.MetricsLogger(logging=job.logging, bundle=bundle, run_name=job.name, config=asdict(job), rank=rank,
                                 console=console, peak_tflops=peak, util_label=label)
 
-    def save():
-        nonlocal saved_at
-        saved_at = lp.step
-        started = time.perf_counter()
-        path = ckpt.save(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler, step=lp.step,
-                         consumed=lp.consumed, keep_last=job.checkpoint.keep_last, identity=identity,
-                         checksum=checksum, optimizer_format=job.checkpoint.optimizer_format,
-                         fmt=checkpoint_format(job), run_state=carried,
-                         extra={"consumed_samples": lp.consumed,  # the resume plan reads it (resume_plan.py)
-                                **({"spikes": spikes.state()} if spikes is not None else {})})
+    # checkpoint.async_save: torch_dist files written in the background (launcher/rank/checkpoint.py AsyncSaves),
+    # published when every rank's writer is done; None: every save blocks until published
+    from launcher.rank.async_save import AsyncSaves
+
+    background = AsyncSaves() if job.checkpoint.async_save else None
+
+    def published(path, took, step):  # every rank, once the checkpoint of `step` is complete (its manifest written)
         if spikes is not None:
             spikes.saved()
         console.line(f"saved checkpoint {path}")
-        attempt.update(saved=lp.step)
-        took = time.perf_counter() - started
+        attempt.update(saved=step)
         guard.saved(took)
         lead = int(os.environ.get(signal_lead.LEAD_ENV) or job.slurm.signal_lead_s or 0)
         need = guard.needed()
@@ -262,6 +261,29 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
                          f"before the time limit (training stops by itself {need:.0f} s before it instead): submit "
                          f"with slurm.signal_lead_s={math.ceil(need)} or more, or null to derive it from this save")
 
+    def finish_in_flight():
+        """Publish the checkpoint being written in the background, if any (blocking; collective)."""
+        if background is not None:
+            background.wait()
+            guard.in_flight = False
+
+    def save(in_background: bool = False):
+        nonlocal saved_at
+        finish_in_flight()  # a stop/end save after an async one: that one first (Megatron: one save at a time)
+        saved_at, step = lp.step, lp.step
+        path = ckpt.save(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler, step=lp.step,
+                         consumed=lp.consumed, keep_last=job.checkpoint.keep_last, identity=identity,
+                         checksum=checksum, optimizer_format=job.checkpoint.optimizer_format,
+                         fmt=checkpoint_format(job), run_state=carried,
+                         extra={"consumed_samples": lp.consumed,  # the resume plan reads it (resume_plan.py)
+                                **({"spikes": spikes.state()} if spikes is not None else {})},
+                         background=background if in_background else None,
+                         on_published=lambda path, took: published(path, took, step))
+        if path is None:  # the writer runs; AsyncSaves.poll publishes it at a later step
+            guard.in_flight = True
+            console.line(f"writing checkpoint {ckpt_dir / checkpoint_name(step)} in the background "
+                         "(checkpoint.async_save)")
+
     minutes = tr.exit_after_minutes
     fpt = flops_per_token(job.model)
 
@@ -270,6 +292,9 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
         log.step(record)
         guard.step_took(record["ms_per_step"] / 1e3)
         lock.refresh()
+        if background is not None:  # Megatron-LM: maybe_finalize_async_save(blocking=False) every iteration
+            background.poll()
+            guard.in_flight = background.in_flight()
         progress.STEP[0] = lp.step
         attempt.update(reached=lp.step)
 
@@ -279,7 +304,8 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
 
     def run(train_iters, valid_iters) -> str:
         return lp.run(iterators=train_iters, valid_iters=valid_iters, steps=layout.steps, on_step=on_step,
-                      on_eval=log.eval, on_checkpoint=save, save_interval=job.checkpoint.save_interval,
+                      on_eval=log.eval, on_checkpoint=lambda: save(in_background=background is not None),
+                      save_interval=job.checkpoint.save_interval,
                       flops_per_token=fpt, tokens_per_step=layout.tokens_per_step, world=layout.world,
                       deadline=deadline, stop_file=bundle / "STOP", on_note=console.line, stop_check=guard.reason,
                       profiler=profiler)
@@ -287,6 +313,7 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
     try:
         why = run(train_iters, valid_iters)
         while why == "spike":  # roll back to the newest checkpoint (all before the spike) and replay from it
+            finish_in_flight()  # a checkpoint still being written is the newest one to roll back to
             lp.step, lp.consumed, latest = ckpt.resume(  # this run's own newest, else the one it started from
                 ckpt_dir, identity=identity, load_from=job.checkpoint.load, checksum=checksum, model=model, optimizer=optimizer,
                 scheduler=scheduler, warn=console.line, distributed_optimizer=job.parallel.distributed_optimizer,
@@ -304,6 +331,7 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
         drawn = write_timeline(lp.recorder, bundle / "timeline", job.schedule.kind)
         if drawn is not None:
             console.line(f"executed timeline of step {lp.step}: {drawn}")
+    finish_in_flight()  # its steps were good: publish it before judging the end (Megatron-LM's blocking finalize)
     if why == "nonfinite":
         log.close(metrics.summary(log.history, log.evals, status="failed", steps=lp.step, world=layout.world,
                                   flops_per_token=fpt, peak_tflops=peak, util_label=label))
@@ -311,7 +339,9 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
         raise ckpt.CheckpointError(f"{lp.stop_reason}: stopping without saving a checkpoint ({last}); "
                                    "lower train.lr, or set train.nonfinite=skip")
     if (job.checkpoint.save_at_end or why == "stopped") and lp.step > saved_at:
-        save()
+        save()  # synchronous: the run reports done (or stopped) only once it is published
+    if background is not None:
+        background.close()
     stages = metrics.memory_by_stage(ps.get_pipeline_model_parallel_rank())  # collective: every rank
     log.close(metrics.summary(log.history, log.evals, status=why, steps=lp.step, world=layout.world,
                               flops_per_token=fpt, peak_tflops=peak, util_label=label, stages=stages))

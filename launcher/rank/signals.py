@@ -112,6 +112,45 @@ class StopSignals:
         os._exit(128 + int(sig))
 
 
+def helper_ignores_stop_signals() -> None:
+    """Initializer of a rank's helper process (the checkpoint writers' results queue: ``writer_results_queue``):
+    a stop signal is for the rank, which saves a checkpoint after it and needs the helper for that (scancel
+    signals every process of the step); the helper ends with the rank instead (Linux PR_SET_PDEATHSIG), also when
+    the rank is SIGKILLed."""
+    import ctypes
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+
+_HELPERS: list = []
+"""The results queue's manager (kept referenced for the process's life)."""
+
+
+def writer_results_queue() -> None:
+    """Start the queue through which Megatron-Core's checkpoint writers report their results
+    (dist_checkpointing/strategies/filesystem_async.py ``get_write_results_queue``: a ``Manager().Queue()``, i.e. a
+    server process, made once per rank at its first save) with a server that survives stop signals. Megatron's own
+    dies of SIGTERM: after a save, a scancel or preemption that signals every process killed it, and the stop save
+    (or the asynchronous save in flight) then failed with "ConnectionRefusedError" (measured: async save, SIGTERM
+    to every rank process). Idempotent."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is not None:
+        return
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))  # Megatron's context for it
+    manager.start(initializer=helper_ignores_stop_signals)
+    _HELPERS.append(manager)
+    filesystem_async._results_queue = manager.Queue()
+
+
 def _noted(signum, frame) -> None:
     """The Python-level handler: nothing (the watcher thread has the signal from the wake-up socket)."""
 

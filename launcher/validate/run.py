@@ -64,10 +64,6 @@ def blend_structure_problem(blend: list) -> Problem | None:
 
 def validate_checkpoint(ckpt: CheckpointConfig) -> list[Problem]:
     c = Checks()
-    # The rank wing refuses async_save (its saves are synchronous): refuse it here, before any GPU is spent.
-    c.need(not ckpt.async_save, "checkpoint.async_save", True,
-           "asynchronous saving is not implemented: the ranks write checkpoints synchronously and refuse it",
-           "checkpoint.async_save=false")
     if ckpt.load is not None:
         c.need(str(ckpt.load).strip() != "", "checkpoint.load", ckpt.load,
                "names a checkpoint (an iter_* directory) or a checkpoint dir holding some",

@@ -7,7 +7,9 @@ large enough to diverge is refused by validation, tests/test_nothing_lost.py).
 With LAUNCHER_TEST_SPIKE_AT_STEP=K, the last stage multiplies its final norm's weights by -20 for step K's
 forward and backward (the logits turn over and grow 20-fold: a loss spike) and puts them back bitwise after it; with
 LAUNCHER_TEST_SPIKE_ONCE=1 only the first time this process computes step K (a transient fault, which a replay
-does not meet), else every time (a poisoned batch: the replay meets it again) (tests/test_loss_spikes.py)."""
+does not meet), else every time (a poisoned batch: the replay meets it again) (tests/test_loss_spikes.py).
+With LAUNCHER_TEST_SLOW_ASYNC_WRITE=K:S, the background writer of step K's asynchronous checkpoint sleeps S seconds
+before it writes (checkpoint.async_save, tests/test_async_save.py): a kill or a stop signal lands during the write."""
 import importlib.abc
 import importlib.util
 import os
@@ -16,6 +18,22 @@ import sys
 _STEP = os.environ.get("LAUNCHER_TEST_CRASH_AT_STEP")
 _NAN = os.environ.get("LAUNCHER_TEST_NAN_AT_STEP")
 _SPIKE = os.environ.get("LAUNCHER_TEST_SPIKE_AT_STEP")
+_SLOW_WRITE = os.environ.get("LAUNCHER_TEST_SLOW_ASYNC_WRITE")
+
+
+def _patch_writer(module) -> None:
+    import time
+
+    step, seconds = (float(x) for x in _SLOW_WRITE.split(":"))
+    original = module._background_write
+
+    def slow(at, write_fn, *args, **kwargs):
+        if at == int(step):
+            module._die_with_parent()  # as the real writer does first: no orphan sleeps on after a kill
+            time.sleep(seconds)
+        return original(at, write_fn, *args, **kwargs)
+
+    module._background_write = slow
 
 
 def _patch(module) -> None:
@@ -58,20 +76,26 @@ def _spiked(loop, original, iterators):
 
 
 class _Hook(importlib.abc.MetaPathFinder):
+    def __init__(self, name, patch):
+        self.name, self.patch = name, patch
+
     def find_spec(self, name, path, target=None):
-        if name != "launcher.rank.loop":
+        if name != self.name:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
         load = spec.loader.exec_module
+        patch = self.patch
 
         def exec_module(module):
             load(module)
-            _patch(module)
+            patch(module)
 
         spec.loader.exec_module = exec_module
         return spec
 
 
 if (_STEP or _NAN or _SPIKE) and os.environ.get("RANK") is not None:
-    sys.meta_path.insert(0, _Hook())
+    sys.meta_path.insert(0, _Hook("launcher.rank.loop", _patch))
+if _SLOW_WRITE and os.environ.get("RANK") is not None:
+    sys.meta_path.insert(0, _Hook("launcher.rank.async_save", _patch_writer))
