@@ -144,3 +144,22 @@ def test_a_slurm_chain_trains_exports_and_evaluates_and_runs_shows_the_score(slu
     assert (info["scheduler"], info["job_id"], info["post_job_id"]) == ("slurm", train_id, post_id), info
 
 
+
+
+def test_the_held_out_tokens_are_the_validation_splits_documents():
+    """post.eval reads the documents Megatron-Core's builder gives the validation split (data.split), in order, and
+    a post.eval_blend whole from its first document: sequences of seq_length + 1 tokens, each next one seq_length on."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from launcher.hf.post import held_out_samples
+
+    prefix = str(ROOT / "data" / "assets" / "smoke_text_document")
+    ds = IndexedDataset(prefix)
+    n_docs = len(ds.document_indices) - 1
+    first_valid = int(round(0.98 * n_docs))
+    for whole, doc in ((False, first_valid), (True, 0)):
+        stream = np.concatenate([ds[s] for s in range(int(ds.document_indices[doc]), int(ds.document_indices[doc]) + 8)])
+        got = held_out_samples([(1.0, prefix)], whole=whole, split="98,2,0", seq_length=16, samples=3).numpy()
+        assert got.shape == (3, 17) and (got[1, 0] == got[0, 16]), got
+        assert np.array_equal(got.reshape(-1)[:17], stream[:17]) and np.array_equal(got[2], stream[32:49]), whole

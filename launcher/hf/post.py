@@ -1,4 +1,4 @@
-"""``python -m launcher post BUNDLE``: the steps after training (``post.*``), for every kept checkpoint of the run.
+"""``python -m launcher post RUN`` (a bundle path, or a bundle or job name under runs/, as ``status`` takes): the steps after training (``post.*``), for every kept checkpoint of the run.
 
 - ``post.export_hf``: ``<checkpoint>/hf`` through export-hf (launcher/hf/export.py), once per checkpoint.
 - ``post.eval``: the perplexity of the exported model (transformers, CPU is enough) on held-out tokens, written
@@ -29,7 +29,7 @@ from typing import Optional
 from launcher.core.blend import parse_blend
 from launcher.core.checkpoint_dir import checkpoint_dir, complete_checkpoints
 
-USAGE = "python -m launcher post BUNDLE"
+USAGE = "python -m launcher post RUN"
 STATE_FILE = "post.json"
 EVAL_FILE = "eval.json"
 BATCH = 4
@@ -56,12 +56,17 @@ def atomic_json(path: Path, data) -> None:
 # ---- held-out tokens -------------------------------------------------------------------------------------------
 
 def split_bounds(split: str) -> tuple[float, float]:
-    """The validation split's [begin, end) as fractions of the documents: Megatron-Core's builder normalises the
-    three weights and gives split i the documents round(lo_i * N) .. round(hi_i * N)
-    (``BlendedMegatronDatasetBuilder._build_megatron_dataset_splits``)."""
-    weights = [float(s) for s in str(split).split(",")]
-    total = sum(weights)
-    return weights[0] / total, (weights[0] + weights[1]) / total
+    """The validation split's [begin, end) as fractions of a dataset's documents, by Megatron-Core's own functions:
+    its builder gives split i the documents round(lo_i * N) .. round(hi_i * N)
+    (``BlendedMegatronDatasetBuilder._build_megatron_dataset_splits``), so these are the documents the ranks'
+    validation reads and training never does."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (convert_split_vector_to_split_matrix,
+                                                                        parse_and_normalize_split)
+
+    bounds = convert_split_vector_to_split_matrix(parse_and_normalize_split(str(split)))[1]
+    if bounds is None or bounds[1] <= bounds[0]:
+        raise PostError(f"data.split={split} gives the validation split no documents; set post.eval_blend")
+    return float(bounds[0]), float(bounds[1])
 
 
 def held_out_samples(prefixes: list[tuple[float, str]], *, whole: bool, split: str, seq_length: int,
@@ -79,7 +84,8 @@ def held_out_samples(prefixes: list[tuple[float, str]], *, whole: bool, split: s
         ds = IndexedDataset(prefix)
         docs = ds.document_indices  # sequence index where each document starts (+ the end)
         n_docs = len(docs) - 1
-        lo, hi = (0, n_docs) if whole else (round(split_bounds(split)[0] * n_docs), round(split_bounds(split)[1] * n_docs))
+        bounds = (0.0, 1.0) if whole else split_bounds(split)
+        lo, hi = int(round(bounds[0] * float(n_docs))), int(round(bounds[1] * float(n_docs)))
         need, chunks, have = want * seq_length + 1, [], 0
         for seq in range(int(docs[lo]), int(docs[hi])):
             if have >= need:
@@ -240,11 +246,14 @@ def main(argv: list[str]) -> int:
         if argv[:1] in (["-h"], ["--help"]):
             print(f"usage: {USAGE}\n\n{__doc__.splitlines()[0]}")
             return 0
-        print(f"error: post takes one BUNDLE (a run bundle path), got {' '.join(argv) or 'nothing'}: {USAGE}",
-              file=sys.stderr)
+        print(f"error: post takes one RUN (a run bundle path or a name under runs/), got {' '.join(argv) or 'nothing'}: "
+              f"{USAGE}", file=sys.stderr)
         return 2
-    bundle = Path(argv[0]).resolve()
-    if not (bundle / "config.yaml").is_file():
-        print(f"error: {argv[0]} is not a run bundle (no config.yaml): {USAGE}", file=sys.stderr)
+    from launcher.runs import UsageError, resolve  # the login commands' RUN, so status and post name runs alike
+
+    try:
+        bundle = resolve(argv[0])
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     return Chain(bundle, log=lambda line: print(line, flush=True)).run()
