@@ -373,6 +373,9 @@ def do_submit(job: JobConfig, args, checked: Checked) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"submitted: job {job_id}; logs in {bundle.path / 'logs'}")
+    if (bundle.path / "post.sbatch").is_file():
+        print(f"post steps: job {job_id} submits {bundle.path / 'post.sbatch'} when training ends with DONE "
+              "(--dependency=afterok on itself); follow them with python -m launcher status " + str(bundle.path))
     return 0
 
 
@@ -390,4 +393,20 @@ def do_run(job: JobConfig, args, checked: Checked) -> int:
     except KeyboardInterrupt:  # a third Ctrl-C while the executor ended what was left
         code = 130
     print(f"run finished with exit code {code}; bundle: {bundle.path}")
+    if code == 0 and (bundle.path / "post.sh").is_file() and (bundle.path / "DONE").is_file():
+        code = _run_post(bundle)
+    return code
+
+
+def _run_post(bundle) -> int:
+    """post.*: after training ended with DONE, the same steps a Slurm chain's post job runs (post.sh), here and
+    now; their exit code is the run's (a chain that could not evaluate must not look like a success)."""
+    from launcher.executor import LocalExecutor
+
+    print(f"post: {bundle.path / 'post.sh'} (log: {bundle.path / 'logs' / 'post.log'})", flush=True)
+    try:
+        code = LocalExecutor().run(bundle, script="post.sh", log_name="post.log")
+    except KeyboardInterrupt:
+        code = 130
+    print(f"post steps finished with exit code {code}; see python -m launcher status {bundle.path}")
     return code

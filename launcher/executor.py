@@ -62,12 +62,13 @@ class LocalExecutor:
     drain_s: float = 5.0
     grace_s: float = 5.0
 
-    def run(self, bundle: Bundle) -> int:
+    def run(self, bundle: Bundle, script: str = "launch.sh", log_name: str = "local.log") -> int:
+        """Run the bundle's ``script`` (launch.sh: training; post.sh: the post steps) into ``logs/<log_name>``."""
         import threading
 
-        log_path = bundle.path / "logs" / "local.log"
+        log_path = bundle.path / "logs" / log_name
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(["bash", str(bundle.launch)], stdout=subprocess.PIPE,
+            proc = subprocess.Popen(["bash", str(bundle.path / script)], stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, start_new_session=True)
             assert proc.stdout is not None
             pump = threading.Thread(target=_pump, args=(proc.stdout, log), daemon=True)

@@ -19,8 +19,9 @@ pretrain_gpt.py arguments, and `python -m launcher import SCRIPT` turns a Megatr
 recipe; `python -m launcher export-hf --checkpoint DIR/iter_N --output OUT` writes a checkpoint as a Hugging Face
 model and `python -m launcher import-hf --hf DIR --output CKPT [key=value ...]` the reverse (--help on each).
 After a launch, `python -m launcher runs [DIR]`, `status RUN`, `logs RUN [--rank N] [--follow]` and `cancel RUN`
-(a stop checkpoint first) follow its run bundle. `python -m launcher checkpoint-info DIR [--json]` says what a
-checkpoint is (model, layout, formats, step, data position); with checkpoint.load or checkpoint.dir set,
+(a stop checkpoint first) follow its run bundle; `python -m launcher post RUN` runs its post.* steps (export-hf,
+eval.json per kept checkpoint), which action=run and a Slurm job's DONE start by themselves.
+`python -m launcher checkpoint-info DIR [--json]` says what a checkpoint is (model, layout, formats, step, data position); with checkpoint.load or checkpoint.dir set,
 action=validate and action=plan print whether this job loads it (as is, resharded, converted) or refuse it.
 Any field below can be overridden with Hydra syntax (parallel.tensor=4, 'data.blend=[0.3,a,0.7,b]',
 +experiment=bf16).

@@ -6,6 +6,7 @@
         launch.sh     the torchrun command for one node
         env.sh        environment from the cluster profile (never secrets)
         rank.sh       profile.kind=nsys only: torchrun's per-rank command, the profiled ranks under nsys
+        post.sh       post.* only: export / evaluate every kept checkpoint after training (post.sbatch on Slurm)
         meta.json     launcher git SHA, time, command line
         plan.json     the planner's prediction (when available)
         logs/         Slurm / local logs
@@ -138,6 +139,8 @@ def template_context(job: JobConfig, bundle_dir: Path, signal_lead: dict | None 
         "nsys": job.profile.kind == Profiler.NSYS,
         "profile_ranks": " ".join(str(r) for r in job.profile.ranks),
         "step_start": job.profile.step_start, "step_end": job.profile.step_end,
+        # post.*: the steps after training (post.sh; on Slurm post.sbatch, submitted by job.sbatch at DONE)
+        "post": bool(post_steps(job)), "post_steps": " + ".join(post_steps(job)),
     }
 
 
@@ -153,7 +156,18 @@ def render_texts(job: JobConfig, bundle_dir: Path, signal_lead: dict | None = No
     }
     if ctx["nsys"]:
         texts["rank.sh"] = env.get_template("rank.sh.j2").render(**ctx)
+    if ctx["post"]:
+        texts["post.sh"] = env.get_template("post.sh.j2").render(**ctx)
+        if job.cluster.launcher == "slurm":
+            texts["post.sbatch"] = env.get_template("post.sbatch.j2").render(**ctx)
     return texts
+
+
+def post_steps(job: JobConfig) -> list[str]:
+    """The post.* steps this job runs after training, in their order (launcher/hf/post.py)."""
+    p = job.post
+    return [name for name, on in (("export_hf", p.export_hf), ("eval", p.eval), ("lm_eval", bool(p.lm_eval_tasks)))
+            if on]
 
 
 def _time_limit_s(job: JobConfig) -> int:
@@ -273,7 +287,7 @@ def _place(job: JobConfig, final: Path, texts: dict, argv: list[str], plan: dict
     try:
         for name, text in texts.items():
             (tmp / name).write_text(text)
-        for script in ("job.sbatch", "launch.sh", "rank.sh"):
+        for script in ("job.sbatch", "launch.sh", "rank.sh", "post.sh", "post.sbatch"):
             if script in texts:
                 os.chmod(tmp / script, 0o755)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")

@@ -54,6 +54,15 @@ class RunInfo:
     helpers: list = field(default_factory=list)
     """Other processes of the bundle still alive (a rank's checkpoint writer or loader workers)."""
     created: Optional[str] = None
+    post: Optional[str] = None
+    """The post.* steps after training (launcher/hf/post.py): None (none asked), waiting (training first), pending,
+    running, done, failed, not run (training did not end with DONE)."""
+    post_job_id: Optional[str] = None
+    post_reason: Optional[str] = None
+    score: Optional[float] = None
+    """Perplexity of the newest evaluated checkpoint (its eval.json)."""
+    evals: list = field(default_factory=list)
+    """Each kept checkpoint's eval.json (oldest first), with its ``path`` and its ``hf`` export, if any."""
 
 
 def read_text(path: Path, limit: int = 2000) -> Optional[str]:
@@ -134,6 +143,8 @@ def read_run(bundle: Path, live: Optional[dict] = None) -> RunInfo:
 
         newest = latest_checkpoint(checkpoint_dir(job.checkpoint.dir, bundle))
         info.checkpoint = str(newest) if newest is not None else None
+    if job is not None:
+        _post(bundle, job, info)
     if info.state in ("running", "stopping") and info.ms_per_step and info.total and info.step is not None:
         info.eta_s = round(info.ms_per_step / 1e3 * max(0, info.total - info.step), 1)
     return info
@@ -258,3 +269,52 @@ def _slurm_state(bundle: Path, info: RunInfo) -> None:
         else:
             info.state = "cancelled" if state == "CANCELLED" else "failed"
             info.reason = f"slurm: {state}" + (f"; {_crash_reason(bundle, info)}" if info.attempts else "")
+
+
+def _post(bundle: Path, job, info: RunInfo) -> None:
+    """The post steps' state (BUNDLE/post.json, written by launcher/hf/post.py; post_submission.json, by job.sbatch
+    when it submits them) and every kept checkpoint's eval.json."""
+    from launcher.core.checkpoint_dir import checkpoint_dir, complete_checkpoints
+
+    for path, manifest in reversed(complete_checkpoints(checkpoint_dir(job.checkpoint.dir, bundle))):
+        result = _json(path / "eval.json")
+        hf = path / "hf" / "config.json"
+        if isinstance(result, dict) or hf.is_file():
+            info.evals.append({**(result if isinstance(result, dict) else {"iteration": manifest.get("step")}),
+                               "path": str(path), "hf": str(hf.parent) if hf.is_file() else None})
+    scored = [e for e in info.evals if isinstance(e.get("perplexity"), (int, float))]
+    info.score = float(scored[-1]["perplexity"]) if scored else None
+    p = job.post
+    if not (p.export_hf or p.eval or p.lm_eval_tasks):
+        return
+    state, submitted = _json(bundle / "post.json"), _json(bundle / "post_submission.json")
+    if isinstance(submitted, dict) and submitted.get("job_id"):
+        info.post_job_id = str(submitted["job_id"])
+    said = state.get("state") if isinstance(state, dict) else None
+    if said in ("done", "failed"):
+        info.post, info.post_reason = said, state.get("reason")
+    elif info.post_job_id:
+        slurm = slurm_state(info.post_job_id)
+        if slurm in SLURM_PENDING or slurm in SLURM_ACTIVE:
+            info.post = "pending" if slurm in SLURM_PENDING else "running"
+        else:
+            info.post, info.post_reason = "failed", f"post job {info.post_job_id} ended without a result " \
+                                                    f"(slurm: {slurm or 'forgotten'}); see logs/post-{info.post_job_id}.out"
+    elif said == "running":
+        alive = state.get("host") != os.uname().nodename or _alive_pid(state.get("pid"))
+        info.post, info.post_reason = ("running", None) if alive else \
+            ("failed", "ended without a result (killed?); see logs/post.log")
+    elif info.state == "done":
+        info.post = "waiting"  # a local run starts post.sh right after; job.sbatch submits post.sbatch
+    else:
+        info.post = "waiting" if info.state in ACTIVE else "not run"
+
+
+def _alive_pid(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+        return True
+    except (TypeError, ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True

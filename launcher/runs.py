@@ -197,12 +197,33 @@ def _state(info: RunInfo) -> str:
 
 
 def table(infos: list[RunInfo]) -> str:
-    header = ("NAME", "MODEL", "LAYOUT", "SCHEDULER", "STATE", "STEP", "LOSS", "ETA", "ATTEMPTS", "CHECKPOINT")
+    header = ("NAME", "MODEL", "LAYOUT", "SCHEDULER", "STATE", "STEP", "LOSS", "ETA", "ATTEMPTS", "CHECKPOINT", "PPL")
     rows = [header] + [(i.name, i.model, i.layout, i.scheduler + (f" {i.job_id}" if i.job_id else ""), _state(i),
                         _step(i), f"{i.loss:.4f}" if i.loss is not None else "-", _duration(i.eta_s),
-                        str(len(i.attempts)), Path(i.checkpoint).name if i.checkpoint else "-") for i in infos]
+                        str(len(i.attempts)), Path(i.checkpoint).name if i.checkpoint else "-", _score(i))
+                       for i in infos]
     widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def _score(info: RunInfo) -> str:
+    """The PPL column: the newest evaluated checkpoint's perplexity (post.eval), else where the post steps are."""
+    if info.score is not None:
+        return f"{info.score:.2f}"
+    return {None: "-", "done": "-", "not run": "-"}.get(info.post, f"post:{info.post}")
+
+
+def _post_lines(info: RunInfo) -> list[str]:
+    lines = []
+    if info.post is not None:
+        lines.append(f"post:       {info.post}" + (f" (job {info.post_job_id})" if info.post_job_id else "")
+                     + (f": {info.post_reason}" if info.post_reason else ""))
+    for e in info.evals:
+        said = [f"perplexity {e['perplexity']:.2f} (loss {e['loss']:.4f}, {e['tokens']} tokens)"] \
+            if isinstance(e.get("perplexity"), (int, float)) else []
+        said += [f"hf {e['hf']}"] if e.get("hf") else []
+        lines.append(f"  {Path(e['path']).name}: {', '.join(said)}")
+    return lines
 
 
 def detail(info: RunInfo) -> str:
@@ -215,6 +236,7 @@ def detail(info: RunInfo) -> str:
              + (f", {info.ms_per_step:.0f} ms/step" if info.ms_per_step else "")
              + (f", ETA {_duration(info.eta_s)}" if info.eta_s is not None else ""),
              f"checkpoint: {info.checkpoint or 'none'}"]
+    lines += _post_lines(info)
     if info.pids:
         lines.append(f"processes:  {' '.join(map(str, info.pids))}")
     for n, a in enumerate(info.attempts, 1):

@@ -635,6 +635,27 @@ class TimeoutsConfig:
 
 
 @dataclass
+class PostConfig:
+    """Steps run after training ends with DONE, for every kept checkpoint (launcher/hf/post.py): export to Hugging
+    Face and evaluate. Slurm: the training job submits them as one job (``afterok`` on itself) at its successful end;
+    a local run runs them after training. Results go beside each checkpoint; ``runs`` and ``status`` show them."""
+
+    export_hf: bool = False
+    """Export every kept checkpoint to <checkpoint>/hf (export-hf: safetensors, config.json, tokenizer)."""
+    eval: bool = False
+    """Evaluate every kept checkpoint: perplexity on post.eval_blend, written atomically to <checkpoint>/eval.json
+    (iteration, tokens, loss, perplexity, blend). Uses the exported model (a temporary export when export_hf=false)."""
+    eval_blend: List[Any] = field(default_factory=list)
+    """Held-out dataset prefixes ([prefix, ...] or [weight, prefix, ...]), read whole; empty: the validation split
+    (data.split) of data.blend. Relative: as data.blend."""
+    eval_samples: int = 16
+    """Sequences of model.seq_length tokens evaluated per checkpoint (fewer if the held-out data is shorter)."""
+    lm_eval_tasks: List[str] = field(default_factory=list)
+    """lm-eval-harness tasks run on each export (e.g. ["hellaswag"]) where lm_eval is installed; without it, said
+    once and skipped. Results: <checkpoint>/lm_eval.json."""
+
+
+@dataclass
 class JobConfig:
     """A whole job: what to train, how to lay it out, and where to run it."""
 
@@ -663,6 +684,7 @@ class JobConfig:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
+    post: PostConfig = field(default_factory=PostConfig)
 
 
 SECTIONS = {
@@ -670,6 +692,7 @@ SECTIONS = {
     "precision": PrecisionConfig, "train": TrainConfig, "data": DataConfig,
     "checkpoint": CheckpointConfig, "logging": LoggingConfig, "cluster": ClusterConfig,
     "slurm": SlurmConfig, "profile": ProfileConfig, "timeouts": TimeoutsConfig,
+    "post": PostConfig,
 }
 
 

@@ -12,7 +12,7 @@ Conventions the docs follow (README.md says them to readers):
   or submit a run (run, submit, or none);
 - other blocks (```text, plain) are recorded output of runs these tests cannot repeat; their launcher commands, like
   every command that names files of a cluster (/lustre, <bundle>, ...) or a sub-command that needs torch or a run
-  (import, export-hf, import-hf, cancel), are checked only for their field names (launcher/overrides.py).
+  (import, export-hf, import-hf, post, cancel), are checked only for their field names (launcher/overrides.py).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FIXTURE = ROOT / "tests" / "fixtures" / "docs" / "bundles"
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.M | re.S)
 RUNS = ("runs", "status", "logs", "checkpoint-info")          # login-node sub-commands, run on the fixture bundle
-NOT_RUN = ("cancel", "import", "export-hf", "import-hf")      # need a live run, torch, or the user's files
+NOT_RUN = ("cancel", "import", "export-hf", "import-hf", "post")  # need a live run, torch, or the user's files
 STARTS = ("run", "submit", "default")                         # actions that would start or submit a run
 CLUSTER_FILES = ("/lustre", "<", "/opt/", "registry.example.com")
 

@@ -98,3 +98,27 @@ def test_an_older_torch_without_the_shutdown_flag_gets_the_timeout_as_its_close_
     assert PContext.close.__defaults__[1] == 30
     shutdown_timeout_for_older_torch(argparse.Namespace())
     assert PContext.close.__defaults__ == (None, 420)
+
+
+CHAIN = FIXED + ["post.export_hf=true", "post.eval=true"]
+"""Job chains (issue 44): the training job submits post.sbatch at DONE (afterok on itself); post.sh runs the steps."""
+
+
+@pytest.mark.parametrize("name", ["job.sbatch", "post.sbatch", "post.sh"])
+def test_chain_matches_golden(name):
+    texts = render_texts(compose_job(CHAIN), Path("/lustre/runs/llama405b-chain"))
+    golden = GOLDEN / f"llama405b_chain.{name}"
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(texts[name])
+    assert texts[name] == golden.read_text()
+
+
+def test_chain_scripts_only_with_post_steps_and_the_sbatch_submits_them_at_done():
+    plain = render_texts(compose_job(FIXED), Path("/x"))
+    assert not {"post.sh", "post.sbatch"} & set(plain) and "post.sbatch" not in plain["job.sbatch"]
+    sbatch = (GOLDEN / "llama405b_chain.job.sbatch").read_text()
+    done = sbatch.index('if [[ $status -eq 0 && -f "$BUNDLE/DONE" ]]; then')
+    submit = sbatch.index('sbatch --parsable --dependency="afterok:$SLURM_JOB_ID" "$BUNDLE/post.sbatch"')
+    assert done < submit < sbatch.index("  exit 0\nfi", done)  # only on the successful end, before its exit
+    local = render_texts(compose_job(["post.eval=true"]), Path("/x"))  # a local run: post.sh, no post.sbatch
+    assert "post.sh" in local and "post.sbatch" not in local

@@ -18,7 +18,7 @@ from test_nothing_lost import finish, wait_for
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
 ONE_RANK = [*TINY, *layout(), "cluster.gpus_per_node=1", "checkpoint.save_interval=0"]
-HEADER = ["NAME", "MODEL", "LAYOUT", "SCHEDULER", "STATE", "STEP", "LOSS", "ETA", "ATTEMPTS", "CHECKPOINT"]
+HEADER = ["NAME", "MODEL", "LAYOUT", "SCHEDULER", "STATE", "STEP", "LOSS", "ETA", "ATTEMPTS", "CHECKPOINT", "PPL"]
 
 
 def launch(tmp_path: Path, name: str, *overrides: str, env: dict | None = None) -> subprocess.Popen:
@@ -71,7 +71,7 @@ def test_a_finished_run_is_listed_with_its_steps_loss_attempts_and_checkpoint(tm
     table = cli(tmp_path, "runs").stdout.splitlines()
     assert table[0].split() == HEADER and len(table) == 2, table
     assert table[1].split() == [bundle.name, run["model"], "TP1", "PP1", "DP1", "local", "done", "4/4",
-                                f"{run['loss']:.4f}", "-", "1", "iter_0000004"], table
+                                f"{run['loss']:.4f}", "-", "1", "iter_0000004", "-"], table
 
     status = cli(tmp_path, "status", "fin")  # a job name under runs/: its newest run
     assert status.returncode == 0 and f"bundle:     {bundle}\n" in status.stdout, status

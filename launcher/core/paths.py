@@ -21,8 +21,9 @@ import os
 from typing import List, Optional, Tuple
 
 PATH_FIELDS = ("output_dir", "checkpoint.dir", "checkpoint.load", "checkpoint.load_hf", "data.blend",
-               "data.tokenizer", "data.cache_dir")
-"""Every field of the job that names a file or directory (``data.blend``: its prefixes, not its weights)."""
+               "data.tokenizer", "data.cache_dir", "post.eval_blend")
+"""Every field of the job that names a file or directory (``data.blend``, ``post.eval_blend``: their prefixes, not
+their weights)."""
 
 
 NAME_MAX = 255
@@ -93,6 +94,7 @@ def path_values(job) -> List[Tuple[str, str]]:
            ("checkpoint.load_hf", c.load_hf)]
     out += [("data.blend", d.blend[i]) for i in _blend_prefix_slots(d.blend)]
     out += [("data.tokenizer", d.tokenizer), ("data.cache_dir", d.cache_dir)]
+    out += [("post.eval_blend", job.post.eval_blend[i]) for i in _blend_prefix_slots(job.post.eval_blend)]
     return [(field, str(value)) for field, value in out if value]
 
 
@@ -101,14 +103,20 @@ def with_absolute_paths(job, base: Optional[str] = None):
     def fix(value):
         return absolute(value, base) if isinstance(value, str) and value else value
 
-    blend = list(job.data.blend)
-    for i in _blend_prefix_slots(blend):
-        blend[i] = fix(blend[i])
+    def prefixes(blend):
+        blend = list(blend)
+        for i in _blend_prefix_slots(blend):
+            blend[i] = fix(blend[i])
+        return blend
+
+    blend = prefixes(job.data.blend)
+    post = dataclasses.replace(job.post, eval_blend=prefixes(job.post.eval_blend))
     checkpoint = dataclasses.replace(job.checkpoint, dir=fix(job.checkpoint.dir), load=fix(job.checkpoint.load),
                                      load_hf=fix(job.checkpoint.load_hf))
     data = dataclasses.replace(job.data, blend=blend, tokenizer=fix(job.data.tokenizer),
                                cache_dir=fix(job.data.cache_dir))
-    return dataclasses.replace(job, output_dir=fix(job.output_dir), checkpoint=checkpoint, data=data)
+    return dataclasses.replace(job, output_dir=fix(job.output_dir), checkpoint=checkpoint, data=data,
+                               post=post)
 
 
 def container_relative(job) -> List[Tuple[str, str, str, str]]:

@@ -18,7 +18,7 @@ _NOT_IDENTITY = {"name", "action", "output_dir", "force", "logging", "slurm", "c
                  "train.eval_iters", "train.nonfinite", "train.straggler_interval", "train.straggler_margin",
                  "train.spike_factor", "train.spike_window", "train.spike_lr_factor", "train.spike_lr_steps",
                  "data.cache_dir", "data.num_workers", "schedule.record_timeline", "train.deterministic", "profile",
-                 "timeouts"}
+                 "timeouts", "post"}
 _CLUSTER_IDENTITY = ("gpus_per_node", "backend")
 
 

@@ -28,6 +28,7 @@ CKPT = "dist_checkpointing save/load"
 METRICS = "metrics (rank 0 log, TensorBoard, wandb)"
 DIST = "torch.distributed.init_process_group"
 LOGIN = "login node only"
+POST = "post steps after training (launcher/hf/post.py: export-hf, eval.json)"
 
 
 @dataclass(frozen=True)
@@ -205,5 +206,7 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
     # ---- timeouts (launcher/core/timeouts.py: resolved at render into env.sh, read by launcher/rank/setup.py)
     "timeouts.collective_s": _w(DIST, "timeout", same=False), "timeouts.heartbeat_s": _w(LOGIN),
     "timeouts.hang_s": _w(LOGIN),  # rendered into env.sh; the node's watchdog (launcher/rank/agent.py) reads it
+    # ---- post (no rank reads them: the bundle's post.sh runs launcher/hf/post.py after training)
+    **{f"post.{name}": _w(POST) for name in ("export_hf", "eval", "eval_blend", "eval_samples", "lm_eval_tasks")},
 }
 """Schema field (dotted path) -> its destinations."""

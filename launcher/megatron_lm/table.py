@@ -372,6 +372,8 @@ LAUNCHER_ONLY: Dict[str, str] = {
     **{f"profile.{name}": "profiling: how a run is observed, not what it trains (Megatron-LM's --profile* and "
                           "--record-memory-history are read as ignored)"
        for name in ("kind", "step_start", "step_end", "ranks", "memory_snapshot", "memory_snapshot_entries")},
+    **{f"post.{name}": "a step after training (export to Hugging Face, evaluation), not part of the job"
+       for name in ("export_hf", "eval", "eval_blend", "eval_samples", "lm_eval_tasks")},
 }
 """Fields no Megatron-LM argument sets (besides cluster.* and slurm.*, the site profile), with why. Export
 names those that differ from the schema's default as not expressible; import keeps the recipe's value."""

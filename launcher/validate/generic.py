@@ -138,6 +138,7 @@ BOUNDS: dict[str, Bound] = {
     "timeouts.collective_s": Bound(1, why="seconds; null derives it from the plan"),
     "timeouts.heartbeat_s": Bound(1, why="seconds; null: the collective timeout + 120 s"),
     "timeouts.hang_s": Bound(1, why="seconds; null derives it from the plan"),
+    "post.eval_samples": Bound(1, 1e6, why="sequences of model.seq_length tokens per checkpoint"),
 }
 """Every numeric field's range, declared once: checked by ``validate_bounds`` and quoted when Hydra cannot
 even convert a value (``field_rule``). Cross-field rules live in the sections below."""

@@ -273,3 +273,39 @@ def slurm_seconds(text: str) -> int | None:
         return None
     days, h, mi, s = (int(g or 0) for g in m.groups())
     return ((days * 24 + h) * 60 + mi) * 60 + s
+
+
+def validate_post(job: JobConfig) -> list[Problem]:
+    """post.*: the steps after training need a kept checkpoint to work on and, for eval, held-out tokens to read
+    (launcher/hf/post.py walks the checkpoints the run keeps and reads the blend's documents)."""
+    c, p, ckpt = Checks(), job.post, job.checkpoint
+    asked = [name for name, on in (("post.eval", p.eval), ("post.export_hf", p.export_hf)) if on]
+    if asked:
+        c.need(ckpt.save_interval > 0 or ckpt.save_at_end, asked[0], True,
+               "runs on the checkpoints training keeps, and this run keeps none (checkpoint.save_interval=0 and "
+               "checkpoint.save_at_end=false)", "checkpoint.save_at_end=true")
+    if p.eval:
+        c.need(bool(p.eval_blend) or job.data.kind == "indexed", "post.eval", True,
+               f"needs held-out tokens: post.eval_blend is empty and data.kind={job.data.kind} has no validation "
+               "split to read", "post.eval_blend=[path/to/heldout_text_document]")
+        if not p.eval_blend and job.data.kind == "indexed":
+            parts = [s.strip() for s in str(job.data.split).split(",")]
+            valid = float(parts[1]) if len(parts) == 3 and is_number(parts[1]) else 1.0
+            c.need(valid > 0, "post.eval", True, f"reads the validation split of data.blend, and data.split="
+                   f"{job.data.split} gives it no documents", "data.split='98,2,0' or a post.eval_blend")
+    if p.eval_blend:
+        problem = blend_structure_problem(list(p.eval_blend))
+        if problem is not None:  # the data.blend rule, said of this field
+            c.problems.append(Problem("post.eval_blend", problem.value, problem.rule,
+                                      problem.hint.replace("data.blend=", "post.eval_blend=")))
+        else:
+            from launcher.core.indexed_files import bin_mismatch
+
+            for _, prefix in parse_blend(list(p.eval_blend)):
+                why = bin_mismatch(str(prefix))
+                c.need(why is None, "post.eval_blend", prefix, f"must name a Megatron .bin/.idx prefix: {why}",
+                       "post.eval_blend=[] (the validation split of data.blend)")
+    if p.lm_eval_tasks:
+        c.need(p.export_hf or p.eval, "post.lm_eval_tasks", list(p.lm_eval_tasks),
+               "runs on the exported model, and no post step is on", "post.export_hf=true")
+    return c.problems

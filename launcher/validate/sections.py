@@ -12,8 +12,8 @@ from launcher.validate.generic import validate_bounds, validate_choices, validat
 from launcher.validate.model import validate_model, validate_optimizer_levers, validate_precision, validate_train
 from launcher.validate.parallel import validate_parallel
 from launcher.validate.run import (validate_checkpoint, validate_cluster, validate_data, validate_deterministic,
-                                   validate_job, validate_loaded_weights, validate_logging, validate_profile,
-                                   validate_slurm)
+                                   validate_job, validate_loaded_weights, validate_logging, validate_post,
+                                   validate_profile, validate_slurm)
 from launcher.validate.schedule import validate_schedule
 
 
@@ -34,6 +34,7 @@ SECTION_CHECKS: tuple[Callable[[JobConfig, Layout], list[Problem]], ...] = (
     lambda j, lay: validate_slurm(j),
     validate_profile,
     lambda j, lay: validate_deterministic(j),
+    lambda j, lay: validate_post(j),
 )
 """Each section's rules, in report order; the cross-section ones read the derived layout."""
 
