@@ -87,7 +87,15 @@ def mfu(n: int = 1, steps: int = 12) -> List[str]:
             f"train.train_steps={steps}"]
 
 
-ALL = {"fp8_llama_1": fp8_llama(1), "fp8_llama_8": fp8_llama(8), "moe_ep2": moe(False),
+def hang(n: int = 4) -> List[str]:
+    """TP2 x PP2 on 4 GPUs (PP2 on 2): runs until a rank is stopped; the agent's watchdog must then name it from the
+    NCCL Flight Recorder traces of the others (issue 39's GPU path: TORCH_FR_* / TORCH_NCCL_* rendered into env.sh,
+    the traces dumped on the watchdog's signal, analysed by launcher/rank/flight_recorder.py)."""
+    return [*SMALL_LLAMA, *GPU, *gpus(n), *parallel(tp=2 if n >= 4 else 1, pp=2), "train.global_batch_size=8",
+            "train.train_steps=100000", "checkpoint.save_interval=0", "timeouts.hang_s=30"]
+
+
+ALL = {"hang_4": hang(4), "hang_2": hang(2), "fp8_llama_1": fp8_llama(1), "fp8_llama_8": fp8_llama(8), "moe_ep2": moe(False),
        "moe_ep2_a2a_overlap": moe(True), "checkpointed_1": checkpointed(1), "mfu_1": mfu(1),
        "fsdp_2": fsdp(True), "ddp_2": fsdp(False),
        **{f"tp2_{kind}_{n}gpu": zero_bubble_tp(kind, n) for kind in ZB_TP_KINDS for n in (4, 8)}}

@@ -17,7 +17,9 @@ What each test proves, and the CPU check of the same thing where one exists:
   (CPU: tests/test_combined_1f1b.py with stand-in streams);
 * a checkpoint saved at step 3 resumes to the uninterrupted losses;
 * two pipeline stages start from different weights (CPU: tests/test_rank_seeds.py through the CPU bridge);
-* the logged MFU lies within the planner's band for the job.
+* the logged MFU lies within the planner's band for the job;
+* a rank stopped mid-run under NCCL is named by the agent's watchdog from the other ranks' NCCL Flight Recorder
+  traces, and the run stops (CPU: tests/test_hang_forensics.py with gloo's Flight Recorder).
 """
 from __future__ import annotations
 
@@ -218,3 +220,53 @@ def test_logged_mfu_is_within_the_planners_band(tmp_path):
     # the planner is within ~3-11% on NVIDIA's published multi-node runs; a 4-layer one-GPU job has relatively
     # more embedding/loss and launch overhead than those, hence a wide band
     assert 0.6 <= median / predicted <= 1.4, (median, predicted)
+
+
+def test_a_stopped_rank_is_named_from_the_nccl_flight_recorder_traces(tmp_path):
+    """Rank n/2 (pipeline stage 1) is stopped (SIGSTOP) after step 3: its peers wait in NCCL; the watchdog (30 s
+    without progress, timeouts.hang_s) signals every rank, each live one dumps its NCCL Flight Recorder trace, and
+    the one line names the stopped rank from those traces; the run stops instead of waiting for the NCCL timeout."""
+    import re
+    import signal
+    import time
+
+    from _rank_harness import communicate_on_progress
+    from launcher.rank import forensics
+
+    n = 4 if _gpus() >= 4 else 2
+    need(n)
+    out = tmp_path / "hang"
+    rendered = subprocess.run([sys.executable, "-m", "launcher", *jobs.hang(n), "action=render", f"output_dir={out}",
+                               "name=hang"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert rendered.returncode == 0, rendered.stderr[-2000:]
+    bundle = next(p.parent for p in out.glob("*/launch.sh"))
+    env = (bundle / "env.sh").read_text()
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" in env and "TORCH_FR_BUFFER_SIZE" in env, env
+    victim = n // 2
+    proc = subprocess.Popen(["bash", str(bundle / "launch.sh")], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    stopped = None
+    try:
+        deadline = time.monotonic() + HANG_S
+        while time.monotonic() < deadline and proc.poll() is None:
+            if re.match(r"step +3 \|", proc.stdout.readline()):
+                stopped = int(json.loads(forensics.state_path(bundle, victim).read_bytes())["pid"])
+                os.kill(stopped, signal.SIGSTOP)
+                break
+        assert stopped is not None, "the run never reached step 3"
+        stdout, stderr = communicate_on_progress(proc, HANG_S, "the hung run (the watchdog should stop it)")
+    finally:
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGKILL)
+            except OSError:
+                pass
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    said = [line.removeprefix("hang watchdog: ") for line in stderr.splitlines() if line.startswith("hang watchdog: ")]
+    record("hang_forensics", ranks=n, line=said[0] if said else None, exit_code=proc.returncode)
+    assert proc.returncode != 0 and len(said) == 1, (proc.returncode, stdout[-2000:], stderr[-3000:])
+    assert re.match(rf"hang at step \d+: rank {victim} \(host \S+, pipeline stage 1, ", said[0]), said[0]
+    assert "named from the Flight Recorder traces of ranks" in said[0], said[0]
+    hang = Path(said[0].rsplit("stacks: ", 1)[1].rstrip("/"))
+    assert sorted(p.name for p in (hang / "fr").iterdir()) == [f"rank_{r}" for r in range(n) if r != victim]
