@@ -17,6 +17,7 @@ turns the meta view into the real bytes (:class:`Materializer`) as it is iterate
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import shutil
@@ -61,8 +62,10 @@ class SafetensorsReader:
     def get(self, name: str) -> torch.Tensor:
         path, dtype, shape, offset, length = self.entries[name]
         buf = torch.empty(length, dtype=torch.uint8)
+        # a ctypes view of the buffer, not .numpy(): a storage shared with numpy can no longer be resized, and the
+        # writer frees each tensor by resizing its storage to 0 (Materializer.release)
         with open(path, "rb", buffering=0) as fh:
-            view, done = memoryview(buf.numpy()), 0
+            view, done = memoryview((ctypes.c_char * length).from_address(buf.data_ptr())).cast("B"), 0
             while done < length:  # pread may return less than asked for (large reads, signals)
                 got = os.preadv(fh.fileno(), [view[done:]], offset + done)
                 if got <= 0:
@@ -102,14 +105,20 @@ class Materializer:
     def written(self, tensor: torch.Tensor) -> None:
         """``tensor`` (a chunk this made) is on disk: a clone's memory goes back now."""
         if self._full is None or storage_key(tensor) != storage_key(self._full):
-            tensor.untyped_storage().resize_(0)
+            _free(tensor)
 
     def release(self) -> None:
         """Free the parameter kept: its storage is emptied, since the writer's loop variable still holds a view
         of it until that variable is rebound, which happens only after the next tensor has been made."""
         if self._full is not None:
-            self._full.untyped_storage().resize_(0)
+            _free(self._full)
         self._key, self._full = None, None
+
+
+def _free(tensor: torch.Tensor) -> None:
+    storage = tensor.untyped_storage()
+    if storage.resizable():  # else (a storage torch cannot resize) it goes when its last reference does
+        storage.resize_(0)
 
 
 class _LazyTensors:
