@@ -175,8 +175,10 @@ class Plan:
 
 def group_bytes(hf: HFTensors, names, target) -> int:
     """The most one unit holds at once while it is made and written: its HF tensors, then the joined Megatron
-    tensor beside them or beside its dtype conversion, then the converted tensor beside a cloned chunk of it (a
-    gated fc1's halves). Each term is at most the target's element count at the larger of the two dtypes."""
+    tensor beside them or beside its dtype conversion, then the converted tensor beside one more copy of (part of)
+    it while it is written (a gated fc1's cloned half; the writer's buffer of the bytes: measured 2.5x the output
+    layer in all, benchmarks/hf_import_memory.py). Each term is at most the target's element count at the larger of
+    the two dtypes."""
     itemsize = max([hf.reader.dtype(n).itemsize for n in names] + [target.dtype.itemsize])
     return sum(hf.reader.nbytes(n) for n in names) + 2 * target.numel() * itemsize
 
