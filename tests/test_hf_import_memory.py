@@ -78,3 +78,27 @@ def test_import_peak_memory_stays_under_its_bound_far_below_the_model(tmp_path):
     grew = report["peak_rss_bytes"] - report["rss_before_reading_bytes"]
     assert report["peak_rss_bytes"] <= report["bound_bytes"], report
     assert grew < 0.5 * model, f"import-hf grew by {grew / 1e6:.0f} MB while importing a {model / 1e6:.0f} MB model"
+
+
+def test_import_never_builds_where_cuda_is_visible(tmp_path, monkeypatch, capsys):
+    """The CLI hides CUDA before torch is imported; a process that sees a GPU anyway (an in-process caller) is refused
+    before anything is built, since Megatron-Core would create every weight on the GPU explicitly. And the CLI hides
+    it: a fresh ``python -m launcher import-hf`` with CUDA_VISIBLE_DEVICES=0 runs with no device visible."""
+    import torch
+
+    from launcher.config import compose_job
+    from launcher.hf.importer import ImportRefused, import_hf
+
+    save_random("llama", tmp_path / "hf")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ImportRefused, match="CUDA is visible to this process: import-hf never uses a GPU"):
+        import_hf(tmp_path / "hf", tmp_path / "ckpt", compose_job(overrides("llama")), log=lambda _: None)
+    assert not (tmp_path / "ckpt").exists()
+    probe = ("import os, sys; from launcher.hf import _import\n"
+             "try:\n    _import({'--hf': sys.argv[1], '--check': '1'}, [])\n"
+             "finally:\n    print('CUDA_VISIBLE_DEVICES=' + repr(os.environ.get('CUDA_VISIBLE_DEVICES')))\n")
+    import os
+
+    proc = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "hf")], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
+    assert "CUDA_VISIBLE_DEVICES=''" in proc.stdout, proc.stdout + proc.stderr[-2000:]
