@@ -7,8 +7,9 @@
    tensor of its sharded state dict is matched to HF tensors through the mapping (``mapping.py``) on shapes alone;
    an HF tensor left unused or a Megatron tensor left unmatched stops the import with one line.
 3. ``dist_checkpointing.save`` writes it, each tensor made when its turn comes; ``launcher.json`` marks it
-   ``weights_only`` (no optimizer, scheduler, step or RNG state) and records the model fields that shape the weights. A job then starts from it with
-   ``checkpoint.load=OUT/iter_0000000`` at any TP/PP/EP layout: torch_dist reshards on load.
+   ``weights_only`` (no optimizer, scheduler, step or RNG state) and records the model fields that shape the
+   weights. A job then starts from it with ``checkpoint.load=OUT/iter_0000000`` at any TP/PP/EP layout: torch_dist
+   reshards on load.
 
 Streaming: the model is built on the ``meta`` device (shapes only), free host memory and disk are checked against
 the bound in :func:`import_hf` first, and each tensor is made from its HF tensors only when the torch_dist writer
