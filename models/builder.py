@@ -244,7 +244,9 @@ def seeded_experts_class():
             super().__init__(num_local_experts, config, *args, **kwargs)
             if parallel_state.get_expert_tensor_parallel_world_size() == 1:
                 gen = torch.Generator().set_state(before)
-                base = int(torch.randint(2**31, (1,), generator=gen))
+                # device="cpu": a seed drawn from the CPU generator, also when the model is built on the meta
+                # device (import-hf), where a default-device draw would have no value
+                base = int(torch.randint(2**31, (1,), generator=gen, device="cpu"))
                 first = parallel_state.get_expert_model_parallel_rank() * num_local_experts
                 for i, expert in enumerate(self.local_experts):
                     torch.manual_seed(base + first + i)
@@ -252,7 +254,7 @@ def seeded_experts_class():
                         config.init_method(expert.linear_fc1.weight)
                         config.output_layer_init_method(expert.linear_fc2.weight)
             torch.set_rng_state(before)
-            torch.randint(2**31, (1,))  # move on from the state the experts were drawn from
+            torch.randint(2**31, (1,), device="cpu")  # move on from the state the experts were drawn from
 
     return SeededSequentialMLP
 

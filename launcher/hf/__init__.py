@@ -2,7 +2,14 @@
 
     python -m launcher export-hf --checkpoint DIR/iter_N --output OUT [--config BUNDLE/config.yaml]
                                  [--tokenizer tokenizer.json] [--max-shard-size 5GB]
-    python -m launcher import-hf --hf HF_DIR --output CKPT_DIR [--spec te|local] [key=value ...]  (the job's overrides)
+    python -m launcher import-hf --hf HF_DIR --output CKPT_DIR [--spec te|local] [--max-memory 8GB]
+                                 [key=value ...]  (the job's overrides)
+
+Both stream tensor by tensor and never hold the model. import-hf builds the model on the meta device with CUDA
+hidden (no GPU is touched), checks free host memory and disk against its bound first (one line if short), and
+peaks at what Python, torch, Megatron-Core and transformers take (about 0.5 GB) + its largest tensor group (one
+Megatron tensor's HF sources, the tensor and one copy: ~3x the output layer of an untied Llama) + 128 MiB
+(launcher/hf/importer.py, ``import_hf``).
 
 A wing of its own (tests/test_layering.py, TOOLS): both commands read or write torch_dist checkpoints, which only
 torch and Megatron-Core's ``dist_checkpointing`` can do, so this package imports torch (CPU is enough: one
@@ -27,10 +34,18 @@ USAGE = {
     "export-hf": "python -m launcher export-hf --checkpoint DIR/iter_N --output OUT [--config BUNDLE/config.yaml] "
                  "[--tokenizer PATH] [--max-shard-size 5GB]",
     "import-hf": "python -m launcher import-hf --hf HF_DIR --output CKPT_DIR [--spec te|local] "
-                 "[--config BUNDLE/config.yaml | key=value ...] [--check]",
+                 "[--config BUNDLE/config.yaml | key=value ...] [--check] [--max-memory 8GB]",
+}
+HELP = {
+    "import-hf": "Streams: the model is built on the meta device with CUDA hidden (no GPU is used) and each tensor is "
+                 "made from its HF tensors when the torch_dist writer reaches it. Peak host memory: what Python, "
+                 "torch, Megatron-Core and transformers take (about 0.5 GB) + the largest tensor group (one Megatron "
+                 "tensor's HF sources, the tensor and one copy: ~3x the output layer of an untied Llama) + 128 MiB; "
+                 "free memory and disk are checked against that first (one line if short). --max-memory SIZE: "
+                 "refuse unless that bound (beyond what the process holds after start-up) fits in SIZE.",
 }
 FLAGS = {"export-hf": {"--checkpoint", "--output", "--config", "--tokenizer", "--max-shard-size"},
-         "import-hf": {"--hf", "--output", "--spec", "--config", "--check"}}
+         "import-hf": {"--hf", "--output", "--spec", "--config", "--check", "--max-memory"}}
 SWITCHES = {"--check"}
 """Flags without a value (import-hf --check: compare config.json with the model entry only, write nothing)."""
 REQUIRED = {"export-hf": ("--checkpoint", "--output"), "import-hf": ("--hf", "--output")}
@@ -64,7 +79,7 @@ def parse(command: str, argv: List[str]) -> tuple:
     return flags, overrides
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, flag: str = "--max-shard-size") -> int:
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
     t = text.strip().upper()
     for unit, mult in units.items():
@@ -72,7 +87,7 @@ def parse_size(text: str) -> int:
             return int(float(t[: -len(unit)]) * mult)
     if t.isdigit():
         return int(t)
-    raise UsageError(f"--max-shard-size {text}: not a size; try --max-shard-size 5GB")
+    raise UsageError(f"{flag} {text}: not a size; try {flag} 5GB")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -87,6 +102,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except UsageError as exc:
         if str(exc) == "help":
             print(f"usage: {USAGE[command]}")
+            if command in HELP:
+                print(HELP[command])
             return 0
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -106,6 +123,10 @@ def _export(flags: dict) -> int:
 
 
 def _import(flags: dict, overrides: List[str]) -> int:
+    import os
+
+    if "torch" not in sys.modules:  # its own process (python -m launcher import-hf): no GPU is needed or touched
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     from launcher.config import ConfigError, compose_job
     from launcher.hf.importer import ImportRefused, import_hf
     from launcher.overrides import check_override
@@ -137,7 +158,8 @@ def _import(flags: dict, overrides: List[str]) -> int:
 
             check(Path(flags["--hf"]), job)
             return 0
-        import_hf(Path(flags["--hf"]), Path(flags["--output"]), job, spec=spec)
+        max_memory = parse_size(flags["--max-memory"], "--max-memory") if "--max-memory" in flags else None
+        import_hf(Path(flags["--hf"]), Path(flags["--output"]), job, spec=spec, max_memory=max_memory)
     except ImportRefused as exc:
         for line in exc.lines:
             print(f"error: {line}", file=sys.stderr)

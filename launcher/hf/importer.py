@@ -2,28 +2,31 @@
 
 1. The HF ``config.json`` is compared with the job's model entry field by field (``arch.compare``): every
    difference is one line, and nothing is built or written.
-2. The model is built with Megatron-Core in this one process (TP=PP=EP=1, the job's dtype, the local spec; its
-   vocabulary padded as the job pads it: ``make_vocab_size_divisible_by`` x the job's TP). Every tensor of its
-   sharded state dict is filled from the HF tensors through the mapping (``mapping.py``); an HF tensor left unused
-   or a Megatron tensor left unfilled stops the import with one line.
-3. ``dist_checkpointing.save`` writes it; ``launcher.json`` marks it ``weights_only`` (no optimizer, scheduler,
-   step or RNG state) and records the model fields that shape the weights. A job then starts from it with
-   ``checkpoint.load=OUT/iter_0000000`` at any TP/PP/EP layout: torch_dist reshards on load.
+2. The model is built with Megatron-Core in this one process on the meta device (TP=PP=EP=1, the job's dtype, the
+   local spec; its vocabulary padded as the job pads it: ``make_vocab_size_divisible_by`` x the job's TP). Every
+   tensor of its sharded state dict is matched to HF tensors through the mapping (``mapping.py``) on shapes alone;
+   an HF tensor left unused or a Megatron tensor left unmatched stops the import with one line.
+3. ``dist_checkpointing.save`` writes it, each tensor made when its turn comes; ``launcher.json`` marks it
+   ``weights_only`` (no optimizer, scheduler, step or RNG state) and records the model fields that shape the
+   weights. A job then starts from it with ``checkpoint.load=OUT/iter_0000000`` at any TP/PP/EP layout: torch_dist
+   reshards on load.
 
-Memory: the whole model once in the job's dtype (it is built to be saved), plus one HF tensor group at a time
-(``safe_open`` maps the files lazily).
+Streaming: the model is built on the ``meta`` device (shapes only), free host memory and disk are checked against
+the bound in :func:`import_hf` first, and each tensor is made from its HF tensors only when the torch_dist writer
+reaches it (``stream_in.py``). No GPU is used: the CLI hides CUDA before torch is imported.
 """
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import re
 import shutil
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -47,10 +50,11 @@ class ImportRefused(Exception):
 
 
 class HFTensors:
-    """The tensors of an HF model directory (sharded with an index, or one model.safetensors), read lazily."""
+    """The tensors of an HF model directory (sharded with an index, or one model.safetensors): names and shapes
+    from the headers, each tensor's bytes read when asked for (stream_in.SafetensorsReader)."""
 
     def __init__(self, root: Path):
-        from safetensors import safe_open
+        from launcher.hf.stream_in import SafetensorsReader
 
         index = root / "model.safetensors.index.json"
         if index.is_file():
@@ -60,11 +64,15 @@ class HFTensors:
         else:
             raise ImportRefused([f"--hf {root}: no model.safetensors(.index.json) there (safetensors weights only; "
                                  "convert .bin weights with transformers first)"])
-        self._handles = {f: safe_open(str(root / f), framework="pt") for f in files}
-        self.where = {name: f for f, h in self._handles.items() for name in h.keys()}
+        self.reader = SafetensorsReader(root, files)
+        self.where = {name: str(entry[0].name) for name, entry in self.reader.entries.items()}
 
     def get(self, name: str) -> torch.Tensor:
-        return self._handles[self.where[name]].get_tensor(name)
+        return self.reader.get(name)
+
+    def meta(self, name: str) -> torch.Tensor:
+        """The tensor's shape and dtype, no bytes."""
+        return torch.empty(self.reader.shape(name), dtype=self.reader.dtype(name), device="meta")
 
 
 def _logical(key: str, prefix: Tuple[int, ...]) -> Tuple[str, tuple]:
@@ -151,10 +159,46 @@ def build_single(job: JobConfig, mla_core_attention: type = WeightsOnlyCoreAtten
         mtp_block_spec=mtp_block_spec(cfg, spec, te=False, vp_stage=None)))
 
 
-def fill(chunk, hf: HFTensors, model) -> None:
-    """Copy every HF tensor into the Megatron model through the mapping; refuse leftovers on either side."""
+@dataclass
+class Plan:
+    """What the write needs, known before a tensor is read: how to make each parameter, the HF copies to compare
+    (DeepSeek-V3's MTP), and the sizes the precheck compares with free memory and disk."""
+
+    producers: Dict[int, Callable[[], torch.Tensor]]
+    """Parameter storage (stream_in.storage_key) -> makes the whole parameter from its HF tensors."""
+    copies: List[tuple] = field(default_factory=list)
+    """(Copy unit, the unit of the main tensor it repeats, the parameter) per HF copy of a shared tensor."""
+    largest_group: Tuple[int, str] = (0, "")
+    """(bytes, first HF tensor) of the unit whose making holds the most at once (see group_bytes)."""
+    model_bytes: int = 0
+    """The checkpoint's tensors in the job's dtype (what is written)."""
+
+
+def group_bytes(hf: HFTensors, names, target) -> int:
+    """The most one unit holds at once while it is made and written: its HF tensors, then the joined Megatron
+    tensor beside them or beside its dtype conversion, then the converted tensor beside one more copy of (part of)
+    it while it is written (a gated fc1's cloned half; the writer's buffer of the bytes: measured 2.5x the output
+    layer in all, benchmarks/hf_import_memory.py). Each term is at most the target's element count at the larger of
+    the two dtypes."""
+    itemsize = max([hf.reader.dtype(n).itemsize for n in names] + [target.dtype.itemsize])
+    return sum(hf.reader.nbytes(n) for n in names) + 2 * target.numel() * itemsize
+
+
+def _make(hf: HFTensors, unit, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    tensors = [hf.get(n) for n in unit.hf]
+    value = unit.join(tensors, shape)
+    del tensors  # a join that concatenates owns its result: the sources go before the dtype conversion
+    return value.to(dtype).contiguous()
+
+
+def plan_fill(chunk, hf: HFTensors, model) -> Plan:
+    """Match every HF tensor to the (meta) Megatron model through the mapping, on shapes and dtypes alone (each join
+    runs on the meta device); refuse leftovers on either side, as a fill would. Reads no tensor."""
+    from launcher.hf.stream_in import storage_key
+
     targets = targets_of(chunk)
-    used, filled, problems = set(), set(), []
+    used, filled, problems = set(), {}, []
+    plan = Plan(producers={})
     for unit in mapping.units(model):
         where = next(((k, unit.index) for k in unit.mcore if (k, unit.index) in targets), None)
         absent = [n for n in unit.hf if n not in hf.where]
@@ -163,25 +207,29 @@ def fill(chunk, hf: HFTensors, model) -> None:
                             f"{unit.mcore[0]}: the built model has no such tensor")
             continue
         target = targets[where]
-        tensors = [hf.get(n) for n in unit.hf]
+        metas = [hf.meta(n) for n in unit.hf]
         try:
-            value = unit.join(tensors, target.shape)
+            with torch.device("meta"):  # the joins' own zeros/cat stay shapes only
+                value = unit.join(metas, target.shape)
         except (RuntimeError, ValueError):  # e.g. an embedding with more rows than config.json's vocab_size
             value = None
         if value is None or tuple(value.shape) != tuple(target.shape):
-            shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(unit.hf, tensors))
+            shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(unit.hf, metas))
             problems.append(f"{shapes}: do not make the model's {where[0]} {tuple(target.shape)}")
             continue
-        if isinstance(unit, mapping.Copy):  # a second HF copy of a shared tensor: it must be the same
-            if not torch.equal(value.to(target.dtype), target):
-                problems.append(f"{unit.hf[0]} differs from the main model's copy, which Megatron-Core's MTP "
-                                "shares; it cannot be imported as it is")
-            used.update(unit.hf)
-            continue
-        with torch.no_grad():
-            target.copy_(value.to(target.dtype))
         used.update(unit.hf)
-        filled.add(where)
+        if isinstance(unit, mapping.Copy):  # a second HF copy of a shared tensor: compared before writing
+            plan.copies.append((unit, where, target))
+            continue
+        plan.producers[storage_key(target)] = functools.partial(_make, hf, unit, target.shape, target.dtype)
+        plan.largest_group = max(plan.largest_group, (group_bytes(hf, unit.hf, target), unit.hf[0]))
+        plan.model_bytes += target.numel() * target.dtype.itemsize
+        filled[where] = unit
+    plan.copies = [(unit, filled.get(where), target) for unit, where, target in plan.copies]
+    for unit, main, target in plan.copies:
+        if main is not None:  # both made at once to compare them
+            both = group_bytes(hf, unit.hf, target) + group_bytes(hf, main.hf, target)
+            plan.largest_group = max(plan.largest_group, (both, unit.hf[0]))
     tied = {"lm_head.weight"} if model.tie_embeddings else set()
     extra = sorted(n for n in hf.where if n not in used and n not in tied and not IGNORED_HF.search(n))
     if extra:
@@ -189,6 +237,23 @@ def fill(chunk, hf: HFTensors, model) -> None:
     unfilled = sorted(k for k in targets if k not in filled)
     if unfilled:
         problems.append(f"{len(unfilled)} model tensor(s) got no HF weights, e.g. {unfilled[0][0]}")
+    if problems:
+        raise ImportRefused(problems)
+    return plan
+
+
+def check_copies(plan: Plan, hf: HFTensors) -> None:
+    """Each HF copy of a shared tensor must equal the main copy (in the job's dtype): Megatron-Core's MTP shares
+    the embedding and output layer with the main model, so a differing copy cannot be imported as it is."""
+    problems = []
+    for unit, main, target in plan.copies:
+        if main is None:
+            continue
+        ours = _make(hf, main, target.shape, target.dtype)
+        if not torch.equal(_make(hf, unit, target.shape, target.dtype), ours):
+            problems.append(f"{unit.hf[0]} differs from the main model's copy, which Megatron-Core's MTP "
+                            "shares; it cannot be imported as it is")
+        del ours
     if problems:
         raise ImportRefused(problems)
 
@@ -224,9 +289,72 @@ def check(hf_dir: Path, job: JobConfig):
     return cfg
 
 
-def import_hf(hf_dir: Path, output: Path, job: JobConfig, log=print, spec: Optional[str] = None) -> Path:
-    """Validate, build, fill, save; returns OUT/iter_0000000. ``spec`` (te | local) names the layer spec the job's
-    ranks will build, which decides a few norms' names; by default the job's own (Transformer Engine on GPUs)."""
+MEMORY_MARGIN = 128 * 2**20
+"""Beyond the largest unit group: the write path's buffers (torch.save's zip records), the plan's per-tensor
+objects, allocator slack. benchmarks/hf_import_memory.py measures what is left of it (docs/measurements.md)."""
+DISK_MARGIN, DISK_PER_TENSOR = 16 * 2**20, 8 * 2**10
+"""Beyond the tensors' bytes: ``.metadata``, ``common.pt``, metadata.json, and each tensor's torch.save record
+(a zip entry of about 1 KB)."""
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def precheck(output: Path, plan: Plan, n_tensors: int, max_memory: Optional[int] = None) -> dict:
+    """Free host memory and free disk against the import's bound, before a tensor is read; ImportRefused with one
+    line naming what is short. Memory: the largest unit group + MEMORY_MARGIN must fit in what the kernel (or the
+    memory cgroup) has available, and under ``max_memory`` (--max-memory) when given."""
+    from launcher.hf.stream_in import available_memory, free_disk_bytes
+
+    need_mem = plan.largest_group[0] + MEMORY_MARGIN
+    avail, source = available_memory()
+    group = f"its largest tensor group ({plan.largest_group[1]} and what it becomes) + {MEMORY_MARGIN >> 20} MiB"
+    if max_memory is not None and need_mem > max_memory:
+        raise ImportRefused([f"--max-memory {max_memory}: import-hf needs {_gb(need_mem)} of host memory beyond what "
+                             f"it holds now ({group}); try --max-memory {-(-need_mem // 10**9)}GB"])
+    if need_mem > avail:
+        raise ImportRefused([f"host memory={_gb(avail)} available ({source}): import-hf needs {_gb(need_mem)} beyond "
+                             f"what it holds now ({group}); try a node (or a Slurm --mem) with "
+                             f"{_gb(need_mem - avail)} more free"])
+    need_disk = plan.model_bytes + n_tensors * DISK_PER_TENSOR + DISK_MARGIN
+    free = free_disk_bytes(output)
+    if need_disk > free:
+        raise ImportRefused([f"--output {output}: {_gb(free)} free on its filesystem, the checkpoint needs "
+                             f"{_gb(need_disk)} (its {n_tensors} tensors in the job's dtype + their records); try an "
+                             f"--output on a filesystem with {_gb(need_disk)} free"])
+    return {"memory_needed_bytes": need_mem, "memory_available_bytes": avail, "disk_needed_bytes": need_disk,
+            "disk_free_bytes": free}
+
+
+def build_meta(job: JobConfig):
+    """The job's model on the ``meta`` device: shapes, dtypes and the sharded state dict, no memory and no GPU.
+    CUDA must be hidden (the CLI does so before torch is imported): with a GPU visible, Megatron-Core creates each
+    weight on ``torch.cuda.current_device()`` explicitly (use_cpu_initialization=False), which no default-device
+    context overrides."""
+    if torch.cuda.is_available():
+        raise ImportRefused(["CUDA is visible to this process: import-hf never uses a GPU; run it as "
+                             "`python -m launcher import-hf ...`, which hides the GPUs, or set CUDA_VISIBLE_DEVICES="])
+    with torch.device("meta"):
+        chunk = build_single(job)
+    on = {p.device.type for p in chunk.parameters()}
+    if on != {"meta"}:  # a weight made elsewhere would be held in full: the bound would not hold
+        raise RuntimeError(f"import-hf: the model was built on {sorted(on)}, not only on the meta device")
+    return chunk
+
+
+def import_hf(hf_dir: Path, output: Path, job: JobConfig, log=print, spec: Optional[str] = None,
+              max_memory: Optional[int] = None) -> Path:
+    """Validate, plan, check free memory and disk, write; returns OUT/iter_0000000. ``spec`` (te | local) names the
+    layer spec the job's ranks will build, which decides a few norms' names; by default the job's own (Transformer
+    Engine on GPUs). ``max_memory``: refuse unless the bound below fits in this many bytes.
+
+    Streams: the model exists only on the meta device, and each tensor is made from its HF tensors when the
+    torch_dist writer reaches it (stream_in). Peak host memory (the bound the precheck uses): the resident memory
+    before the first tensor is read (Python, torch, Megatron-Core, transformers, the meta model and the save plan:
+    about 0.5 GB) + the largest unit group (one Megatron tensor's HF sources, the tensor itself and a converted or
+    cloned copy: for an untied Llama the output layer, ~3x its bytes) + MEMORY_MARGIN; never the model. Disk: the
+    checkpoint's tensors in the job's dtype + 8 KiB each + 16 MiB."""
     start = time.perf_counter()
     hf_dir, output = Path(hf_dir), Path(output)
     cfg = check(hf_dir, job)
@@ -234,16 +362,23 @@ def import_hf(hf_dir: Path, output: Path, job: JobConfig, log=print, spec: Optio
     if final.exists():
         raise ImportRefused([f"--output {output}: {final} exists already; choose a new directory"])
     hf = HFTensors(hf_dir)
-    chunk = build_single(job)
-    fill(chunk, hf, job.model)
+    chunk = build_meta(job)
+    plan = plan_fill(chunk, hf, job.model)
+    te = uses_transformer_engine(job.precision, job.cluster) if spec is None else spec == "te"
+    state = {"model": sharded_for(chunk, job.model, te)}
+    checks = precheck(output, plan, len(plan.producers), max_memory)
+    from launcher.hf.stream_in import Materializer, rss_bytes, streaming_save
+
+    before_reading = rss_bytes("VmHWM")
+    check_copies(plan, hf)
     from megatron.core import dist_checkpointing
 
     tmp = output / f"{checkpoint_name(0)}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        te = uses_transformer_engine(job.precision, job.cluster) if spec is None else spec == "te"
-        dist_checkpointing.save({"model": sharded_for(chunk, job.model, te)}, str(tmp))
+        with streaming_save(Materializer(plan.producers)):
+            dist_checkpointing.save(state, str(tmp))
         files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "crc32": None}
                  for p in sorted(tmp.rglob("*")) if p.is_file()}
         manifest = {"step": 0, "run": "hf-import", "weights_only": True, "source": str(hf_dir.resolve()),
@@ -258,7 +393,15 @@ def import_hf(hf_dir: Path, output: Path, job: JobConfig, log=print, spec: Optio
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    peak = rss_bytes("VmHWM")
+    report = {"checkpoint": str(final), "model_bytes": plan.model_bytes, "largest_group_bytes": plan.largest_group[0],
+              "rss_before_reading_bytes": before_reading, "peak_rss_bytes": peak,
+              "bound_bytes": before_reading + plan.largest_group[0] + MEMORY_MARGIN,
+              "seconds": round(time.perf_counter() - start, 2), **checks}
+    log("import-report " + json.dumps(report))  # for benchmarks and tests; the human line stays last
     log(f"imported {hf_dir} ({type(cfg).__name__}) -> {final}: {len(hf.where)} HF tensors, "
         f"{sum(r['size'] for r in files.values()) / 1e6:.1f} MB, {'Transformer Engine' if te else 'local'} spec "
-        f"names, {time.perf_counter() - start:.1f} s; start a job from it with checkpoint.load={final}")
+        f"names, {report['seconds']} s; peak RSS {peak / 1e6:.0f} MB ({before_reading / 1e6:.0f} MB before reading "
+        f"a tensor; largest tensor group {plan.largest_group[0] / 1e6:.1f} MB; bound {report['bound_bytes'] / 1e6:.0f} "
+        f"MB); start a job from it with checkpoint.load={final}")
     return final
