@@ -432,10 +432,16 @@ def torch_dist_state(template: dict, source: Source, keys_map: Dict[str, str]) -
         name, _ = name_and_layer(key, sh.global_offset)
         axes = sh.prepend_axis_num
         offsets, sizes, flat = _flat_box(list(sh.global_offset[axes:]), list(sh.local_shape), sh.flattened_range)
-        value = source.region(kind, name, offsets, sizes, sh.key).to(sh.dtype)
+        value = source.region(kind, name, offsets, sizes, sh.key)
         if flat is not None:
-            value = value.flatten()[flat].clone()  # not a view: the rest of the rows read is dropped
-        return value.to(sh.data.device if sh.data is not None else "cpu")
+            value = value.flatten()[flat]
+        if sh.data is not None and tuple(sh.data.shape) == tuple(value.shape):
+            # into the template's own tensor, as dist_checkpointing.load does: a second copy of every tensor the
+            # rank loads would double the load's own footprint (copy_ casts as .to(dtype) does: same bits)
+            with torch.no_grad():
+                sh.data.copy_(value)
+            return sh.data
+        return value.to(sh.dtype).clone().to("cpu" if sh.data is None else sh.data.device)  # clone: a view's rows
 
     factories, _ = extract_matching_values(template, lambda x: isinstance(x, ShardedTensorFactory),
                                            return_lists_as_dicts=True)  # as dist_checkpointing.load does
