@@ -58,7 +58,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 _PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
-# ---- reading a whole checkpoint (tests) --------------------------------------------------------------------------------
+# ---- reading a whole checkpoint (tests) ---------------------------------------------------------------------
 
 def read_all(path: Path) -> Dict[str, object]:
     """Every entry of a torch.distributed.checkpoint directory, global tensors and objects by flat key, read in
