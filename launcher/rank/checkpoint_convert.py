@@ -230,9 +230,10 @@ def _is_small(key: str, meta, saved: str) -> bool:
 
 
 class _BoxPlanner:
-    """A torch.distributed.checkpoint ``LoadPlanner`` that reads one box (``offsets``/``sizes``) of one stored
-    tensor into ``dest``: DCP's own resharding arithmetic (``create_read_items_for_chunk_list``) names the stored
-    chunks that overlap the box and where in the box each lands, so no other chunk is opened."""
+    """Reads one box (``offsets``/``sizes``) of one stored tensor into ``dest``: DCP's own resharding arithmetic
+    (``create_read_items_for_chunk_list``) names the stored chunks that overlap the box and where in the box each
+    lands, so no other chunk is opened. It is the part of DCP's ``LoadPlanner`` protocol that a storage reader's
+    ``read_data`` calls; ``Source`` drives the reader itself (one process, no plan exchange)."""
 
     def __init__(self, key: str, offsets, sizes, dest: torch.Tensor, metadata):
         self.key, self.offsets, self.sizes, self.dest, self.metadata = key, offsets, sizes, dest, metadata
