@@ -151,6 +151,7 @@ def main() -> None:
     finally:
         if args.baseline:
             subprocess.run(["git", "worktree", "remove", "--force", str(old)], cwd=ROOT, check=True)
+            old.parent.rmdir()
     print(f"load average {os.getloadavg()[0]:.1f}")
 
 
