@@ -300,8 +300,9 @@ def _factory_calls_without_device():
 
 
 EXPLICIT_HOST_ALLOWED = {
-    ("launcher/rank/checkpoint_convert.py", 'device="cpu"'): "read_all's buffers are filled from files and sliced on "
-                                                             "the host, then copied onto each live tensor's device",
+    ("launcher/rank/checkpoint_convert.py", 'device="cpu"'): "read_all's and Source's buffers are filled from files "
+                                                             "and sliced on the host, then copied onto each live "
+                                                             "tensor's device",
     ("launcher/rank/checkpoint.py", ".cpu()"): "the gathered byte counts become Python ints (tolist) after the "
                                                "collective, never before one",
     ("models/backend.py", 'torch.device("cpu")'): "compute_device() itself, without CUDA",

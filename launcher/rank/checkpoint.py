@@ -567,7 +567,7 @@ def load(path: Path, *, model, optimizer, scheduler, with_rng: bool = True,
         if hasattr(optimizer, "reload_model_params"):
             optimizer.reload_model_params()
         return 0, 0
-    converted = None  # a checkpoint of the other format (saved_fmt), read whole and converted on this rank
+    converted = None  # a checkpoint of the other format (saved_fmt), streamed into this rank's template
     if saved_fmt not in (None, fmt):
         converted = checkpoint_convert.read(path, saved_fmt, model)
     if fmt == fsdp_checkpoint.FORMAT:

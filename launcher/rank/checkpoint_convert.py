@@ -17,12 +17,20 @@ Both formats are torch.distributed.checkpoint directories of *global* tensors, n
   Adam's moments as ``optimizer.state.module.module.<name>.{exp_avg,exp_avg_sq,step}``; the RNG streams under
   ``rng_state/pp<pp>_tp<tp>_dp<dp>``.
 
-The common ground is the model's own parameter names with TP=1 global tensors (``Canonical``). Each rank reads the
-whole source checkpoint without a process group (``dcp.load(..., no_dist=True)``: host memory for one full copy
-of the checkpoint per rank, fine below a few billion parameters, not meant for 70B), then fills its own load
-template (the ShardedTensors of the DDP job, or the DTensors of the FSDP job) with the slice each entry names;
-from there the load is the format's own (``checkpoint.load`` / ``fsdp_checkpoint.load``). Values are copied,
-never recomputed, so weights and Adam state convert bit for bit.
+The common ground is the model's own parameter names with TP=1 global tensors (``Canonical``'s names). Each rank
+streams, without a process group: it opens the source's metadata (``Source``), reads the small entries (counters,
+LR schedule, Adam's step, RNG streams) once, then walks its own load template (the ShardedTensors of the DDP job,
+or the DTensors of the FSDP job) and for each entry reads from the source only the box that entry holds (a DCP
+``LoadPlanner`` over DCP's ``create_read_items_for_chunk_list``: only the stored chunks that overlap the box are
+opened), copies it in and drops it. Peak host memory per rank: its load template (what a load of its own format
+fills too) plus one box and one stored chunk at a time. DCP's ``FileSystemReader`` loads a stored chunk whole
+before narrowing it, so the transient is the largest stored chunk touched: one layer's tensor in torch_dist
+(stored per layer), one FSDP rank's shard of one parameter, at worst an unsharded fp32 embedding or output layer
+(2.1 GB for Llama3-8B's 128256 x 4096), where reading the whole source took the whole checkpoint per rank (about
+100 GB for Llama3-8B with its fp32 main weights and Adam moments). From there the load is the format's own
+(``checkpoint.load`` / ``fsdp_checkpoint.load``). Values are copied, never recomputed, so weights and Adam state
+convert bit for bit. ``read_all`` (the whole checkpoint in memory) with ``from_fsdp``/``from_torch_dist`` is the
+independent whole-checkpoint reader the tests compare against; the ranks do not call it.
 
 What cannot convert (``refusal``): ``checkpoint.optimizer_format=dp_reshardable`` (the default) stores the
 distributed optimizer's state as each DP rank's flat slice of its gradient buffer, whose layout depends on the
@@ -50,11 +58,11 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 _PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
-# ---- reading a whole checkpoint --------------------------------------------------------------------------------
+# ---- reading a whole checkpoint (tests) ---------------------------------------------------------------------
 
 def read_all(path: Path) -> Dict[str, object]:
     """Every entry of a torch.distributed.checkpoint directory, global tensors and objects by flat key, read in
-    this process alone (no collectives: every rank reads its own copy)."""
+    this process alone: the whole checkpoint in memory, for tests and inspection (the ranks stream: ``Source``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
@@ -194,9 +202,177 @@ def keys_map_of(model) -> Dict[str, str]:
     return {}
 
 
-def read(path: Path, saved: str, model) -> Canonical:
-    flat = read_all(path)
-    return from_fsdp(flat) if saved == FSDP else from_torch_dist(flat, keys_map_of(model))
+def read(path: Path, saved: str, model) -> "Source":
+    """The source checkpoint opened for streaming (its metadata and small entries read; tensors on demand)."""
+    return Source(path, saved, keys_map_of(model))
+
+
+# ---- reading a checkpoint box by box (the ranks) ---------------------------------------------------------------
+
+def _map(rest: str, keys_map: Dict[str, str]) -> str:
+    """A layer's module-name suffix to its sharded-key suffix (``sharded_state_dict_keys_map``; inverse ``_unmap``)."""
+    for module_name, stored in keys_map.items():
+        if rest.startswith(module_name):
+            return stored + rest[len(module_name):]
+    return rest
+
+
+def _is_small(key: str, meta, saved: str) -> bool:
+    """Entries ``from_fsdp``/``from_torch_dist`` take the counters, schedule, Adam step and RNG streams from
+    (kilobytes); not the parameter-group metadata nor the linear layers' empty ``_extra_state``."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    if saved == FSDP:
+        if isinstance(meta, BytesStorageMetadata):
+            return not key.startswith("optimizer.param_to_group_meta.")
+        return key.startswith("rng_state/") or (key.startswith("optimizer.state.") and key.endswith(".step"))
+    return isinstance(meta, BytesStorageMetadata) and key.startswith(("common_state/", "rng_state/"))
+
+
+class _BoxPlanner:
+    """Reads one box (``offsets``/``sizes``) of one stored tensor into ``dest``: DCP's own resharding arithmetic
+    (``create_read_items_for_chunk_list``) names the stored chunks that overlap the box and where in the box each
+    lands, so no other chunk is opened. It is the part of DCP's ``LoadPlanner`` protocol that a storage reader's
+    ``read_data`` calls; ``Source`` drives the reader itself (one process, no plan exchange)."""
+
+    def __init__(self, key: str, offsets, sizes, dest: torch.Tensor, metadata):
+        self.key, self.offsets, self.sizes, self.dest, self.metadata = key, offsets, sizes, dest, metadata
+
+    def create_local_plan(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadPlan
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+        box = ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=torch.Size(self.sizes))
+        return LoadPlan(create_read_items_for_chunk_list(self.key, self.metadata.state_dict_metadata[self.key], [box]))
+
+    def resolve_tensor(self, item) -> torch.Tensor:  # the reader copies each overlap into this view of the box
+        view = self.dest
+        for dim, (offset, length) in enumerate(zip(item.dest_offsets, item.lengths)):
+            view = view.narrow(dim, offset, length)
+        return view
+
+    def commit_tensor(self, item, tensor) -> None:
+        pass  # written in place, through resolve_tensor's view
+
+    def load_bytes(self, item, value) -> None:
+        raise TypeError(f"{self.key} is stored as an object, not a tensor")
+
+
+class Source:
+    """A checkpoint of either format, read on demand in ``Canonical``'s names (the model's parameter names, global
+    layer numbers, TP=1 global tensors) without being held: ``region`` reads one box of one tensor from the stored
+    chunks that overlap it, in this process alone (no collectives). ``small``: a ``Canonical`` without tensors
+    (counters, LR schedule, Adam's step, RNG streams), read once. Kinds of tensor: ``model``, ``main`` (the fp32
+    main weights, the model's own where the checkpoint has none), ``exp_avg``, ``exp_avg_sq``."""
+
+    def __init__(self, path: Path, saved: str, keys_map: Dict[str, str]):
+        import torch.distributed.checkpoint as dcp
+
+        self.saved, self.keys_map = saved, keys_map
+        self.reader = dcp.FileSystemReader(str(path))
+        self.meta = self.reader.read_metadata()
+        self.reader.set_up_storage_reader(self.meta, True)
+        entries = self.meta.state_dict_metadata
+        small = _read_entries(path, self.meta, [k for k, m in entries.items() if _is_small(k, m, saved)])
+        self.small = from_fsdp(small) if saved == FSDP else from_torch_dist(small, keys_map)
+
+    def _prefixes(self, kind: str) -> list:
+        """(prefix, suffix) of the stored keys of ``kind``, in order of preference."""
+        if self.saved == FSDP:  # fsdp_dtensor's model entries are its fp32 main weights
+            return [("optimizer.state.module.module.", "." + kind)] if kind in MOMENTS else [("model.module.", "")]
+        if kind in MOMENTS:
+            return [(f"optimizer.state.{kind}.", "")]
+        main = [("optimizer.state.param.", ""), ("optimizer.state.fp32_param.", "")] if kind == "main" else []
+        return main + [("", "")]
+
+    def _piece(self, key: str, layer: Optional[int] = None) -> Optional[tuple]:
+        """(key, layer, first row, rows): dim 0 of a stored tensor (of one layer of a stacked one), or None."""
+        meta = self.meta.state_dict_metadata.get(key)
+        if meta is None or not hasattr(meta, "size") or len(meta.size) < (2 if layer is not None else 1):
+            return None
+        if layer is not None and layer >= meta.size[0]:
+            return None
+        return (key, layer, 0, meta.size[0 if layer is None else 1])
+
+    def _pieces(self, kind: str, name: str) -> list:
+        """The stored rows canonical ``name`` is made of, in order along its dim 0 ([] where it is not stored).
+        ``X_w``/``X_v`` asked of a checkpoint that holds a gated ``X`` are its first and second half."""
+        for prefix, suffix in self._prefixes(kind):
+            found = self._stored(prefix, suffix, name)
+            if not found and name[-2:] in ("_w", "_v"):
+                whole = self._stored(prefix, suffix, name[:-2])
+                half = sum(p[3] for p in whole) // 2
+                found = _rows(whole, 0 if name.endswith("_w") else half, half) if whole else []
+            if found:
+                return found
+        return []
+
+    def _stored(self, prefix: str, suffix: str, name: str) -> list:
+        """fsdp_dtensor: ``name``, or a gated ``X`` as ``X_w`` then ``X_v``; torch_dist: per-layer tensors in a
+        stacked key (leading axis: the global layer number) or a per-layer one, under the layer spec's names."""
+        if self.saved == FSDP:
+            found = [self._piece(prefix + name + suffix)]
+            if found[0] is None:
+                found = [self._piece(prefix + name + half + suffix) for half in ("_w", "_v")]
+        else:
+            match = _PER_LAYER.match(name)
+            rest = match and _map(match[2], self.keys_map)
+            found = [self._piece(prefix + name + suffix) if not match else
+                     self._piece(f"{prefix}decoder.layers.{match[1]}.{rest}{suffix}")
+                     or self._piece(f"{prefix}decoder.layers.{rest}{suffix}", int(match[1]))]
+        return found if all(found) else []
+
+    def shape(self, kind: str, name: str, what: str) -> tuple:
+        pieces = self._pieces(kind, name)
+        if not pieces:
+            raise _missing(what, name)
+        key, layer = pieces[0][:2]
+        inner = tuple(self.meta.state_dict_metadata[key].size)[(0 if layer is None else 1) + 1:]
+        return (sum(p[3] for p in pieces),) + inner
+
+    def region(self, kind: str, name: str, offsets, sizes, what: str) -> torch.Tensor:
+        """The box ``offsets``/``sizes`` of canonical tensor ``name`` of ``kind``, in its stored dtype: a new tensor
+        of the box's size, read from the stored chunks it overlaps; nothing else is kept."""
+        pieces = self._pieces(kind, name)
+        if not pieces:
+            raise _missing(what, name)
+        parts = [self._read(key, layer, (first,) + tuple(offsets[1:]), (rows,) + tuple(sizes[1:]))
+                 for key, layer, first, rows in _rows(pieces, offsets[0], sizes[0])]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+    def _read(self, key: str, layer: Optional[int], offsets: tuple, sizes: tuple) -> torch.Tensor:
+        if layer is not None:  # one layer of a stacked tensor
+            offsets, sizes = (layer,) + offsets, (1,) + sizes
+        meta = self.meta.state_dict_metadata[key]
+        box = torch.empty(sizes, dtype=meta.properties.dtype, device="cpu")  # host: read from files
+        planner = _BoxPlanner(key, offsets, sizes, box, self.meta)
+        (plan,) = self.reader.prepare_global_plan([self.reader.prepare_local_plan(planner.create_local_plan())])
+        self.reader.read_data(plan, planner).wait()
+        return box[0] if layer is not None else box
+
+
+def _rows(pieces: list, start: int, count: int) -> list:
+    """The pieces (key, layer, first row, rows) that hold rows [start, start + count) of their concatenation."""
+    out, at = [], 0
+    for key, layer, first, rows in pieces:
+        lo, hi = max(start, at), min(start + count, at + rows)
+        if lo < hi:
+            out.append((key, layer, first + lo - at, hi - lo))
+        at += rows
+    return out
+
+
+def _read_entries(path: Path, meta, keys: list) -> Dict[str, object]:
+    """The entries ``keys`` (small ones) of a checkpoint, by flat key."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    entries = meta.state_dict_metadata
+    state = {k: None if isinstance(entries[k], BytesStorageMetadata) else
+             torch.empty(entries[k].size, dtype=entries[k].properties.dtype, device="cpu") for k in keys}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    return state
 
 
 def _rank_coords() -> tuple:
@@ -212,14 +388,28 @@ def _missing(what: str, name: str):
 
 # ---- into a DDP job's torch_dist load template -----------------------------------------------------------------
 
-def torch_dist_state(template: dict, can: Canonical, keys_map: Dict[str, str]) -> dict:
-    """What ``dist_checkpointing.load(template, path)`` returns, filled from ``can``: every ShardedTensor becomes its
-    slice of the global tensor, factories are merged back, the common state comes from the source checkpoint."""
+def _flat_box(offsets: list, sizes: list, flat: Optional[slice]) -> tuple:
+    """The rows of a box that hold its flattened range (the distributed optimizer's slice of a parameter): (offsets,
+    sizes, the range within those rows), so a rank reads its slice, not the whole parameter."""
+    if flat is None or not sizes:
+        return offsets, sizes, None
+    row = 1
+    for size in sizes[1:]:
+        row *= size
+    first, last = flat.start // row, -(-flat.stop // row)
+    return ([offsets[0] + first] + offsets[1:], [last - first] + sizes[1:],
+            slice(flat.start - first * row, flat.stop - first * row))
+
+
+def torch_dist_state(template: dict, source: Source, keys_map: Dict[str, str]) -> dict:
+    """What ``dist_checkpointing.load(template, path)`` returns, filled from ``source``: every ShardedTensor becomes
+    its slice of the global tensor, read box by box; factories are merged back; the common state is the source's."""
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, extract_matching_values
     from megatron.core.dist_checkpointing.mapping import (ShardedObject, ShardedTensor, ShardedTensorFactory,
                                                           apply_factories, apply_factory_merges)
 
-    rank_rng = can.rng.get(_rank_coords())
+    small = source.small
+    rank_rng = small.rng.get(_rank_coords())
 
     def name_and_layer(key: str, offsets):
         match = _PER_LAYER.match(key)
@@ -236,30 +426,34 @@ def torch_dist_state(template: dict, can: Canonical, keys_map: Dict[str, str]) -
             return None  # the local spec's (empty) _extra_state of linear layers
         if not isinstance(sh, ShardedTensor):
             return sh
-        key, source = sh.key, can.model
+        key, kind = sh.key, "model"
         if key.startswith("optimizer.state."):
             moment, _, key = key[len("optimizer.state."):].partition(".")
-            source = can.moments[moment] if moment in can.moments else (can.main or can.model)
-        name, stacked = name_and_layer(key, sh.global_offset)
-        if name not in source:
-            raise _missing(sh.key, name)
+            kind = moment if moment in MOMENTS else "main"
+        name, _ = name_and_layer(key, sh.global_offset)
         axes = sh.prepend_axis_num
-        index = tuple(slice(o, o + s) for o, s in zip(sh.global_offset[axes:], sh.local_shape))
-        value = source[name][index].to(sh.dtype)
-        if sh.flattened_range is not None:
-            value = value.flatten()[sh.flattened_range]
-        return value.clone().to(sh.data.device if sh.data is not None else "cpu")
+        offsets, sizes, flat = _flat_box(list(sh.global_offset[axes:]), list(sh.local_shape), sh.flattened_range)
+        value = source.region(kind, name, offsets, sizes, sh.key)
+        if flat is not None:
+            value = value.flatten()[flat]
+        if sh.data is not None and tuple(sh.data.shape) == tuple(value.shape):
+            # into the template's own tensor, as dist_checkpointing.load does: a second copy of every tensor the
+            # rank loads would double the load's own footprint (copy_ casts as .to(dtype) does: same bits)
+            with torch.no_grad():
+                sh.data.copy_(value)
+            return sh.data
+        return value.to(sh.dtype).clone().to("cpu" if sh.data is None else sh.data.device)  # clone: a view's rows
 
     factories, _ = extract_matching_values(template, lambda x: isinstance(x, ShardedTensorFactory),
                                            return_lists_as_dicts=True)  # as dist_checkpointing.load does
     apply_factories(template)
     dict_list_map_inplace(fill, template)
     state = apply_factory_merges(template, factories)
-    state["step"], state["consumed_samples"], state["scheduler"] = can.step, can.consumed, dict(can.scheduler)
-    if can.adam_step is not None:
+    state["step"], state["consumed_samples"], state["scheduler"] = small.step, small.consumed, dict(small.scheduler)
+    if small.adam_step is not None:
         for group in _param_groups(state.get("optimizer", {})):
             if "step" in group:
-                group["step"] = can.adam_step
+                group["step"] = small.adam_step
     return state
 
 
@@ -274,45 +468,34 @@ def _local_chunk(dt):
     return tuple(chunk.offsets), tuple(chunk.sizes)
 
 
-def _copy_into(dt, full: torch.Tensor, name: str) -> None:
-    if tuple(full.shape) != tuple(dt.shape):
-        raise ValueError(f"{name}: {tuple(full.shape)} in the checkpoint, {tuple(dt.shape)} in this model")
+def _copy_into(dt, source: Source, kind: str, name: str, what: str, key: str) -> None:
+    shape = source.shape(kind, name, what)
+    if shape != tuple(dt.shape):
+        raise ValueError(f"{key}: {shape} in the checkpoint, {tuple(dt.shape)} in this model")
     offsets, sizes = _local_chunk(dt)
     if 0 in sizes:
         return
-    piece = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+    piece = source.region(kind, name, offsets, sizes, what)  # this rank's shard only
     with torch.no_grad():
         dt._local_tensor.copy_(piece.reshape(dt._local_tensor.shape))
 
 
-def _full(source: Dict[str, torch.Tensor], name: str, what: str) -> torch.Tensor:
-    """The global tensor of ``name``; ``X_w``/``X_v`` are the two halves of a gated ``X`` on dim 0."""
-    if name in source:
-        return source[name]
-    base = name[:-2]
-    if name[-2:] in ("_w", "_v") and base in source:
-        half = source[base].shape[0] // 2
-        return source[base][:half] if name.endswith("_w") else source[base][half:]
-    raise _missing(what, name)
-
-
-def fill_fsdp(template: dict, can: Canonical, rng_key: Optional[str]) -> None:
-    """Fill an fsdp_dtensor load template (``fsdp_checkpoint`` after preprocessing) in place from ``can``."""
+def fill_fsdp(template: dict, source: Source, rng_key: Optional[str]) -> None:
+    """Fill an fsdp_dtensor load template (``fsdp_checkpoint`` after preprocessing) in place from ``source``."""
     from torch.distributed.tensor import DTensor
 
+    small = source.small
     for key, value in template["model"].items():  # Megatron-FSDP's model entries are its fp32 main weights
         if isinstance(value, DTensor):
-            name = key[len("module."):]
-            source = can.main if name in can.main or name[:-2] in can.main else can.model
-            _copy_into(value, _full(source, name, "weight"), key)
+            _copy_into(value, source, "main", key[len("module."):], "weight", key)
     for key, entry in template.get("optimizer", {}).get("state", {}).items():
         name = key[len("module.module."):]
         for moment in MOMENTS:
             if isinstance(entry.get(moment), DTensor):
-                _copy_into(entry[moment], _full(can.moments[moment], name, moment), f"{key}.{moment}")
-        if torch.is_tensor(entry.get("step")) and can.adam_step is not None:
-            entry["step"].fill_(can.adam_step)
-    template["step"], template["consumed_samples"] = can.step, can.consumed
-    template["scheduler"] = dict(can.scheduler)
+                _copy_into(entry[moment], source, moment, name, moment, f"{key}.{moment}")
+        if torch.is_tensor(entry.get("step")) and small.adam_step is not None:
+            entry["step"].fill_(small.adam_step)
+    template["step"], template["consumed_samples"] = small.step, small.consumed
+    template["scheduler"] = dict(small.scheduler)
     if rng_key is not None:
-        template[rng_key] = can.rng[_rank_coords()]
+        template[rng_key] = small.rng[_rank_coords()]

@@ -124,7 +124,7 @@ def save(path: Path, *, model, optimizer, scheduler, step: int, consumed: int) -
 def load(path: Path, *, model, optimizer, scheduler, with_rng: bool, converted=None) -> tuple:
     """Collective: fill model, optimizer, LR schedule (and this rank's RNG streams) from ``path``; returns
     (step, consumed samples, the RNG snapshot or None). Strict: a tensor missing from the checkpoint fails.
-    ``converted``: a torch_dist checkpoint already read (``checkpoint_convert.Canonical``) to fill in instead."""
+    ``converted``: a torch_dist checkpoint opened for streaming (``checkpoint_convert.Source``) to fill in from."""
     import torch.distributed.checkpoint as dcp
 
     raw = state_dict(model, optimizer, scheduler, step=0, consumed=0, is_loading=True)
