@@ -75,7 +75,7 @@ def read_profile(path: str, cluster) -> dict:
     if (name, str(gpu).lower()) != (cluster.name, str(cluster.gpu).lower()):
         raise refuse(f"was calibrated on cluster {name} (gpu {gpu}); this job runs on cluster {cluster.name} "
                      f"(gpu {cluster.gpu}); a profile carries only to the cluster it measured",
-                     f"cluster={name} cluster.profile={path}, or cluster.profile=null")
+                     f"cluster.profile=null, or cluster={name} (the cluster it measured)")
     return data
 
 
