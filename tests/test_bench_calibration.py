@@ -79,3 +79,12 @@ def test_bench_writes_a_profile_that_plan_then_uses(cli, tmp_path):
     assert code == 0 and f"calibrated profile in use: {path} (gemm_efficiency {fitted:.4g}" in out
     code, out, _ = cli(*TINY, f"cluster.profile={path}", "action=search")
     assert code == 0 and f"calibrated profile in use: {path}" in out
+
+
+@pytest.mark.multirank
+def test_bench_on_a_slurm_cluster_says_where_to_run_it(cli, tmp_path):
+    code, out, err = cli("recipe=llama3_8b", "cluster=h100", "action=bench", f"output_dir={tmp_path}")
+    assert code == 2 and list(tmp_path.iterdir()) == []
+    [line] = err.splitlines()
+    assert line.startswith("error: action='bench': ") and line.endswith("try cluster.launcher=local action=bench on "
+                                                                        "the cluster's first node (same profile)")
