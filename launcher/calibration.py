@@ -54,7 +54,7 @@ def read_profile(path: str, cluster) -> dict:
 
     try:
         text = Path(path).expanduser().read_text()
-    except (OSError, UnicodeDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError) as exc:  # ValueError: a NUL byte in the path
         raise refuse(f"cannot be read ({getattr(exc, 'strerror', None) or exc})") from None
     try:
         data = yaml.safe_load(text)
