@@ -43,6 +43,7 @@ def do_plan(job: JobConfig, args, checked: Checked) -> int:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
         _print_rich(plan.table())
+    _say_calibrated(job, args)
     from launcher.resume_plan import print_plan
     print_plan(job, checked.layout, sys.stderr if args.json else sys.stdout)
     _plan_pictures(job, args, checked)
@@ -75,6 +76,7 @@ def _plan_pictures(job: JobConfig, args, checked: Checked) -> None:
 def do_search(job: JobConfig, args, checked: Checked) -> int:
     from launcher.plan.search import search
     results = search(job, top=10, layout=checked.layout)
+    _say_calibrated(job, args)
     if args.json:
         print(json.dumps([c.to_dict() for c in results], indent=2))
         return 0
@@ -84,6 +86,15 @@ def do_search(job: JobConfig, args, checked: Checked) -> int:
         return 1
     _print_rich(search_table(job, results))
     return 0
+
+
+def _say_calibrated(job: JobConfig, args) -> None:
+    """One line when cluster.profile is in use: the predictions above come from calibrated constants."""
+    from launcher.calibration import in_use_line
+
+    line = in_use_line(job)
+    if line:
+        print(line, file=sys.stderr if args.json else sys.stdout)
 
 
 def do_list(job: JobConfig, args, checked: Checked) -> int:
@@ -410,3 +421,90 @@ def _run_post(bundle) -> int:
         code = 130
     print(f"post steps finished with exit code {code}; see python -m launcher status {bundle.path}")
     return code
+
+
+def bench_job(job: JobConfig) -> JobConfig:
+    """The measurement run of ``job``: its own layout, model, batch, data and precision, for a few steps, with
+    nothing that is not a training step (no evaluation, checkpoint, resume, post steps, profiler, trackers)."""
+    from launcher.calibration import BENCH_STEPS
+
+    r = dataclasses.replace
+    return r(job, name=f"{job.name[:40]}-bench", action="run",
+             train=r(job.train, train_steps=BENCH_STEPS, train_tokens=None, eval_interval=0,
+                     warmup_steps=min(job.train.warmup_steps, BENCH_STEPS - 1), exit_after_minutes=None,
+                     wsd_decay_steps=None, straggler_interval=0),
+             checkpoint=r(job.checkpoint, dir=None, load=None, load_hf=None, save_interval=0, save_at_end=False,
+                          async_save=False),
+             post=r(job.post, export_hf=False, eval=False, lm_eval_tasks=[]),
+             logging=r(job.logging, log_interval=1, tensorboard=False, wandb_project=None),
+             profile=r(job.profile, kind="none", memory_snapshot=False))
+
+
+def do_bench(job: JobConfig, args, checked: Checked) -> int:
+    """Run a few steps of the job's own layout here (the bundle's launch.sh, as action=run), compare the measured
+    step time and per-stage peak memory with the plan, fit the cluster's GEMM efficiency and write the calibrated
+    profile into the bench bundle's report directory (launcher/calibration.py)."""
+    from launcher.calibration import calibrate
+    from launcher.executor import LocalExecutor
+    from launcher.validate import check
+
+    if job.cluster.launcher != "local":
+        report([Problem("action", "bench", f"the measurement runs on this machine; cluster {job.cluster.name} "
+                        "launches through Slurm (a Slurm bench job is not built yet)",
+                        "cluster.launcher=local action=bench on the cluster's first node (same profile)")])
+        return EXIT_USAGE
+    bench = bench_job(job)
+    bchecked = check(bench)
+    if any(p.severity == "error" for p in bchecked.problems):
+        report([p for p in bchecked.problems if p.severity == "error"])
+        return EXIT_USAGE
+    bundle = prepare_bundle(bench, args, bchecked)
+    if bundle is None:
+        return EXIT_USAGE
+    try:
+        code = LocalExecutor().run(bundle)
+    except KeyboardInterrupt:
+        code = 130
+    metrics_file = bundle.path / "report" / "metrics.json"
+    if code != 0 or not metrics_file.is_file():
+        print(f"error: the bench run failed (exit code {code}); nothing calibrated; see {bundle.path / 'logs'}",
+              file=sys.stderr)
+        return code or 1
+    metrics = json.loads(metrics_file.read_text())
+    lay = bchecked.layout
+    layout_text = summary(bench, lay).split(": ", 1)[1]
+    found = calibrate(bench, metrics, bundle.path / "report", layout_text=layout_text, lay=lay)
+    _print_bench(bench, lay, metrics, found, args)
+    return 0
+
+
+def _print_bench(job: JobConfig, lay: Layout, metrics: dict, found: dict, args) -> None:
+    """Measured vs planned: the step (median after warm-up) and the peak memory per stage; the fitted term; where
+    the profile is and how to select it."""
+    from launcher.plan import plan_job
+
+    plan = plan_job(job)
+    stages = {s["stage"]: s for s in metrics.get("final", {}).get("memory_by_stage", [])}
+    out = {"measured_step_s": found["measured_step_s"], "planned_step_s": found["planned_step_s"],
+           "gemm_efficiency": {"before": found["gemm_efficiency_before"], "fitted": found["gemm_efficiency"]},
+           "planned_with_fit_s": found["planned_with_fit_s"], "at_bound": found["at_bound"],
+           "memory_by_stage": [{"stage": s.stage, "planned_gb": (s.total - s.parts.get("reserve", 0.0)) / 1e9,
+                                "measured_gib": stages.get(s.stage, {}).get("peak_gib"),
+                                "basis": stages.get(s.stage, {}).get("basis")} for s in plan.stages],
+           "profile": found["path"], "bundle": str(Path(found["path"]).parent.parent)}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        err = (found["planned_step_s"] - found["measured_step_s"]) / found["measured_step_s"]
+        print(f"bench {job.name}: step {found['measured_step_s']:.4g} s measured (median of steps after "
+              f"{found['warmup_steps_left_out']} warm-up), {found['planned_step_s']:.4g} s planned ({err:+.0%})")
+        for row in out["memory_by_stage"]:
+            measured = "n/a" if row["measured_gib"] is None else f"{row['measured_gib']:.3f} GiB ({row['basis']})"
+            print(f"  stage {row['stage']}: peak memory planned {row['planned_gb']:.3f} GB (reserve left out), "
+                  f"measured {measured}")
+        bound = " (at its bound: the plan's other terms alone miss the measurement)" if found["at_bound"] else ""
+        print(f"fitted cluster.gemm_efficiency {found['gemm_efficiency_before']:g} -> {found['gemm_efficiency']:.4g}"
+              f"{bound}; the plan with it: {found['planned_with_fit_s']:.4g} s")
+    print(f"calibrated profile: {found['path']}", file=sys.stderr if args.json else sys.stdout)
+    print(f"use it with: cluster={job.cluster.name} cluster.profile={found['path']}  (action=plan, action=search)",
+          file=sys.stderr if args.json else sys.stdout)

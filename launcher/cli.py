@@ -167,7 +167,7 @@ def run_action(job: JobConfig, action: str, args: Args, checked: Checked) -> int
         return do_megatron_args(job, args, checked)
     handler = {"validate": actions.do_validate, "plan": actions.do_plan, "search": actions.do_search,
                "render": actions.do_render, "submit": actions.do_submit, "run": actions.do_run,
-               "list": actions.do_list}[action]
+               "list": actions.do_list, "bench": actions.do_bench}[action]
     return handler(job, args, checked)
 
 

@@ -322,9 +322,16 @@ def to_job(cfg: DictConfig) -> JobConfig:
     if leaks:
         raise ConfigError(leaks[0].line().removeprefix("error: "), leaks[0])
     try:
-        return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+        job = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as exc:
         raise ConfigError(_one_line(exc)) from None
+    if job.cluster.profile:  # a calibrated profile (action=bench): its fitted terms replace the cluster's
+        from launcher.calibration import ProfileError, apply_profile
+        try:
+            job = apply_profile(job)
+        except ProfileError as exc:
+            raise ConfigError(str(exc).removeprefix("error: "), exc.problem) from None
+    return job  # type: ignore[return-value]
 
 
 def compose_job(overrides: Sequence[str] = ()) -> JobConfig:

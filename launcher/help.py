@@ -14,7 +14,8 @@ USAGE = """usage: python -m launcher [recipe=NAME] [cluster=NAME] [nodes=N] [act
 
 Compose a recipe, validate it, plan it, and render a run bundle (action=render, the default); action=submit
 also submits it with sbatch; action=run (the default for cluster=local) runs it here with torchrun;
-action=plan / search / validate only print; action=megatron-args prints the equivalent Megatron-LM
+action=plan / search / validate only print; action=bench runs a few steps of the job's layout here and writes a
+calibrated cluster profile (cluster.profile=PATH then uses it); action=megatron-args prints the equivalent Megatron-LM
 pretrain_gpt.py arguments, and `python -m launcher import SCRIPT` turns a Megatron-LM launch script into a
 recipe; `python -m launcher export-hf --checkpoint DIR/iter_N --output OUT` writes a checkpoint as a Hugging Face
 model and `python -m launcher import-hf --hf DIR --output CKPT [key=value ...]` the reverse (--help on each).

@@ -74,7 +74,7 @@ WANDB_MODES = ("offline", "online", "disabled")
 LAUNCHERS = ("slurm", "local")
 GPUS = ("H100", "H200", "GH200", "B200", "GB200", "A100", "cpu")
 BACKENDS = ("nccl", "gloo")
-ACTIONS = ("default", "render", "submit", "run", "plan", "search", "validate", "megatron-args", "list")
+ACTIONS = ("default", "render", "submit", "run", "plan", "search", "validate", "megatron-args", "list", "bench")
 PROFILERS = (Profiler.NONE, Profiler.NSYS, Profiler.TORCH)
 
 
@@ -532,6 +532,10 @@ class ClusterConfig:
     maintainers quote 46-48 GB/s per 400 Gb/s NDR ConnectX-7 NIC (nccl-tests issues #290, #267), 47/50 = 0.94."""
     memory_reserve_gb: float = 4.0
     """Memory held back per GPU for the CUDA context, allocator fragmentation and NCCL."""
+    profile: Optional[str] = None
+    """A calibrated cluster profile (a YAML file action=bench wrote, BUNDLE/report/calibrated-NAME.yaml): its fitted
+    terms (the GEMM efficiency) replace this profile's for compose, plan and search; it must belong to this
+    cluster (same name and GPU kind). null: the profile's own constants."""
     backend: str = choice("gloo", BACKENDS)
     """torch.distributed backend: nccl (GPU) or gloo (CPU)."""
     partition: Optional[str] = None
@@ -663,8 +667,9 @@ class JobConfig:
     """Run name (used for the bundle directory and the Slurm job name)."""
     action: str = choice("default", ACTIONS)
     """render, submit, run, plan, search, validate, megatron-args (print the job as Megatron-LM pretrain_gpt.py
-    arguments), list (the recipe catalogue with its H100/H200 layouts, planned), or default (render; and run
-    when cluster is local)."""
+    arguments), list (the recipe catalogue with its H100/H200 layouts, planned), bench (a few steps of this job's
+    layout on this machine, measured against the plan, written as a calibrated cluster profile that
+    cluster.profile selects), or default (render; and run when cluster is local)."""
     nodes: int = 1
     """Number of nodes (top-level shorthand)."""
     output_dir: str = "runs"

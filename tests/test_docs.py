@@ -30,7 +30,7 @@ FIXTURE = ROOT / "tests" / "fixtures" / "docs" / "bundles"
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.M | re.S)
 RUNS = ("runs", "status", "logs", "checkpoint-info")          # login-node sub-commands, run on the fixture bundle
 NOT_RUN = ("cancel", "import", "export-hf", "import-hf", "post")  # need a live run, torch, or the user's files
-STARTS = ("run", "submit", "default")                         # actions that would start or submit a run
+STARTS = ("run", "submit", "default", "bench")                # actions that would start or submit a run
 CLUSTER_FILES = ("/lustre", "<", "/opt/", "registry.example.com")
 
 

@@ -184,6 +184,11 @@ CASES = [
      "train.optimizer_offload_fraction="),
     ("offload-fp8-params-need-delayed", L8 + ["precision.fp8=tensorwise", "precision.fp8_param=true", "precision.precision_aware_optimizer=true", "train.optimizer_cpu_offload=true"],
      "train.optimizer_cpu_offload="),
+    # --- issue 40, calibrated cluster profiles (action=bench writes them; cluster.profile selects one)
+    ("profile-does-not-parse", SMOKE + ["cluster.profile=tests/fixtures/profiles/broken.yaml"], "cluster.profile="),
+    ("profile-other-gpu", SMOKE + ["cluster.profile=tests/fixtures/profiles/h100-calibrated.yaml"], "cluster.profile="),
+    ("profile-not-calibrated", SMOKE + ["cluster.profile=recipes/cluster/local.yaml"], "cluster.profile="),
+    ("profile-missing", SMOKE + ["cluster.profile=/nonexistent/calibrated-local.yaml"], "cluster.profile="),
 ]
 
 HINTED = ["fp8-param-needs-distopt", "param-gather-needs-grad-overlap", "tp-overlap-needs-sp", "tp-overlap-needs-te",

@@ -193,7 +193,7 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
     **{f"cluster.{name}": _w(LOGIN) for name in (
         "name", "launcher", "gpu", "gpus_per_node", "gpu_memory_gb", "peak_tflops_fp8", "hbm_bandwidth_gbps",
         "nvlink_bandwidth_gbps", "network_bandwidth_gbps", "gemm_efficiency", "fp8_gemm_efficiency",
-        "comm_efficiency", "network_efficiency", "memory_reserve_gb", "partition", "account", "container_image", "container_mounts",
+        "comm_efficiency", "network_efficiency", "memory_reserve_gb", "profile", "partition", "account", "container_image", "container_mounts",
         "workdir", "python", "env", "secret_env", "max_restarts", "checkpoint_write_gbps")},
     "cluster.health_check": _w(DIST, "pre-flight bandwidth probe"),
     # ---- profile (launcher/rank/profiling.py; nsys also wraps the rank command in the bundle's rank.sh)

@@ -369,6 +369,7 @@ LAUNCHER_ONLY: Dict[str, str] = {
     "checkpoint.load_hf": "Megatron-LM reads no Hugging Face weights (Megatron-Bridge converts them); here render "
                           "imports them with import-hf and checkpoint.load (--load) names the import",
     "logging.wandb_mode": "the WANDB_MODE environment variable (exported with the arguments)",
+    "cluster.profile": "the planner's calibrated constants (action=bench), read on the login node only",
     **{f"profile.{name}": "profiling: how a run is observed, not what it trains (Megatron-LM's --profile* and "
                           "--record-memory-history are read as ignored)"
        for name in ("kind", "step_start", "step_end", "ranks", "memory_snapshot", "memory_snapshot_entries")},
