@@ -399,6 +399,8 @@ def test_choice_fields_match_the_rank_side_maps():
     ("local", False, {"te_rng_tracker": False, "use_cudagraphable_rng": True}),
     ("local", True, {"te_rng_tracker": True, "use_cudagraphable_rng": True}),
     ("transformer_engine", True, {"te_rng_tracker": True, "use_cudagraphable_rng": True}),
+    # Megatron-LM: "transformer_engine" in (transformer_impl, cuda_graph_impl) (validation refuses this pair first)
+    ("transformer_engine", False, {"te_rng_tracker": True, "use_cudagraphable_rng": True}),
 ])
 def test_cuda_graphs_get_a_graph_safe_rng_tracker(impl, te, want):
     """train.cuda_graph_impl -> model_parallel_cuda_manual_seed's tracker, as Megatron-LM sets it (CudaGraphManager
