@@ -456,8 +456,12 @@ def test_te_cuda_graphs_are_captured_at_the_warmup_step_and_deleted(monkeypatch)
     monkeypatch.setattr(mcore_utils, "get_model_config", lambda chunk: "config")
     train = compose_job(["recipe=qwen3_30b_a3b", "train.cuda_graph_impl=transformer_engine",
                          "train.cuda_graph_modules=[attn,moe_router]", "train.cuda_graph_warmup_steps=2"]).train
-    graphs = loop.TECudaGraphs(model=[Chunk()], optimizer="opt", train=train, seq_length=4096)
+    from megatron.core import num_microbatches_calculator as nmc
+
+    graphs = loop.TECudaGraphs(model=[Chunk()], optimizer="opt", train=train, seq_length=4096, num_microbatches=32,
+                               dp_size=8)
     assert calls == [("init", "config", 4096, train.micro_batch_size, ["opt"])]
+    assert nmc.get_num_microbatches() == 32  # the helper's capture order reads Megatron's global calculator
     for done in range(2):
         graphs.before_step(done)
     assert len(calls) == 1  # eager warm-up steps
@@ -466,5 +470,7 @@ def test_te_cuda_graphs_are_captured_at_the_warmup_step_and_deleted(monkeypatch)
     graphs.before_step(3)
     graphs.close()
     assert calls[-1] == "delete" and calls.count("create") == 1
+    assert nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is None  # the calculator the loop set up is gone again
     off = compose_job(["recipe=qwen3_30b_a3b"]).train
-    assert loop.TECudaGraphs(model=[Chunk()], optimizer="opt", train=off, seq_length=4096).helper is None
+    assert loop.TECudaGraphs(model=[Chunk()], optimizer="opt", train=off, seq_length=4096, num_microbatches=32,
+                             dp_size=8).helper is None

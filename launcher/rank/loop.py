@@ -251,13 +251,22 @@ class TECudaGraphs:
     pre-hooks; ``delete_cuda_graphs()`` at the end. A no-op for any other cuda_graph_impl (``local`` graphs are
     built by Megatron-Core's own schedules, ``create_cudagraphs`` at the end of each forward-backward)."""
 
-    def __init__(self, *, model, optimizer, train, seq_length: int) -> None:
+    def __init__(self, *, model, optimizer, train, seq_length: int, num_microbatches: int, dp_size: int) -> None:
         self.model, self.helper, self.warmup = model, None, train.cuda_graph_warmup_steps
+        self.own_calculator = False
         if train.cuda_graph_impl != "transformer_engine":
             return
+        from megatron.core import num_microbatches_calculator as nmc
         from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
         from megatron.core.utils import get_model_config
 
+        # the helper reads the capture order's microbatch count from Megatron's global calculator (with PP);
+        # Megatron-LM initialises it in initialize_megatron, the launcher's schedules take the count as an argument
+        if nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is None:
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            nmc.init_num_microbatches_calculator(rank, None, num_microbatches * train.micro_batch_size * dp_size,
+                                                 train.micro_batch_size, dp_size)
+            self.own_calculator = True
         self.helper = TECudaGraphHelper(model=model, config=get_model_config(model[0]), seq_length=seq_length,
                                         micro_batch_size=train.micro_batch_size, optimizers=[optimizer])
 
@@ -282,6 +291,11 @@ class TECudaGraphs:
     def close(self) -> None:
         if self.helper is not None and self.helper.graphs_created():
             self.helper.delete_cuda_graphs()
+        if self.own_calculator:
+            from megatron.core import num_microbatches_calculator as nmc
+
+            nmc.destroy_num_microbatches_calculator()
+            self.own_calculator = False
 
 
 class Loop:
@@ -399,8 +413,8 @@ class Loop:
                         else stop_check() if stop_check is not None else None))  # e.g. close to the time limit
 
         first_step = FirstStepWithoutParamGather(self.model)
-        graphs = TECudaGraphs(model=self.model, optimizer=self.optimizer, train=self.train,
-                              seq_length=self.seq_length)
+        graphs = TECudaGraphs(model=self.model, optimizer=self.optimizer, train=self.train, seq_length=self.seq_length,
+                              num_microbatches=self.num_microbatches, dp_size=self.dp_size)
         first_step.start()
         start_step = self.step
         try:
