@@ -211,6 +211,8 @@ CASES = [
      "train.cuda_graph_modules="),
     ("graphs-megatron-fsdp", L8 + ["train.cuda_graph_impl=local", "parallel.context=1", "parallel.megatron_fsdp=true",
                                    "cluster.env.CUDA_DEVICE_MAX_CONNECTIONS=8"], "train.cuda_graph_impl="),
+    ("local-graphs-with-a2a-overlap", ["recipe=deepseek_v3", "train.cuda_graph_impl=local", "train.cuda_graph_modules=[attn]"],
+     "train.cuda_graph_impl="),
     ("graphs-warmup-negative", L8 + ["train.cuda_graph_impl=local", "train.cuda_graph_warmup_steps=-1"],
      "train.cuda_graph_warmup_steps="),
 ]
@@ -222,7 +224,7 @@ HINTED = ["fp8-param-needs-distopt", "param-gather-needs-grad-overlap", "tp-over
           "graphs-on-cpu", "te-graphs-need-te", "graphs-with-zero-bubble", "graphs-full-recompute", "graphs-moe-on-dense",
           "graphs-moe-and-router", "graphs-preprocess-without-router", "graphs-dropless-moe-layer",
           "graphs-mlp-without-dense-layers", "graphs-dropout-recompute", "te-graphs-expandable-segments",
-          "graphs-unknown-module", "graphs-megatron-fsdp"]
+          "graphs-unknown-module", "graphs-megatron-fsdp", "local-graphs-with-a2a-overlap"]
 """Cases whose hint is a plain override (or several joined by " or "): each alternative must validate."""
 
 

@@ -436,6 +436,12 @@ def _cuda_graph_modules(c: Checks, job: JobConfig, impl: str, mods: list) -> Non
                or "moe_preprocess" not in mods, field, mods, "the alltoall dispatcher's preprocess with a "
                "capacity factor copies to the host", "train.cuda_graph_modules=[attn,moe_router]")
         if job.parallel.moe_a2a_overlap:
+            # stricter: the combined 1F1B schedule runs each layer as nodes of its own (models/gpt/
+            # fine_grained_callables.py) and replays only TE's graphs there (layer._te_cuda_graph_replay); the local
+            # implementation's graphs hang off the layer's __call__, which those nodes do not go through
+            c.need(impl == "transformer_engine", "train.cuda_graph_impl", impl, "the MoE all-to-all overlap "
+                   "(parallel.moe_a2a_overlap) replays only Transformer Engine's graphs",
+                   "train.cuda_graph_impl=transformer_engine")
             # "CUDA graph scope on moe and mlp is not supported with overlap_moe_expert_parallel_comm" (TE impl);
             # stricter: also the whole layer and the local impl, since the overlap splits each layer's MLP into
             # dispatch / experts / combine nodes of its own schedule
