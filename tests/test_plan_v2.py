@@ -410,3 +410,19 @@ def test_host_time_is_exposed_only_where_the_gpu_is_faster_and_cuda_graphs_remov
     q30 = compose_job(["recipe=qwen3_30b_a3b"])
     assert step_time(q30).breakdown_s["host"] == 0
     assert step_time(moe).step_s == pytest.approx(step_time(q30).step_s)
+
+
+def test_search_with_cuda_graphs_says_what_they_hold():
+    """A job with CUDA graphs keeps them in every candidate, and each candidate's line says how many GB the graphs
+    hold (the planner's cuda_graphs part, the stage of most) and how much host time is left exposed."""
+    job = compose_job(["recipe=qwen3_30b_a3b", "train.cuda_graph_impl=transformer_engine",
+                       "train.cuda_graph_modules=[attn,moe_router,moe_preprocess]"])
+    found = search(job, top=3)
+    assert found
+    for cand in found:
+        assert "CUDA graphs (transformer_engine) hold " in cand.why and " GB, host time exposed " in cand.why
+        gb = float(cand.why.split("CUDA graphs (transformer_engine) hold ")[1].split(" GB")[0])
+        chosen = compose_job(["recipe=qwen3_30b_a3b", "train.cuda_graph_impl=transformer_engine",
+                              "train.cuda_graph_modules=[attn,moe_router,moe_preprocess]", *cand.overrides])
+        want = max(s.parts["cuda_graphs"] for s in memory_per_stage(chosen)) / 1e9
+        assert gb > 0 and gb == pytest.approx(want, abs=0.05)
