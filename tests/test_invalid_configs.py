@@ -213,6 +213,8 @@ CASES = [
                                    "cluster.env.CUDA_DEVICE_MAX_CONNECTIONS=8"], "train.cuda_graph_impl="),
     ("local-graphs-with-a2a-overlap", ["recipe=deepseek_v3", "train.cuda_graph_impl=local", "train.cuda_graph_modules=[attn]"],
      "train.cuda_graph_impl="),
+    ("local-graphs-preprocess-dtoh", Q30 + ["train.cuda_graph_impl=local", "train.cuda_graph_modules=[attn,moe_router]",
+                                            "model.moe_expert_capacity_factor=1.0"], "train.cuda_graph_modules="),
     ("graphs-warmup-negative", L8 + ["train.cuda_graph_impl=local", "train.cuda_graph_warmup_steps=-1"],
      "train.cuda_graph_warmup_steps="),
 ]
@@ -224,7 +226,8 @@ HINTED = ["fp8-param-needs-distopt", "param-gather-needs-grad-overlap", "tp-over
           "graphs-on-cpu", "te-graphs-need-te", "graphs-with-zero-bubble", "graphs-full-recompute", "graphs-moe-on-dense",
           "graphs-moe-and-router", "graphs-preprocess-without-router", "graphs-dropless-moe-layer",
           "graphs-mlp-without-dense-layers", "graphs-dropout-recompute", "te-graphs-expandable-segments",
-          "graphs-unknown-module", "graphs-megatron-fsdp", "local-graphs-with-a2a-overlap"]
+          "graphs-unknown-module", "graphs-megatron-fsdp", "local-graphs-with-a2a-overlap",
+          "local-graphs-preprocess-dtoh"]
 """Cases whose hint is a plain override (or several joined by " or "): each alternative must validate."""
 
 

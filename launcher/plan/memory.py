@@ -720,7 +720,7 @@ def stage_memory(job: JobConfig, lay: Layout, stage: int, cache: dict | None = N
         g_bytes = GRAD_BYTES_FP32 if job.precision.grad_reduce_in_fp32 else a
         comm += (2 * w_bytes + g_bytes) * fsdp_layer_params(job, lay)
     parts["comm_buffers"] = comm
-    parts["cuda_graphs"] = cuda_graph_bytes(job, lay, stage, n_layers - n_moe, n_moe, in_flight)
+    parts["cuda_graphs"] = cuda_graph_bytes(job, lay, n_layers - n_moe, n_moe)
     # The backward of one layer: its activation gradients (and, under full recompute, its recomputed forward).
     work = max((per_token(k, True) for k in per_kind), default=0.0) * tokens
     parts["workspace"] = work * (2 if frac > 0 else 1)
@@ -729,9 +729,11 @@ def stage_memory(job: JobConfig, lay: Layout, stage: int, cache: dict | None = N
 
 
 GRAPH_BUFFERS_PER_CALLABLE = 2
-"""Static hidden-size buffers one graphed callable adds per live microbatch: the backward graph's output-gradient
-input and input-gradient output (Megatron-Core cuda_graphs.py ``_CudaGraphRunner.create_bwd_graph``; TE
-make_graphed_callables' static grad buffers). The forward graph's static input and output are not counted again:
+"""Static hidden-size buffers one graphed callable adds: the backward graph's output-gradient input and
+input-gradient output (Megatron-Core cuda_graphs.py ``_CudaGraphRunner.create_bwd_graph``; TE
+make_graphed_callables' static grad buffers). One set per callable, not per microbatch: backward graphs replay one
+at a time and share these (TE >= 2.7 ``_reuse_graph_input_output_buffers``; Megatron-Core's local graphs are
+captured in execution order into one mempool). The forward graph's static input and output are not counted again:
 the input is the layer input the eager count already holds for backward, the output the next callable's input."""
 
 
@@ -746,22 +748,18 @@ def graphed_callables(job: JobConfig, moe_layer: bool) -> int:
     return int("attn" in mods) + int(mlp)
 
 
-def cuda_graph_bytes(job: JobConfig, lay: Layout, stage: int, n_dense: int, n_moe: int, in_flight: float) -> float:
-    """train.cuda_graph_impl: the graphs' static buffers beyond the eager activations (``GRAPH_BUFFERS_PER_CALLABLE``
-    hidden-size tensors of one microbatch each) for every graphed callable of the stage and every microbatch in flight. Both
-    implementations reuse a graph's buffers once its microbatch's backward has run (local: one graph per layer
-    without PP, the capture-ordered shared mempool with PP; TE >= 2.7: ``_reuse_graph_input_output_buffers`` and
-    the helper's consumed-sample queue), so the live sets are the in-flight microbatches. The activations captured
-    inside the graphs are the eager activations, already counted. An estimate from the code (launcher/plan/NOTES.md),
-    not yet measured on a GPU."""
+def cuda_graph_bytes(job: JobConfig, lay: Layout, n_dense: int, n_moe: int) -> float:
+    """train.cuda_graph_impl: the graphs' static buffers beyond the eager activations, ``GRAPH_BUFFERS_PER_CALLABLE``
+    hidden-size tensors of one microbatch for every graphed callable of the stage. The activations captured inside
+    the graphs are the eager activations, already counted. An estimate from the code (launcher/plan/NOTES.md), not
+    yet measured on a GPU."""
     if job.train.cuda_graph_impl == "none":
         return 0.0
     a = DTYPE_BYTES.get(job.precision.dtype, 2)
     tokens = job.train.micro_batch_size * job.model.seq_length / lay.cp
     hidden = a * job.model.hidden_size * tokens / sp_shards(lay)
     callables = n_dense * graphed_callables(job, False) + n_moe * graphed_callables(job, True)
-    live = in_flight if lay.pp > 1 else 1.0
-    return GRAPH_BUFFERS_PER_CALLABLE * hidden * callables * live
+    return GRAPH_BUFFERS_PER_CALLABLE * hidden * callables
 
 
 def memory_per_stage(job: JobConfig, lay: Layout | None = None, static_cache: dict | None = None,

@@ -410,31 +410,37 @@ def _cuda_graph_modules(c: Checks, job: JobConfig, impl: str, mods: list) -> Non
     m, t, field = job.model, job.train, "train.cuda_graph_modules"
     moe = bool(m.num_experts and m.num_experts > 1)
     moe_mods = [x for x in mods if x in ("moe", "moe_router", "moe_preprocess")]
+    given = mods
+    if impl == "local" and {"moe_router", "moe_preprocess"} & set(mods):  # Megatron-Core appends the other one
+        mods = mods + [x for x in ("moe_router", "moe_preprocess") if x not in mods]
     # "moe cuda graph is only supported for MoE."
-    c.need(moe or not moe_mods, field, mods, "MoE modules in a dense model", "train.cuda_graph_modules=[attn]")
+    c.need(moe or not moe_mods, field, given, "MoE modules in a dense model", "train.cuda_graph_modules=[attn]")
     # "cuda_graph_modules must not contain both moe and moe_router."
-    c.need(not ("moe" in mods and "moe_router" in mods), field, mods, "moe already contains moe_router",
+    c.need(not ("moe" in mods and "moe_router" in mods), field, given, "moe already contains moe_router (and the "
+           "local implementation captures moe_router with moe_preprocess)",
            "train.cuda_graph_modules=[attn,moe_router]")
     # "moe_preprocess cuda graph is only supported with moe_router cuda graph." (local adds moe_router itself)
-    c.need(impl == "local" or "moe_preprocess" not in mods or "moe_router" in mods, field, mods,
+    c.need("moe_preprocess" not in mods or "moe_router" in mods, field, given,
            "moe_preprocess needs moe_router", "train.cuda_graph_modules=[attn,moe_router,moe_preprocess]")
     if moe:
         pattern = [i >= m.moe_first_k_dense and i % m.moe_layer_freq == 0 for i in range(m.num_layers)]
         # "mlp cuda graph is only supported for dense layers, but not found in the model."
-        c.need(not all(pattern) or "mlp" not in mods, field, mods, "every layer is an MoE layer, so there is "
+        c.need(not all(pattern) or "mlp" not in mods, field, given, "every layer is an MoE layer, so there is "
                "no dense MLP to capture", "train.cuda_graph_modules=[attn]")
         padded = m.moe_expert_capacity_factor is not None and m.moe_pad_expert_input_to_capacity
         # "moe cuda graph is only supported with drop-padding MoE."; stricter: the whole layer (empty list)
         # contains the MoE block too, whose dropless dispatch copies token counts to the host mid-layer
-        c.need(padded or ("moe" not in mods and mods), field, mods, "capturing the MoE block needs "
+        c.need(padded or ("moe" not in mods and mods), field, given, "capturing the MoE block needs "
                "drop-and-pad MoE (fixed shapes: model.moe_expert_capacity_factor with "
                "model.moe_pad_expert_input_to_capacity); a dropless dispatch syncs with the host",
                "train.cuda_graph_modules=[attn,moe_router]")
         # "moe_preprocess cuda graph is not supported when there are DtoH copies and synchronizations in the
         # preprocess step." (alltoall with a capacity factor but no padding)
         c.need(padded or m.moe_token_dispatcher_type != "alltoall" or m.moe_expert_capacity_factor is None
-               or "moe_preprocess" not in mods, field, mods, "the alltoall dispatcher's preprocess with a "
-               "capacity factor copies to the host", "train.cuda_graph_modules=[attn,moe_router]")
+               or "moe_preprocess" not in mods, field, given, "the alltoall dispatcher's preprocess with a "
+               "capacity factor copies to the host" + (" (the local implementation captures it with moe_router)"
+                                                       if impl == "local" else ""),
+               "train.cuda_graph_modules=[attn]" if impl == "local" else "train.cuda_graph_modules=[attn,moe_router]")
         if job.parallel.moe_a2a_overlap:
             # stricter: the combined 1F1B schedule runs each layer as nodes of its own (models/gpt/
             # fine_grained_callables.py) and replays only TE's graphs there (layer._te_cuda_graph_replay); the local
@@ -445,7 +451,7 @@ def _cuda_graph_modules(c: Checks, job: JobConfig, impl: str, mods: list) -> Non
             # "CUDA graph scope on moe and mlp is not supported with overlap_moe_expert_parallel_comm" (TE impl);
             # stricter: also the whole layer and the local impl, since the overlap splits each layer's MLP into
             # dispatch / experts / combine nodes of its own schedule
-            c.need(mods and "moe" not in mods and "mlp" not in mods, field, mods, "the MoE all-to-all overlap "
+            c.need(mods and "moe" not in mods and "mlp" not in mods, field, given, "the MoE all-to-all overlap "
                    "(parallel.moe_a2a_overlap) schedules the MLP's parts itself", "train.cuda_graph_modules=[attn]")
     rec = set(t.recompute_modules or ["core_attn"]) if t.recompute == Recompute.SELECTIVE else set()
     whole = not mods
