@@ -65,6 +65,11 @@ TE_CHOICES = ("auto", "true", "false")
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
 RECOMPUTE = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+# Megatron-Core 0.19.2 transformer_config.py cuda_graph_impl / cuda_graph_modules (CudaGraphModule; "mamba" is for
+# hybrid models, not built here). full_iteration (FullCudaGraphWrapper around the whole forward-backward) needs the
+# training loop to wrap the schedule; not built here.
+CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine")
+CUDA_GRAPH_MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess")
 DATA_KINDS = ("indexed", "mock")
 CHECKPOINT_FORMATS = ("torch_dist",)
 CHECKPOINT_VERIFY = ("sizes", "checksum")
@@ -383,6 +388,19 @@ class TrainConfig:
     recompute_modules: List[str] = field(default_factory=list)
     """Selective recompute: the submodules recomputed in backward (Megatron-Core's recompute_modules: core_attn,
     moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts); empty means core_attn (Megatron's default)."""
+    cuda_graph_impl: str = choice("none", CUDA_GRAPH_IMPLS)
+    """CUDA graphs for the transformer layers (Megatron-Core's cuda_graph_impl): none; local (Megatron-Core's
+    CudaGraphManager captures each layer's forward and backward per microbatch after cuda_graph_warmup_steps eager
+    runs and replays them; graphs are built inside Megatron-Core's 1F1B / interleaved schedules); or
+    transformer_engine (TE's make_graphed_callables, captured once by the training loop at step
+    cuda_graph_warmup_steps). Removes the host's kernel-launch time of what they cover; costs a static memory pool
+    (see the plan). GPU only; not with the zero-bubble schedules."""
+    cuda_graph_modules: List[str] = field(default_factory=list)
+    """With cuda_graph_impl: which parts of each layer are captured (Megatron-Core's cuda_graph_modules, formerly
+    cuda_graph_scope): attn, mlp (dense layers), moe (whole MoE block; drop-and-pad MoE only), moe_router (up to
+    the router, with shared experts), moe_preprocess (with moe_router). Empty captures the whole layer."""
+    cuda_graph_warmup_steps: int = 3
+    """With cuda_graph_impl: eager steps (local: runs per graph) before capture (Megatron-Core's default 3)."""
     exit_after_minutes: Optional[float] = None
     """Stop cleanly (with a checkpoint) after this wall time; null means no limit."""
     nonfinite: str = choice("stop", NONFINITE_POLICIES)

@@ -42,9 +42,11 @@ def transformer_config(*, model: ModelConfig, parallel: ParallelConfig, precisio
                        layout: Optional[Layout] = None, schedule: Optional[ScheduleConfig] = None,
                        recompute: str = "none", recompute_num_layers: Optional[int] = None,
                        recompute_modules: Optional[List[str]] = None,
-                       te: Optional[bool] = None, deterministic: bool = False):
+                       te: Optional[bool] = None, deterministic: bool = False,
+                       cuda_graph_impl: str = "none", cuda_graph_modules: Optional[List[str]] = None,
+                       cuda_graph_warmup_steps: int = 3):
     """The megatron.core TransformerConfig (or MLATransformerConfig) for this job (``deterministic``:
-    train.deterministic, Megatron-Core's deterministic code paths)."""
+    train.deterministic, Megatron-Core's deterministic code paths; ``cuda_graph_*``: train.cuda_graph_*)."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     layout = layout or layout_of(model=model, parallel=parallel, precision=precision, schedule=schedule)
@@ -93,6 +95,10 @@ def transformer_config(*, model: ModelConfig, parallel: ParallelConfig, precisio
         transformer_impl="transformer_engine" if te else "local", deterministic_mode=deterministic,
         **_recompute_fields(recompute, recompute_num_layers, recompute_modules), **_moe_fields(model, layout, on_gpu),
         **_schedule_fields(layout, schedule, parallel.tp_comm_overlap), **backend.fp8_fields(precision, te),
+        # CUDA graphs (train.cuda_graph_*): TransformerConfig turns the module names into CudaGraphModule members
+        # (an empty list captures the whole layer); Megatron's "full" default is the deprecated spelling of []
+        cuda_graph_impl=cuda_graph_impl, cuda_graph_modules=list(cuda_graph_modules or []),
+        cuda_graph_warmup_steps=cuda_graph_warmup_steps,
     )
     if model.multi_latent_attention:
         if not te:
@@ -276,7 +282,9 @@ def gpt_model_kwargs(*, model: ModelConfig, layout: Layout, config, spec, vp_sta
 def build_model(*, model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig,
                 layout: Optional[Layout] = None, schedule: Optional[ScheduleConfig] = None, seed: int = 1234,
                 recompute: str = "none", recompute_num_layers: Optional[int] = None,
-                recompute_modules: Optional[List[str]] = None, deterministic: bool = False) -> List[torch.nn.Module]:
+                recompute_modules: Optional[List[str]] = None, deterministic: bool = False,
+                cuda_graph_impl: str = "none", cuda_graph_modules: Optional[List[str]] = None,
+                cuda_graph_warmup_steps: int = 3) -> List[torch.nn.Module]:
     """GPTModel chunk(s) for this rank: one per virtual pipeline stage, on the current device. ``layout`` is
     the job's derived layout (the rank entry passes it; without one it is derived from these sections)."""
     from megatron.core import parallel_state
@@ -290,7 +298,8 @@ def build_model(*, model: ModelConfig, parallel: ParallelConfig, precision: Prec
     config = transformer_config(model=model, parallel=parallel, precision=precision, layout=layout,
                                 schedule=schedule, recompute=recompute, recompute_num_layers=recompute_num_layers,
                                 recompute_modules=recompute_modules,
-                                te=te, deterministic=deterministic)
+                                te=te, deterministic=deterministic, cuda_graph_impl=cuda_graph_impl,
+                                cuda_graph_modules=cuda_graph_modules, cuda_graph_warmup_steps=cuda_graph_warmup_steps)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     kind = schedule.kind if schedule is not None else Schedule.ONE_F_ONE_B
     chunks = []

@@ -11,6 +11,7 @@ from conftest import ROOT
 L405 = ["recipe=llama405b"]
 L70 = ["recipe=llama3_70b"]
 L8 = ["recipe=llama3_8b"]
+Q30 = ["recipe=qwen3_30b_a3b"]
 SMOKE = ["recipe=smoke"]
 MOE = ["recipe=smoke", "model.num_experts=4", "parallel.sequence_parallel=true"]
 
@@ -189,12 +190,49 @@ CASES = [
     ("profile-other-gpu", SMOKE + ["cluster.profile=tests/fixtures/profiles/h100-calibrated.yaml"], "cluster.profile="),
     ("profile-not-calibrated", SMOKE + ["cluster.profile=recipes/cluster/local.yaml"], "cluster.profile="),
     ("profile-missing", SMOKE + ["cluster.profile=/nonexistent/calibrated-local.yaml"], "cluster.profile="),
+    # --- issue 41, CUDA graphs: TransformerConfig.__post_init__ / Megatron-LM validate_args, and ours (zero bubble)
+    ("graphs-on-cpu", SMOKE + ["train.cuda_graph_impl=local"], "train.cuda_graph_impl="),
+    ("te-graphs-need-te", L8 + ["train.cuda_graph_impl=transformer_engine", "precision.transformer_engine=false",
+                                "+experiment=bf16", "parallel.context=1"], "train.cuda_graph_impl="),
+    ("graphs-with-zero-bubble", L8 + ["schedule.kind=zb_h1", "parallel.pipeline=2", "train.cuda_graph_impl=local"],
+     "train.cuda_graph_impl="),
+    ("graphs-full-recompute", L8 + ["train.cuda_graph_impl=local", "train.recompute=full"], "train.recompute="),
+    ("graphs-moe-on-dense", L8 + ["train.cuda_graph_impl=local", "train.cuda_graph_modules=[attn,moe_router]"],
+     "train.cuda_graph_modules="),
+    ("graphs-moe-and-router", Q30 + ["train.cuda_graph_impl=transformer_engine", "train.cuda_graph_modules=[moe,moe_router]",
+                                     "model.moe_expert_capacity_factor=1.0", "model.moe_pad_expert_input_to_capacity=true"],
+     "train.cuda_graph_modules="),
+    ("graphs-preprocess-without-router", Q30 + ["train.cuda_graph_impl=transformer_engine",
+                                                "train.cuda_graph_modules=[attn,moe_preprocess]"], "train.cuda_graph_modules="),
+    ("graphs-dropless-moe-layer", Q30 + ["train.cuda_graph_impl=local"], "train.cuda_graph_modules="),
+    ("graphs-mlp-without-dense-layers", Q30 + ["train.cuda_graph_impl=transformer_engine",
+                                               "train.cuda_graph_modules=[attn,mlp]"], "train.cuda_graph_modules="),
+    ("graphs-dropout-recompute", L8 + ["train.cuda_graph_impl=local", "model.attention_dropout=0.1",
+                                       "train.recompute=selective"], "model.attention_dropout="),
+    ("te-graphs-expandable-segments", L8 + ["train.cuda_graph_impl=transformer_engine",
+                                            "+cluster.env.PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"],
+     "cluster.env.PYTORCH_CUDA_ALLOC_CONF="),
+    ("graphs-unknown-module", L8 + ["train.cuda_graph_impl=local", "train.cuda_graph_modules=[mamba]"],
+     "train.cuda_graph_modules="),
+    ("graphs-megatron-fsdp", L8 + ["train.cuda_graph_impl=local", "parallel.context=1", "parallel.megatron_fsdp=true",
+                                   "cluster.env.CUDA_DEVICE_MAX_CONNECTIONS=8"], "train.cuda_graph_impl="),
+    ("local-graphs-with-a2a-overlap", ["recipe=deepseek_v3", "train.cuda_graph_impl=local", "train.cuda_graph_modules=[attn]"],
+     "train.cuda_graph_impl="),
+    ("local-graphs-preprocess-dtoh", Q30 + ["train.cuda_graph_impl=local", "train.cuda_graph_modules=[attn,moe_router]",
+                                            "model.moe_expert_capacity_factor=1.0"], "train.cuda_graph_modules="),
+    ("graphs-warmup-negative", L8 + ["train.cuda_graph_impl=local", "train.cuda_graph_warmup_steps=-1"],
+     "train.cuda_graph_warmup_steps="),
 ]
 
 HINTED = ["fp8-param-needs-distopt", "param-gather-needs-grad-overlap", "tp-overlap-needs-sp", "tp-overlap-needs-te",
           "pipeline-zero-interleaved", "gbs-below-interleaved", "optimizer-dtype-needs-precision-aware",
           "precision-aware-needs-te-fusedadam", "offload-fp32-model",
-          "offload-ignores-moment-dtypes", "bf16-main-grads-with-fp32-reduce", "offload-fp8-params-need-delayed"]
+          "offload-ignores-moment-dtypes", "bf16-main-grads-with-fp32-reduce", "offload-fp8-params-need-delayed",
+          "graphs-on-cpu", "te-graphs-need-te", "graphs-with-zero-bubble", "graphs-full-recompute", "graphs-moe-on-dense",
+          "graphs-moe-and-router", "graphs-preprocess-without-router", "graphs-dropless-moe-layer",
+          "graphs-mlp-without-dense-layers", "graphs-dropout-recompute", "te-graphs-expandable-segments",
+          "graphs-unknown-module", "graphs-megatron-fsdp", "local-graphs-with-a2a-overlap",
+          "local-graphs-preprocess-dtoh"]
 """Cases whose hint is a plain override (or several joined by " or "): each alternative must validate."""
 
 

@@ -140,6 +140,9 @@ VARIANTS = [[f"recipe={r}"] for r in RECIPES] + [
      "train.recompute_num_layers=2", "train.lr_schedule=wsd", "train.wsd_decay_steps=500"],
     ["recipe=llama3_8b", "precision.fp8=tensorwise", "precision.transformer_engine=true",
      "checkpoint.dir=/lustre/ck", "checkpoint.load=/lustre/other", "logging.wandb_project=p"],
+    # CUDA graphs (issue 41): TE's per-layer graphs over attention and the MoE router, 2 warm-up steps
+    ["recipe=qwen3_30b_a3b", "train.cuda_graph_impl=transformer_engine",
+     "train.cuda_graph_modules=[attn,moe_router,moe_preprocess]", "train.cuda_graph_warmup_steps=2"],
 ]
 
 

@@ -133,3 +133,35 @@ def test_precision_aware_optimizer_and_cpu_offload_bytes_per_param():
                        "train.optimizer_offload_fraction=0.75"])
     assert static_bytes(off, rp)["optimizer"] / rp.total == pytest.approx(12 / d * 0.25)
     assert static_bytes(off, rp)["weights"] == static_bytes(job, rp)["weights"]
+
+
+def test_cuda_graph_buffers_per_graphed_callable():
+    """CUDA graphs add two static hidden-size buffers (the backward graph's gradient input and output) per graphed
+    callable of the stage, shared by its microbatches: the whole layer is one callable, [attn,moe_router] two.
+    What the rank builds is tests/test_wiring.py's (TransformerConfig)."""
+    base = ["recipe=qwen3_30b_a3b"]
+    job = compose_job(base)
+    lay = derive(job)
+    assert lay.pp > 1 and all(s.parts["cuda_graphs"] == 0 for s in memory_per_stage(job, lay))
+    graphed = compose_job([*base, "train.cuda_graph_impl=transformer_engine",
+                           "train.cuda_graph_modules=[attn,moe_router,moe_preprocess]"])
+    m, t = graphed.model, graphed.train
+    sp = lay.tp if lay.sequence_parallel else 1
+    hidden = 2 * m.hidden_size * t.micro_batch_size * m.seq_length / lay.cp / sp
+    for stage in memory_per_stage(graphed, lay):  # every layer is MoE: attention + the router part, 2 callables
+        assert stage.parts["cuda_graphs"] == pytest.approx(2 * hidden * 2 * stage.layers)
+    plain = {s.stage: s for s in memory_per_stage(job, lay)}
+    for stage in memory_per_stage(graphed, lay):  # nothing else moves
+        assert stage.total - stage.parts["cuda_graphs"] == pytest.approx(plain[stage.stage].total)
+    # a dense model's whole layer is one callable
+    dense = compose_job(["recipe=llama3_8b", "train.cuda_graph_impl=local"])
+    dl = derive(dense)
+    [stage] = memory_per_stage(dense, dl)
+    dm, dt = dense.model, dense.train
+    dsp = dl.tp if dl.sequence_parallel else 1
+    assert stage.parts["cuda_graphs"] == pytest.approx(
+        2 * (2 * dm.hidden_size * dt.micro_batch_size * dm.seq_length / dl.cp / dsp) * dm.num_layers)
+    attn = compose_job(["recipe=llama3_8b", "train.cuda_graph_impl=local", "train.cuda_graph_modules=[attn]"])
+    assert memory_per_stage(attn, dl)[0].parts["cuda_graphs"] == pytest.approx(stage.parts["cuda_graphs"])
+    both = compose_job(["recipe=llama3_8b", "train.cuda_graph_impl=local", "train.cuda_graph_modules=[attn,mlp]"])
+    assert memory_per_stage(both, dl)[0].parts["cuda_graphs"] == pytest.approx(2 * stage.parts["cuda_graphs"])

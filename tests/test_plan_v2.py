@@ -377,3 +377,52 @@ def test_search_candidate_copies_equal_dataclasses_replace_and_leave_the_job_alo
     assert dataclasses.asdict(job) == before and got.train is job.train
     with pytest.raises(TypeError, match="no_such_field"):
         _with(job, train=dict(no_such_field=1))
+
+
+TINY_H100 = ["recipe=llama3_8b", "model.num_layers=4", "model.hidden_size=512", "model.ffn_hidden_size=1536",
+             "model.num_attention_heads=8", "model.num_query_groups=8", "model.seq_length=1024", "parallel.context=1"]
+"""A model so small per GPU that issuing its ops takes the host longer than the GPU takes to run them."""
+
+
+def test_host_time_is_exposed_only_where_the_gpu_is_faster_and_cuda_graphs_remove_it():
+    """Host term (launcher/plan/host.py HOST_OPS x HOST_OP_S): a layer pass waits for the host only when its GPU
+    work is shorter than issuing its ops; CUDA graphs issue a graphed part as one launch. Published layouts are not
+    host-bound (their predictions do not move: benchmarks/planner_accuracy.py); a tiny model is."""
+    from launcher.plan.host import GRAPH_LAUNCH_OPS, HOST_OP_S, HOST_OPS, host_seconds
+
+    tiny = compose_job(TINY_H100)
+    eager = step_time(tiny)
+    assert eager.breakdown_s["host"] > 0
+    graphed = step_time(compose_job([*TINY_H100, "train.cuda_graph_impl=local"]))
+    assert graphed.breakdown_s["host"] == 0 and graphed.step_s < eager.step_s
+    # per layer: every part's ops eagerly; one graph launch for the whole layer; attention graphed alone keeps the MLP's
+    assert host_seconds(tiny, False) == pytest.approx(((40 + 15) * HOST_OP_S, (50 + 21) * HOST_OP_S))
+    whole = compose_job([*TINY_H100, "train.cuda_graph_impl=local"])
+    assert host_seconds(whole, False) == pytest.approx((GRAPH_LAUNCH_OPS * HOST_OP_S,) * 2)
+    attn = compose_job([*TINY_H100, "train.cuda_graph_impl=local", "train.cuda_graph_modules=[attn]"])
+    assert host_seconds(attn, False) == pytest.approx(((HOST_OPS["mlp"][0] + 1) * HOST_OP_S,
+                                                       (HOST_OPS["mlp"][1] + 1) * HOST_OP_S))
+    moe = compose_job(["recipe=qwen3_30b_a3b", "train.cuda_graph_impl=transformer_engine",
+                       "train.cuda_graph_modules=[attn,moe_router,moe_preprocess]"])
+    assert host_seconds(moe, True) == pytest.approx(((HOST_OPS["moe_experts"][0] + 2) * HOST_OP_S,
+                                                     (HOST_OPS["moe_experts"][1] + 2) * HOST_OP_S))
+    # a published layout (Qwen3-30B-A3B, PP2 x VP24 x EP8) is GPU-bound: graphs change no predicted second
+    q30 = compose_job(["recipe=qwen3_30b_a3b"])
+    assert step_time(q30).breakdown_s["host"] == 0
+    assert step_time(moe).step_s == pytest.approx(step_time(q30).step_s)
+
+
+def test_search_with_cuda_graphs_says_what_they_hold():
+    """A job with CUDA graphs keeps them in every candidate, and each candidate's line says how many GB the graphs
+    hold (the planner's cuda_graphs part, the stage of most) and how much host time is left exposed."""
+    job = compose_job(["recipe=qwen3_30b_a3b", "train.cuda_graph_impl=transformer_engine",
+                       "train.cuda_graph_modules=[attn,moe_router,moe_preprocess]"])
+    found = search(job, top=3)
+    assert found
+    for cand in found:
+        assert "CUDA graphs (transformer_engine) hold " in cand.why and " GB, host time exposed " in cand.why
+        gb = float(cand.why.split("CUDA graphs (transformer_engine) hold ")[1].split(" GB")[0])
+        chosen = compose_job(["recipe=qwen3_30b_a3b", "train.cuda_graph_impl=transformer_engine",
+                              "train.cuda_graph_modules=[attn,moe_router,moe_preprocess]", *cand.overrides])
+        want = max(s.parts["cuda_graphs"] for s in memory_per_stage(chosen)) / 1e9
+        assert gb > 0 and gb == pytest.approx(want, abs=0.05)

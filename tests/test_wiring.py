@@ -49,6 +49,14 @@ VARIANTS = {
     "llama3_8b_cpu_offload": ["recipe=llama3_8b", "precision.precision_aware_optimizer=true",
                               "train.optimizer_cpu_offload=true", "train.optimizer_offload_fraction=0.5",
                               "train.overlap_cpu_optimizer_d2h_h2d=true"],
+    # CUDA graphs: TE's per-layer graphs over attention and the MoE router/preprocess (NVIDIA's MoE recipes), and
+    # Megatron-Core's local whole-layer graphs on a dense model
+    "qwen3_30b_a3b_te_graphs": ["recipe=qwen3_30b_a3b", "train.cuda_graph_impl=transformer_engine",
+                                "train.cuda_graph_modules=[attn,moe_router,moe_preprocess]",
+                                "train.cuda_graph_warmup_steps=2"],
+    "qwen3_30b_a3b_local_router_graphs": ["recipe=qwen3_30b_a3b", "train.cuda_graph_impl=local",
+                                          "train.cuda_graph_modules=[attn,moe_router]"],
+    "llama3_8b_local_graphs": ["recipe=llama3_8b", "train.cuda_graph_impl=local", "train.cuda_graph_warmup_steps=1"],
     "deepseek_v3_layout": ["recipe=llama3_70b", "model=deepseek_v3", "nodes=128", "parallel.tensor=2",
                            "parallel.pipeline=8", "parallel.virtual_pipeline=4", "parallel.context=1",
                            "parallel.expert=64", "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=false",
@@ -170,7 +178,9 @@ def _built(job, layout, calls, monkeypatch) -> dict:
     tc = builder.transformer_config(model=job.model, parallel=job.parallel, precision=job.precision, layout=layout,
                                     schedule=job.schedule, recompute=tr.recompute,
                                     recompute_num_layers=tr.recompute_num_layers,
-                                    recompute_modules=tr.recompute_modules, deterministic=tr.deterministic)
+                                    recompute_modules=tr.recompute_modules, deterministic=tr.deterministic,
+                                    cuda_graph_impl=tr.cuda_graph_impl, cuda_graph_modules=tr.cuda_graph_modules,
+                                    cuda_graph_warmup_steps=tr.cuda_graph_warmup_steps)
     called = backend.initialize_tp_comm_overlap(model=job.model, parallel=job.parallel, precision=job.precision,
                                                 train=tr, layout=layout, schedule_kind=job.schedule.kind)
     first = _gpt_kwargs(monkeypatch, job, layout, 0)
@@ -261,6 +271,7 @@ def _expected(field: str, target: str, attr: str, job, lay, built):
         ("train.recompute", TC, "recompute_granularity"): None if t.recompute == "none" else t.recompute,
         ("train.recompute_modules", TC, "recompute_modules"):
             _recompute_modules(t, moe) if t.recompute == "selective" else SKIP,
+        ("train.cuda_graph_modules", TC, "cuda_graph_modules"): _graph_modules(t),
         ("train.recompute_num_layers", TC, "recompute_num_layers"): (t.recompute_num_layers or 1) if t.recompute == "full" else SKIP,
     }
     if (field, target, attr) == ("model.mtp_num_layers", GPT, "mtp_block_spec"):
@@ -268,6 +279,17 @@ def _expected(field: str, target: str, attr: str, job, lay, built):
     if field == "precision.fp8" and (target, attr) == (TC, "fp8_recipe"):
         return pr.fp8 if pr.fp8 else SKIP  # without FP8, TransformerConfig.fp8 is None (checked above)
     return table[(field, target, attr)]
+
+
+def _graph_modules(t) -> list:
+    """train.cuda_graph_modules as CudaGraphModule members; the local implementation captures the router and the
+    preprocess together, so Megatron-Core appends the missing one of the two (transformer_config.py)."""
+    from megatron.core.transformer.cuda_graph_config import CudaGraphModule
+
+    names = list(t.cuda_graph_modules)
+    if t.cuda_graph_impl == "local" and {"moe_router", "moe_preprocess"} & set(names):
+        names += [n for n in ("moe_router", "moe_preprocess") if n not in names]
+    return [CudaGraphModule[n] for n in names]
 
 
 def _recompute_modules(t, moe: bool) -> list:
@@ -369,3 +391,86 @@ def test_choice_fields_match_the_rank_side_maps():
     assert set(ACTIVATIONS) == set(schema.ACTIVATIONS)
     assert set(DTYPES) == set(schema.DTYPES)
     assert set(LR_STYLES) == set(schema.LR_SCHEDULES)
+
+
+# --------------------------------------------------------------------------------------------- CUDA graphs
+@pytest.mark.parametrize("impl,te,want", [
+    ("none", True, {}),
+    ("local", False, {"te_rng_tracker": False, "use_cudagraphable_rng": True}),
+    ("local", True, {"te_rng_tracker": True, "use_cudagraphable_rng": True}),
+    ("transformer_engine", True, {"te_rng_tracker": True, "use_cudagraphable_rng": True}),
+    # Megatron-LM: "transformer_engine" in (transformer_impl, cuda_graph_impl) (validation refuses this pair first)
+    ("transformer_engine", False, {"te_rng_tracker": True, "use_cudagraphable_rng": True}),
+])
+def test_cuda_graphs_get_a_graph_safe_rng_tracker(impl, te, want):
+    """train.cuda_graph_impl -> model_parallel_cuda_manual_seed's tracker, as Megatron-LM sets it (CudaGraphManager
+    asserts "RNG tracker does not support cudagraphs!" otherwise)."""
+    from launcher.rank.setup import rng_tracker_kwargs
+
+    assert rng_tracker_kwargs(impl, te) == want
+
+
+def test_te_cuda_graphs_are_captured_at_the_warmup_step_and_deleted(monkeypatch):
+    """train.cuda_graph_impl=transformer_engine: the loop builds TECudaGraphHelper from the model's config, captures
+    at this run's step cuda_graph_warmup_steps with the forward pre-hooks off around it (distributed optimizer with
+    overlapped param gather), then sets the graphs' manual hooks; deletes the graphs at the end."""
+    from megatron.core import utils as mcore_utils
+    from megatron.core.transformer import cuda_graphs
+
+    from launcher.rank import loop
+
+    calls = []
+
+    class Helper:
+        def __init__(self, model, config, seq_length, micro_batch_size, optimizers):
+            calls.append(("init", config, seq_length, micro_batch_size, optimizers))
+            self.done = False
+
+        def capture_finished(self):
+            return self.done
+
+        def graphs_created(self):
+            return self.done
+
+        def create_cudagraphs(self):
+            calls.append("create")
+            self.done = True
+
+        def cuda_graph_set_manual_hooks(self):
+            calls.append("manual hooks")
+
+        def delete_cuda_graphs(self):
+            calls.append("delete")
+
+    class Chunk:
+        ddp_config = types.SimpleNamespace(use_megatron_fsdp=False, use_distributed_optimizer=True,
+                                           overlap_param_gather=True)
+
+        def disable_forward_pre_hook(self, param_sync=True):
+            calls.append(("hooks off", param_sync))
+
+        def enable_forward_pre_hook(self):
+            calls.append("hooks on")
+
+    monkeypatch.setattr(cuda_graphs, "TECudaGraphHelper", Helper)
+    monkeypatch.setattr(mcore_utils, "get_model_config", lambda chunk: "config")
+    train = compose_job(["recipe=qwen3_30b_a3b", "train.cuda_graph_impl=transformer_engine",
+                         "train.cuda_graph_modules=[attn,moe_router]", "train.cuda_graph_warmup_steps=2"]).train
+    from megatron.core import num_microbatches_calculator as nmc
+
+    graphs = loop.TECudaGraphs(model=[Chunk()], optimizer="opt", train=train, seq_length=4096, num_microbatches=32,
+                               dp_size=8)
+    assert calls == [("init", "config", 4096, train.micro_batch_size, ["opt"])]
+    assert nmc.get_num_microbatches() == 32  # the helper's capture order reads Megatron's global calculator
+    for done in range(2):
+        graphs.before_step(done)
+    assert len(calls) == 1  # eager warm-up steps
+    graphs.before_step(2)
+    assert calls[1:] == [("hooks off", False), "create", "hooks on", "manual hooks"]
+    graphs.before_step(3)
+    graphs.close()
+    assert calls[-1] == "delete" and calls.count("create") == 1
+    assert nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is None  # the calculator the loop set up is gone again
+    off = compose_job(["recipe=qwen3_30b_a3b"]).train
+    assert loop.TECudaGraphs(model=[Chunk()], optimizer="opt", train=off, seq_length=4096, num_microbatches=32,
+                             dp_size=8).helper is None

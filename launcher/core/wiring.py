@@ -166,6 +166,12 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
     "train.recompute": _tc("recompute_granularity", same=False),
     "train.recompute_num_layers": _tc("recompute_num_layers", same=False),
     "train.recompute_modules": _tc("recompute_modules", same=False),
+    # CUDA graphs: TransformerConfig decides what the layers capture; the RNG tracker must be graph-safe
+    # (setup: model_parallel_cuda_manual_seed(use_cudagraphable_rng / te_rng_tracker)); the transformer_engine
+    # implementation is captured by the loop (TECudaGraphHelper at step cuda_graph_warmup_steps)
+    "train.cuda_graph_impl": _tc("cuda_graph_impl") + _w(LOOP, "TECudaGraphHelper") + _w(LOOP, "rng tracker"),
+    "train.cuda_graph_modules": _tc("cuda_graph_modules", same=False),  # names -> CudaGraphModule members
+    "train.cuda_graph_warmup_steps": _tc("cuda_graph_warmup_steps") + _w(LOOP, "TECudaGraphHelper"),
     "train.exit_after_minutes": _w(LOOP, "deadline"),
     "train.nonfinite": _w(LOOP, "nonfinite"), "train.straggler_interval": _w(LOOP, "straggler_interval"),
     "train.straggler_margin": _w(LOOP, "straggler_margin"),

@@ -164,6 +164,8 @@ def _export_train(job: JobConfig, lay, missing: List[str]) -> List[str]:
     elif t.recompute == Recompute.FULL:
         out += ["--recompute-granularity", "full", "--recompute-method", "uniform",
                 "--recompute-num-layers", str(t.recompute_num_layers or 1)]
+    if t.cuda_graph_impl != "none" and t.cuda_graph_modules:  # empty: the whole layer, Megatron-LM's default
+        out += ["--cuda-graph-modules", *t.cuda_graph_modules]
     return out
 
 

@@ -29,9 +29,11 @@ ROPE_SCALING = lambda v: ROPE(v) and bool(v.get("model.rope_scaling"))  # noqa: 
 DELAYED = lambda v: v.get("precision.fp8") == "delayed"  # noqa: E731
 INTERLEAVED = lambda v: (v.get("parallel.virtual_pipeline") or 1) > 1  # noqa: E731
 INDEXED = lambda v: v.get("data.kind") == "indexed"  # noqa: E731
+GRAPHS = lambda v: v.get("train.cuda_graph_impl", "none") != "none"  # noqa: E731
 UNREAD = {MOE: "without --num-experts", MLA: "without --multi-latent-attention", ROPE: "without rope positions",
           ROPE_SCALING: "without --use-rope-scaling", DELAYED: "without delayed FP8 scaling",
-          INTERLEAVED: "without a virtual pipeline", INDEXED: "with mock data"}
+          INTERLEAVED: "without a virtual pipeline", INDEXED: "with mock data",
+          GRAPHS: "without --cuda-graph-impl"}
 """Why an argument given for a job it does not apply to is not read (Megatron-LM does not read it either)."""
 
 
@@ -170,6 +172,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--optimizer-cpu-offload", "train.optimizer_cpu_offload", False, switch=True),
     Flag("--optimizer-offload-fraction", "train.optimizer_offload_fraction", 1.0),
     Flag("--overlap-cpu-optimizer-d2h-h2d", "train.overlap_cpu_optimizer_d2h_h2d", False, switch=True),
+    Flag("--cuda-graph-impl", "train.cuda_graph_impl", "none"),
+    Flag("--cuda-graph-warmup-steps", "train.cuda_graph_warmup_steps", 3, when=GRAPHS),
     # ---- data, checkpoints, logging, cluster
     Flag("--split", "data.split", "969,30,1", when=INDEXED, parse=lambda t: t.replace(" ", "")),
     Flag("--data-cache-path", "data.cache_dir", None),
@@ -244,6 +248,8 @@ COMBINED: Dict[str, str] = {
     "--recompute-num-layers": "train.recompute_num_layers",
     "--recompute-activations": "train.recompute",
     "--recompute-modules": "train.recompute_modules",
+    "--cuda-graph-modules": "train.cuda_graph_modules",
+    "--cuda-graph-scope": "train.cuda_graph_modules",  # its deprecated name (hidden in Megatron-LM's parser)
     "--data-path": "data.blend, data.kind",
     "--mock-data": "data.kind",
     "--tokenizer-type": "data.tokenizer",

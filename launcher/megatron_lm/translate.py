@@ -166,7 +166,8 @@ def to_fields(argv: List[str], launch: Launch = Launch()) -> Tuple[Dict[str, Any
     _gates(args, v)
     for f in FLAGS:
         _simple(args, v, f)
-    for rule in (_model_shape, _moe, _layout, _precision, _batches, _schedule, _recompute, _data, _checkpoint):
+    for rule in (_model_shape, _moe, _layout, _precision, _batches, _schedule, _recompute, _cuda_graph_modules, _data,
+                 _checkpoint):
         rule(args, v)
     env = dict(launch.env)
     if "WANDB_MODE" in env:
@@ -499,6 +500,17 @@ def _schedule(args: Args, v: dict) -> None:
     else:
         for flag in ("--lr-wsd-decay-iters", "--lr-wsd-decay-samples", "--lr-wsd-decay-style"):
             args.use(flag, "no effect without --lr-decay-style WSD", "ignored")
+
+
+def _cuda_graph_modules(args: Args, v: dict) -> None:
+    """--cuda-graph-modules (or its deprecated name --cuda-graph-scope) -> train.cuda_graph_modules; Megatron-LM's
+    "full" is the whole layer, our empty list."""
+    for flag in ("--cuda-graph-modules", "--cuda-graph-scope"):
+        modules = args.values(flag)
+        if modules is None:
+            continue
+        v["train.cuda_graph_modules"] = [] if modules == ["full"] else list(modules)
+        args.use(flag, f"train.cuda_graph_modules={v['train.cuda_graph_modules']}")
 
 
 def _recompute(args: Args, v: dict) -> None:

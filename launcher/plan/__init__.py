@@ -59,6 +59,9 @@ HINTS = {
     "workspace": [("train.recompute=selective instead of full", lambda j: j.train.recompute != Recompute.FULL),
                   ("a smaller train.micro_batch_size", None)],
     "comm_buffers": [("a smaller train.micro_batch_size", None)],
+    "cuda_graphs": [("fewer train.cuda_graph_modules (e.g. [attn,moe_router] instead of the whole layer)",
+                     lambda j: bool(j.train.cuda_graph_modules)),
+                    ("train.cuda_graph_impl=none (the graphs' static buffers go; host launch time comes back)", None)],
     "reserve": [("cluster.memory_reserve_gb (only if you know the site's overhead is smaller)", None)],
 }
 """What to change when a contributor dominates a stage that does not fit: each option with the test of a job that

@@ -720,11 +720,46 @@ def stage_memory(job: JobConfig, lay: Layout, stage: int, cache: dict | None = N
         g_bytes = GRAD_BYTES_FP32 if job.precision.grad_reduce_in_fp32 else a
         comm += (2 * w_bytes + g_bytes) * fsdp_layer_params(job, lay)
     parts["comm_buffers"] = comm
+    parts["cuda_graphs"] = cuda_graph_bytes(job, lay, n_layers - n_moe, n_moe)
     # The backward of one layer: its activation gradients (and, under full recompute, its recomputed forward).
     work = max((per_token(k, True) for k in per_kind), default=0.0) * tokens
     parts["workspace"] = work * (2 if frac > 0 else 1)
     parts["reserve"] = job.cluster.memory_reserve_gb * GB
     return StageMemory(stage, n_layers, rp.total, in_flight, parts, n_pending if pending is not None else 0)
+
+
+GRAPH_BUFFERS_PER_CALLABLE = 2
+"""Static hidden-size buffers one graphed callable adds: the backward graph's output-gradient input and
+input-gradient output (Megatron-Core cuda_graphs.py ``_CudaGraphRunner.create_bwd_graph``; TE
+make_graphed_callables' static grad buffers). One set per callable, not per microbatch: backward graphs replay one
+at a time and share these (TE >= 2.7 ``_reuse_graph_input_output_buffers``; Megatron-Core's local graphs are
+captured in execution order into one mempool). The forward graph's static input and output are not counted again:
+the input is the layer input the eager count already holds for backward, the output the next callable's input."""
+
+
+def graphed_callables(job: JobConfig, moe_layer: bool) -> int:
+    """CUDA graphs one layer is cut into under train.cuda_graph_modules: the whole layer (empty list) is one;
+    otherwise attention is one and the MLP part (mlp on a dense layer; moe, or moe_router with moe_preprocess, on
+    an MoE layer) another (Megatron-Core ``_layer_is_graphable`` / ``create_mcore_cudagraph_manager``)."""
+    mods = set(job.train.cuda_graph_modules)
+    if not mods:
+        return 1
+    mlp = bool(mods & {"moe", "moe_router", "moe_preprocess"}) if moe_layer else "mlp" in mods
+    return int("attn" in mods) + int(mlp)
+
+
+def cuda_graph_bytes(job: JobConfig, lay: Layout, n_dense: int, n_moe: int) -> float:
+    """train.cuda_graph_impl: the graphs' static buffers beyond the eager activations, ``GRAPH_BUFFERS_PER_CALLABLE``
+    hidden-size tensors of one microbatch for every graphed callable of the stage. The activations captured inside
+    the graphs are the eager activations, already counted. An estimate from the code (launcher/plan/NOTES.md), not
+    yet measured on a GPU."""
+    if job.train.cuda_graph_impl == "none":
+        return 0.0
+    a = DTYPE_BYTES.get(job.precision.dtype, 2)
+    tokens = job.train.micro_batch_size * job.model.seq_length / lay.cp
+    hidden = a * job.model.hidden_size * tokens / sp_shards(lay)
+    callables = n_dense * graphed_callables(job, False) + n_moe * graphed_callables(job, True)
+    return GRAPH_BUFFERS_PER_CALLABLE * hidden * callables
 
 
 def memory_per_stage(job: JobConfig, lay: Layout | None = None, static_cache: dict | None = None,

@@ -395,5 +395,9 @@ def _why(job: JobConfig, lay: Layout, st, peak: float, cap: float) -> str:
         bits.append(f"{worst} {comm[worst]:.2f} s exposed")
     if lay.tp * lay.cp > job.cluster.gpus_per_node:
         bits.append("TPxCP crosses nodes")
+    if tr.cuda_graph_impl != "none":  # what the graphs cost in memory and what host time is left exposed
+        graphs = max(s.parts.get("cuda_graphs", 0.0) for s in memory_per_stage(job, lay))
+        bits.append(f"CUDA graphs ({tr.cuda_graph_impl}) hold {graphs / GB:.1f} GB, "
+                    f"host time exposed {st.breakdown_s.get('host', 0.0):.2f} s")
     bits.append(f"mbs {tr.micro_batch_size}")
     return "; ".join(bits)

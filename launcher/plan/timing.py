@@ -20,6 +20,7 @@ from launcher.core.flops import FMA, flops_per_step, kv_channels, layer_flops, q
 from launcher.plan.memory import (DTYPE_BYTES, GRAD_BYTES_FP32, fsdp_layer_params, grad_groups, optimizer_shards,
                                   recompute_fraction, recomputed_modules, sp_shards, stage_layers, stage_params)
 from launcher.core.schedules import loss_rank
+from launcher.plan.host import host_seconds
 from launcher.plan.simulator import simulate_kind
 from launcher.schema import JobConfig, Recompute, Schedule
 
@@ -138,7 +139,7 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
     kinds += [pattern[-1]] * n_mtp
     h = model.hidden_size
     parts = dict.fromkeys(("gemm", "attention", "elementwise", "fp8_cast", "tp_comm", "cp_comm", "ep_comm", "recompute",
-                           "dp_comm"), 0.0)
+                           "dp_comm", "host"), 0.0)
     fsdp_ag = fsdp_rs = 0.0
     if par.megatron_fsdp:
         dp_bw = _bandwidth(job, t * cp * lay.dp)
@@ -214,6 +215,15 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
                                        moe_fixed + (epc if is_moe else 0.0))
         b += n * rec
         parts["recompute"] += n * rec
+        # host time: a pass whose GPU work is shorter than the host's issuing of its ops waits for the host
+        host_f, host_b = host_seconds(job, is_moe)
+        gpu_f = g + att + elem + cast_f + tp + cpc + epc + fs_f
+        gpu_b = (g + ATTENTION_BWD_FACTOR * att + ELEMENTWISE_PASSES_BWD * elem + cast_b + tp_b + 2 * cpc + epc + fs_b
+                 + rec)
+        exposed_f, exposed_b = max(0.0, host_f - gpu_f), max(0.0, host_b - gpu_b)
+        f += n * exposed_f
+        b += n * exposed_b
+        parts["host"] += n * (exposed_f + exposed_b)
     if last:  # output layer (+ MTP heads): GEMMs in BF16, plus the loss
         vp = lay.padded_vocab
         heads = 1 + n_mtp

@@ -108,7 +108,7 @@ def train(bundle: Path, console) -> int:
                              f"launched them, or env.sh): {rule}; unset it or export {var}={accepted_value(var)}",
                              any_rank=True)
     elastic.init_process_group_for_restart(job.cluster.backend)  # before setup: a torchrun restart's own keys
-    setup.init_distributed(cluster=job.cluster, layout=layout, seed=tr.seed)
+    setup.init_distributed(cluster=job.cluster, layout=layout, seed=tr.seed, cuda_graph_impl=tr.cuda_graph_impl)
     if job.cluster.health_check or (job.cluster.health_check is None and job.nodes > 1):
         from launcher.rank import health
 
@@ -155,7 +155,8 @@ def build_model_and_optimizer(job, layout) -> tuple:
     chunks = build_model(model=job.model, parallel=job.parallel, precision=job.precision, layout=layout,
                          schedule=job.schedule, seed=tr.seed, recompute=tr.recompute,
                          recompute_num_layers=tr.recompute_num_layers, recompute_modules=tr.recompute_modules,
-                         deterministic=tr.deterministic)
+                         deterministic=tr.deterministic, cuda_graph_impl=tr.cuda_graph_impl,
+                         cuda_graph_modules=tr.cuda_graph_modules, cuda_graph_warmup_steps=tr.cuda_graph_warmup_steps)
     model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision)
     optimizer = optim.build_optimizer(model, train=tr, parallel=job.parallel, precision=job.precision)
     offloaded = optim.host_offload(optimizer) if tr.optimizer_cpu_offload else None

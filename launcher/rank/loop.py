@@ -242,6 +242,62 @@ class FirstStepWithoutParamGather:
         self.off, self._param_sync_func = False, None
 
 
+class TECudaGraphs:
+    """train.cuda_graph_impl=transformer_engine, as Megatron-LM's ``train()`` drives it (training.py): a
+    ``TECudaGraphHelper`` built before the first step; at the step ``cuda_graph_warmup_steps`` after this run's
+    start, ``create_cudagraphs()`` (TE's make_graphed_callables over every microbatch's layers), with the forward
+    pre-hooks off around it and the graphs' manual parameter-gather hooks set after it when the pre-hooks are in use
+    (``should_disable_forward_pre_hook``); with no warm-up those hooks are set once the first step re-enabled the
+    pre-hooks; ``delete_cuda_graphs()`` at the end. A no-op for any other cuda_graph_impl (``local`` graphs are
+    built by Megatron-Core's own schedules, ``create_cudagraphs`` at the end of each forward-backward)."""
+
+    def __init__(self, *, model, optimizer, train, seq_length: int, num_microbatches: int, dp_size: int) -> None:
+        self.model, self.helper, self.warmup = model, None, train.cuda_graph_warmup_steps
+        self.own_calculator = False
+        if train.cuda_graph_impl != "transformer_engine":
+            return
+        from megatron.core import num_microbatches_calculator as nmc
+        from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
+        from megatron.core.utils import get_model_config
+
+        # the helper reads the capture order's microbatch count from Megatron's global calculator (with PP);
+        # Megatron-LM initialises it in initialize_megatron, the launcher's schedules take the count as an argument
+        if nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR is None:
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            nmc.init_num_microbatches_calculator(rank, None, num_microbatches * train.micro_batch_size * dp_size,
+                                                 train.micro_batch_size, dp_size)
+            self.own_calculator = True
+        self.helper = TECudaGraphHelper(model=model, config=get_model_config(model[0]), seq_length=seq_length,
+                                        micro_batch_size=train.micro_batch_size, optimizers=[optimizer])
+
+    def before_step(self, done_this_run: int) -> None:
+        if self.helper is None or self.helper.capture_finished() or done_this_run != self.warmup:
+            return
+        hooks = self.warmup > 0 and should_disable_forward_pre_hook(self.model)
+        if hooks:
+            for chunk in self.model:
+                chunk.disable_forward_pre_hook(param_sync=False)
+        self.helper.create_cudagraphs()
+        if hooks:
+            for chunk in self.model:
+                chunk.enable_forward_pre_hook()
+            self.helper.cuda_graph_set_manual_hooks()
+
+    def pre_hooks_restored(self) -> None:
+        """The first step's parameter-gather pre-hooks came back (FirstStepWithoutParamGather.after_step)."""
+        if self.helper is not None and self.warmup == 0 and self.helper.capture_finished():
+            self.helper.cuda_graph_set_manual_hooks()
+
+    def close(self) -> None:
+        if self.helper is not None and self.helper.graphs_created():
+            self.helper.delete_cuda_graphs()
+        if self.own_calculator:
+            from megatron.core import num_microbatches_calculator as nmc
+
+            nmc.destroy_num_microbatches_calculator()
+            self.own_calculator = False
+
+
 class Loop:
     """Step loop state: what a checkpoint restores (step, consumed samples) and the stop flag."""
 
@@ -357,14 +413,21 @@ class Loop:
                         else stop_check() if stop_check is not None else None))  # e.g. close to the time limit
 
         first_step = FirstStepWithoutParamGather(self.model)
+        graphs = TECudaGraphs(model=self.model, optimizer=self.optimizer, train=self.train, seq_length=self.seq_length,
+                              num_microbatches=self.num_microbatches, dp_size=self.dp_size)
         first_step.start()
+        start_step = self.step
         try:
             while self.step < steps:
                 if profiler is not None:  # profile.*: opens the trace / capture range at profile.step_start
                     profiler.before(self.step + 1)
+                graphs.before_step(self.step - start_step)
                 start = time.perf_counter()
                 out = self.train_step(iterators)
+                hooks_were_off = first_step.off
                 first_step.after_step(bool(out.get("skipped")))  # Megatron-LM: right after train_step
+                if hooks_were_off and not first_step.off:
+                    graphs.pre_hooks_restored()
                 why = local_reason()
                 loss, agreed = reduce_report(out["local_loss"], why, self.kind)
                 elapsed = time.perf_counter() - start
@@ -408,3 +471,4 @@ class Loop:
             return "done"
         finally:
             first_step.restore()
+            graphs.close()

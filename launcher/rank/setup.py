@@ -28,8 +28,9 @@ def collective_timeout_s() -> int:
     return int(raw) if raw.isdigit() and int(raw) > 0 else timeouts.DEFAULT_COLLECTIVE_S
 
 
-def init_distributed(*, cluster: ClusterConfig, layout: Layout, seed: int) -> None:
-    """torch.distributed (nccl | gloo) from torchrun's env, then megatron.core parallel_state."""
+def init_distributed(*, cluster: ClusterConfig, layout: Layout, seed: int, cuda_graph_impl: str = "none") -> None:
+    """torch.distributed (nccl | gloo) from torchrun's env, then megatron.core parallel_state (and the RNG
+    tracker: graph-safe under ``cuda_graph_impl``, see :func:`rng_tracker_kwargs`)."""
     from megatron.core import parallel_state, tensor_parallel
 
     if not torch.cuda.is_available():
@@ -61,7 +62,18 @@ def init_distributed(*, cluster: ClusterConfig, layout: Layout, seed: int) -> No
     # Per-rank named RNG streams (TP dropout, and on a GPU every weight: with use_cpu_initialization=False
     # Megatron-Core/TE draw each weight inside get_cuda_rng_tracker().fork()); on CPU they are CPU generator
     # states (cpu_compat). Seeded from the stage's seed, so stage 1's layer j is not stage 0's layer j.
-    tensor_parallel.model_parallel_cuda_manual_seed(rank_seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(
+        rank_seed, **rng_tracker_kwargs(cuda_graph_impl, layout.transformer_engine))
+
+
+def rng_tracker_kwargs(cuda_graph_impl: str, te: bool) -> dict:
+    """The RNG tracker CUDA graphs need, as Megatron-LM sets it (initialize.py ``_set_random_seed(...,
+    use_cudagraphable_rng=args.cuda_graph_impl != "none")``; arguments.py turns ``--te-rng-tracker`` on when
+    "transformer_engine" is the transformer_impl or the cuda_graph_impl). Without graphs: Megatron's defaults.
+    Megatron-Core's CudaGraphManager asserts "RNG tracker does not support cudagraphs!" otherwise."""
+    if cuda_graph_impl == "none":
+        return {}
+    return {"te_rng_tracker": te or cuda_graph_impl == "transformer_engine", "use_cudagraphable_rng": True}
 
 
 def stage_seed(seed: int, pp_rank: int) -> int:

@@ -111,7 +111,8 @@ BOUNDS: dict[str, Bound] = {
     "train.adam_eps": Bound(0, lo_open=True, why="Adam divides by sqrt(v) + eps"),
     "train.clip_grad": Bound(0, why="0 disables clipping"),
     # hybrid_optimizer.py: the offload threshold is this share of the device parameters' elements
-    "train.optimizer_offload_fraction": Bound(0, 1), "train.exit_after_minutes": POSITIVE_NUMBER,
+    "train.optimizer_offload_fraction": Bound(0, 1), "train.cuda_graph_warmup_steps": NON_NEGATIVE,
+    "train.exit_after_minutes": POSITIVE_NUMBER,
     # torch.manual_seed takes 64 bits; the ranks offset the seed per layer (x 1000003) and per rank
     "train.seed": Bound(0, 2**31 - 1),
     "data.num_workers": NON_NEGATIVE, "checkpoint.save_interval": Bound(0, why="0: only at the end"),

@@ -8,7 +8,7 @@ from __future__ import annotations
 from launcher.core import Layout
 from launcher.fields import is_allowed
 from launcher.problems import Problem
-from launcher.schema import JobConfig, ModelConfig, Recompute
+from launcher.schema import CUDA_GRAPH_MODULES, JobConfig, ModelConfig, Recompute, Schedule
 from launcher.validate.generic import Checks, divisor_near, in_bounds, round_up
 
 
@@ -346,3 +346,124 @@ def _split_share(split: str, index: int) -> float | None:
     except ValueError:
         return None
     return parts[index] / sum(parts) if len(parts) == 3 and sum(parts) > 0 else None
+
+
+def validate_cuda_graphs(job: JobConfig, lay: Layout) -> list[Problem]:
+    """train.cuda_graph_*: Megatron-Core's TransformerConfig.__post_init__ and Megatron-LM's validate_args
+    (megatron-core 0.19.2) assert these on every rank once the model is configured; here one line each, before
+    anything runs. Rules marked stricter are ours, with the reason."""
+    c = Checks()
+    t, m = job.train, job.model
+    impl, mods = t.cuda_graph_impl, list(t.cuda_graph_modules)
+    if impl == "none":
+        # transformer_config.py: "cuda_graph_modules has no effect when cuda_graph_impl="none""
+        for name, unset in (("cuda_graph_modules", not mods), ("cuda_graph_warmup_steps", t.cuda_graph_warmup_steps == 3)):
+            c.need(unset, f"train.{name}", getattr(t, name), "has no effect without CUDA graphs",
+                   "train.cuda_graph_impl=local or train.cuda_graph_impl=transformer_engine", severity="warning")
+        return c.problems
+    unknown = [x for x in mods if x not in CUDA_GRAPH_MODULES]
+    # cuda_graph_config.py: CudaGraphModule[name] (KeyError for anything else; "mamba" is for hybrid models)
+    c.need(not unknown, "train.cuda_graph_modules", mods, f"unknown module(s) {unknown}; known: "
+           f"{', '.join(CUDA_GRAPH_MODULES)} (empty captures the whole layer)", "train.cuda_graph_modules=[]")
+    where = "train.cuda_graph_impl"
+    # torch.cuda.graph captures CUDA streams; a CPU rank has none
+    c.need(job.cluster.gpu != "cpu", where, impl, "CUDA graphs need CUDA (torch.cuda.graph); this cluster "
+           "profile is cpu", "train.cuda_graph_impl=none")
+    # cuda_graphs.py TECudaGraphHelper: "CUDA Graphs are not supported without TE." (make_graphed_callables)
+    c.need(impl != "transformer_engine" or lay.transformer_engine, where, impl, "the transformer_engine "
+           "implementation is TE's make_graphed_callables, and this job plans no Transformer Engine layers",
+           "train.cuda_graph_impl=local or precision.transformer_engine=auto")
+    # stricter (no upstream schedule to assert): the zero-bubble executor (launcher/rank/zero_bubble.py) splits
+    # each backward and defers the weight-gradient GEMMs as Python closures queued in models/zero_bubble.py's
+    # WeightGradStore while an autograd function's backward runs; a replayed backward graph runs its kernels
+    # without that Python, so no W work would be queued (weights silently not trained), and Megatron-Core builds
+    # local graphs (create_cudagraphs) and TE's per-microbatch capture order only for its own 1F1B/interleaved
+    c.need(job.schedule.kind not in Schedule.ZERO_BUBBLE, where, impl, f"schedule.kind={job.schedule.kind} "
+           "defers weight gradients as Python work queued during backward, which a replayed backward graph "
+           "never queues", "train.cuda_graph_impl=none")
+    # transformer_config.py: "full recompute is only supported with full iteration CUDA graph."
+    c.need(t.recompute != Recompute.FULL, "train.recompute", t.recompute, "full recompute with per-layer CUDA "
+           "graphs (Megatron-Core asserts only full_iteration graphs take it; not built here)",
+           "train.recompute=selective or train.cuda_graph_impl=none")
+    # stricter: Megatron-LM runs Megatron-FSDP in megatron_fsdp_cuda_graph_mode under CUDA graphs
+    # (training.py); that mode is not wired here
+    c.need(not job.parallel.megatron_fsdp, where, impl, "Megatron-FSDP needs its CUDA-graph-safe mode "
+           "(megatron_fsdp_cuda_graph_mode), which this launcher does not set", "train.cuda_graph_impl=none")
+    _cuda_graph_modules(c, job, impl, mods)
+    if impl == "transformer_engine":
+        env = job.cluster.env
+        # arguments.py / cuda_graphs.py: "Setting NCCL_GRAPH_REGISTER=0 to avoid illegal memory access when using
+        # CUDA Graph with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."
+        c.need("expandable_segments:True" not in env.get("PYTORCH_CUDA_ALLOC_CONF", "")
+               or env.get("NCCL_GRAPH_REGISTER", "") == "0", "cluster.env.PYTORCH_CUDA_ALLOC_CONF",
+               env.get("PYTORCH_CUDA_ALLOC_CONF"), "expandable segments with TE's CUDA graphs need "
+               "NCCL_GRAPH_REGISTER=0 (Megatron asserts it: illegal memory access otherwise)",
+               "+cluster.env.NCCL_GRAPH_REGISTER=0")
+        c.need(t.cuda_graph_warmup_steps < lay.steps, "train.cuda_graph_warmup_steps", t.cuda_graph_warmup_steps,
+               f"the graphs are captured after this many steps and the run has {lay.steps}",
+               f"train.cuda_graph_warmup_steps={max(0, lay.steps - 1)}", severity="warning")
+    return c.problems
+
+
+def _cuda_graph_modules(c: Checks, job: JobConfig, impl: str, mods: list) -> None:
+    """TransformerConfig.__post_init__'s cuda_graph_modules rules (transformer_config.py, megatron-core 0.19.2)."""
+    m, t, field = job.model, job.train, "train.cuda_graph_modules"
+    moe = bool(m.num_experts and m.num_experts > 1)
+    moe_mods = [x for x in mods if x in ("moe", "moe_router", "moe_preprocess")]
+    given = mods
+    if impl == "local" and {"moe_router", "moe_preprocess"} & set(mods):  # Megatron-Core appends the other one
+        mods = mods + [x for x in ("moe_router", "moe_preprocess") if x not in mods]
+    # "moe cuda graph is only supported for MoE."
+    c.need(moe or not moe_mods, field, given, "MoE modules in a dense model", "train.cuda_graph_modules=[attn]")
+    # "cuda_graph_modules must not contain both moe and moe_router."
+    c.need(not ("moe" in mods and "moe_router" in mods), field, given, "moe already contains moe_router (and the "
+           "local implementation captures moe_router with moe_preprocess)",
+           "train.cuda_graph_modules=[attn,moe_router]")
+    # "moe_preprocess cuda graph is only supported with moe_router cuda graph." (local adds moe_router itself)
+    c.need("moe_preprocess" not in mods or "moe_router" in mods, field, given,
+           "moe_preprocess needs moe_router", "train.cuda_graph_modules=[attn,moe_router,moe_preprocess]")
+    if moe:
+        pattern = [i >= m.moe_first_k_dense and i % m.moe_layer_freq == 0 for i in range(m.num_layers)]
+        # "mlp cuda graph is only supported for dense layers, but not found in the model."
+        c.need(not all(pattern) or "mlp" not in mods, field, given, "every layer is an MoE layer, so there is "
+               "no dense MLP to capture", "train.cuda_graph_modules=[attn]")
+        padded = m.moe_expert_capacity_factor is not None and m.moe_pad_expert_input_to_capacity
+        # "moe cuda graph is only supported with drop-padding MoE."; stricter: the whole layer (empty list)
+        # contains the MoE block too, whose dropless dispatch copies token counts to the host mid-layer
+        c.need(padded or ("moe" not in mods and mods), field, given, "capturing the MoE block needs "
+               "drop-and-pad MoE (fixed shapes: model.moe_expert_capacity_factor with "
+               "model.moe_pad_expert_input_to_capacity); a dropless dispatch syncs with the host",
+               "train.cuda_graph_modules=[attn,moe_router]")
+        # "moe_preprocess cuda graph is not supported when there are DtoH copies and synchronizations in the
+        # preprocess step." (alltoall with a capacity factor but no padding)
+        c.need(padded or m.moe_token_dispatcher_type != "alltoall" or m.moe_expert_capacity_factor is None
+               or "moe_preprocess" not in mods, field, given, "the alltoall dispatcher's preprocess with a "
+               "capacity factor copies to the host" + (" (the local implementation captures it with moe_router)"
+                                                       if impl == "local" else ""),
+               "train.cuda_graph_modules=[attn]" if impl == "local" else "train.cuda_graph_modules=[attn,moe_router]")
+        if job.parallel.moe_a2a_overlap:
+            # stricter: the combined 1F1B schedule runs each layer as nodes of its own (models/gpt/
+            # fine_grained_callables.py) and replays only TE's graphs there (layer._te_cuda_graph_replay); the local
+            # implementation's graphs hang off the layer's __call__, which those nodes do not go through
+            c.need(impl == "transformer_engine", "train.cuda_graph_impl", impl, "the MoE all-to-all overlap "
+                   "(parallel.moe_a2a_overlap) replays only Transformer Engine's graphs",
+                   "train.cuda_graph_impl=transformer_engine")
+            # "CUDA graph scope on moe and mlp is not supported with overlap_moe_expert_parallel_comm" (TE impl);
+            # stricter: also the whole layer and the local impl, since the overlap splits each layer's MLP into
+            # dispatch / experts / combine nodes of its own schedule
+            c.need(mods and "moe" not in mods and "mlp" not in mods, field, given, "the MoE all-to-all overlap "
+                   "(parallel.moe_a2a_overlap) schedules the MLP's parts itself", "train.cuda_graph_modules=[attn]")
+    rec = set(t.recompute_modules or ["core_attn"]) if t.recompute == Recompute.SELECTIVE else set()
+    whole = not mods
+    # "attention dropout is not supported with graphed attention recomputation."
+    c.need(not (m.attention_dropout and (whole or "attn" in mods) and "core_attn" in rec), "model.attention_dropout",
+           m.attention_dropout, "recomputed core attention inside a CUDA graph cannot draw dropout's random "
+           "numbers", "model.attention_dropout=0.0 or train.recompute=none")
+    # "hidden dropout is not supported with graphed MLP/MoE recomputation."
+    graphed = {"mlp": whole or "mlp" in mods, "moe": whole or "moe" in mods}
+    c.need(not (m.hidden_dropout and any(graphed[k] and k in rec for k in graphed)), "model.hidden_dropout",
+           m.hidden_dropout, "recomputed MLP/MoE inside a CUDA graph cannot draw dropout's random numbers",
+           "model.hidden_dropout=0.0 or train.recompute=none")
+    # "moe recompute is not supported with moe_router CUDA graph with: --cuda-graph-impl transformer_engine."
+    c.need(not (impl == "transformer_engine" and "moe" in rec and "moe_router" in mods), "train.recompute_modules",
+           t.recompute_modules, "MoE recompute around TE's moe_router graph", "train.recompute_modules=[core_attn]")
