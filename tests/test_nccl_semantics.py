@@ -281,7 +281,6 @@ HOST_TENSORS_ALLOWED = {
     ("launcher/rank/metrics.py", "randn"): "matmul probe operands, moved to the device by the caller before use",
     ("launcher/rank/data.py", "as_tensor"): "the DataLoader's collate builds CPU batches; forward_step moves "
                                             "them to compute_device() before the model sees them",
-    ("models/builder.py", "randint"): "a seed drawn from a CPU generator (a Python int), no tensor leaves",
 }
 
 
@@ -300,6 +299,9 @@ def _factory_calls_without_device():
 
 
 EXPLICIT_HOST_ALLOWED = {
+    ("models/builder.py", 'device="cpu"'): "the routed experts' seed drawn from a CPU generator (a Python int; on "
+                                           "the meta device of import-hf a default-device draw has no value), no "
+                                           "tensor leaves",
     ("launcher/rank/checkpoint_convert.py", 'device="cpu"'): "read_all's and Source's buffers are filled from files "
                                                              "and sliced on the host, then copied onto each live "
                                                              "tensor's device",
