@@ -329,3 +329,36 @@ def single_process_group() -> None:
 
         parallel_state.initialize_model_parallel()
         tensor_parallel.model_parallel_cuda_manual_seed(1)
+
+
+@contextlib.contextmanager
+def run_with_a_stopped_rank(bundle: Path, rank: int, step: int = 3, within_s: float = 600):
+    """Run ``bundle``'s launch.sh (so the agent's watchdog runs) and SIGSTOP ``rank`` once step ``step`` is
+    logged; yields the launch process (its stdout past that line unread). On exit the stopped rank and the
+    launch's process group are killed, whatever happened. Shared by the CPU hang test and the GPU lane's."""
+    import json
+    import signal
+    import time
+
+    from launcher.rank import forensics
+
+    proc = subprocess.Popen(["bash", str(bundle / "launch.sh")], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    stopped = None
+    try:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline and proc.poll() is None:
+            if re.match(rf"step +{step} \|", proc.stdout.readline()):
+                stopped = int(json.loads(forensics.state_path(bundle, rank).read_bytes())["pid"])
+                os.kill(stopped, signal.SIGSTOP)
+                break
+        assert stopped is not None, f"the run never reached step {step}"
+        yield proc
+    finally:
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGKILL)
+            except OSError:
+                pass
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

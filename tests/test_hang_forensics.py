@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from _rank_harness import ROOT, TINY, communicate_on_progress
+from _rank_harness import ROOT, TINY, communicate_on_progress, run_with_a_stopped_rank
 from launcher.rank import forensics, watchdog
 
 
@@ -131,29 +131,9 @@ def hung_run(tmp_path, cli):
     assert code == 0, err or out
     bundle = next(tmp_path.glob("*/launch.sh")).parent
     assert "export LAUNCHER_HANG_S=20" in (bundle / "env.sh").read_text()
-    proc = subprocess.Popen(["bash", str(bundle / "launch.sh")], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    stopped = None
-    try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and proc.poll() is None:
-            line = proc.stdout.readline()
-            if re.match(r"step +3 \|", line):
-                state = json.loads(forensics.state_path(bundle, 2).read_bytes())
-                stopped = int(state["pid"])
-                os.kill(stopped, signal.SIGSTOP)
-                break
-        assert stopped is not None, "the run never reached step 3"
+    with run_with_a_stopped_rank(bundle, rank=2) as proc:
         out, err = communicate_on_progress(proc, 300, "the hung run (the watchdog should stop it)")
         yield bundle, proc.returncode, out, err
-    finally:
-        if stopped is not None:
-            try:
-                os.kill(stopped, signal.SIGKILL)
-            except OSError:
-                pass
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def test_a_stopped_rank_is_named_and_the_run_stops(hung_run):

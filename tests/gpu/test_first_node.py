@@ -227,11 +227,8 @@ def test_a_stopped_rank_is_named_from_the_nccl_flight_recorder_traces(tmp_path):
     without progress, timeouts.hang_s) signals every rank, each live one dumps its NCCL Flight Recorder trace, and
     the one line names the stopped rank from those traces; the run stops instead of waiting for the NCCL timeout."""
     import re
-    import signal
-    import time
 
-    from _rank_harness import communicate_on_progress
-    from launcher.rank import forensics
+    from _rank_harness import communicate_on_progress, run_with_a_stopped_rank
 
     n = 4 if _gpus() >= 4 else 2
     need(n)
@@ -243,26 +240,8 @@ def test_a_stopped_rank_is_named_from_the_nccl_flight_recorder_traces(tmp_path):
     env = (bundle / "env.sh").read_text()
     assert "TORCH_NCCL_TRACE_BUFFER_SIZE" in env and "TORCH_FR_BUFFER_SIZE" in env, env
     victim = n // 2
-    proc = subprocess.Popen(["bash", str(bundle / "launch.sh")], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    stopped = None
-    try:
-        deadline = time.monotonic() + HANG_S
-        while time.monotonic() < deadline and proc.poll() is None:
-            if re.match(r"step +3 \|", proc.stdout.readline()):
-                stopped = int(json.loads(forensics.state_path(bundle, victim).read_bytes())["pid"])
-                os.kill(stopped, signal.SIGSTOP)
-                break
-        assert stopped is not None, "the run never reached step 3"
+    with run_with_a_stopped_rank(bundle, victim, within_s=HANG_S) as proc:
         stdout, stderr = communicate_on_progress(proc, HANG_S, "the hung run (the watchdog should stop it)")
-    finally:
-        if stopped is not None:
-            try:
-                os.kill(stopped, signal.SIGKILL)
-            except OSError:
-                pass
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     said = [line.removeprefix("hang watchdog: ") for line in stderr.splitlines() if line.startswith("hang watchdog: ")]
     record("hang_forensics", ranks=n, line=said[0] if said else None, exit_code=proc.returncode)
     assert proc.returncode != 0 and len(said) == 1, (proc.returncode, stdout[-2000:], stderr[-3000:])
