@@ -5,6 +5,9 @@
 - ``logs RUN [--rank N] [--follow]``: a rank's log (``logs/rank-N.log``); ``--follow`` tails it until the run ends.
 - ``cancel RUN``: a stop checkpoint first, then the scheduler's cancel, and a check that the run ended.
 
+``status``, ``logs`` and ``cancel`` also take the bundle of an ``import-hf``/``export-hf --slurm`` job
+(launcher/slurm_tool.py): one step, its state from Slurm and the ``EXIT_CODE`` its script leaves, its one log.
+
 What a bundle says is read by launcher/run_state.py. Login-node code: no torch, no megatron, no rank wing; each
 command answers in about a second (``logs --follow`` and ``cancel`` then wait for the run).
 """

@@ -24,8 +24,8 @@ LLAMA = overrides("llama")
 
 
 def fake_hf(root: Path, shapes: dict, dtype: str = "F32") -> Path:
-    """An HF directory as the login side reads it: config.json and a safetensors file (its JSON header and zeros);
-    no torch needed."""
+    """An HF directory as the login side reads it: config.json and a safetensors file's JSON header (the login side
+    reads no tensor bytes, so none are written); no torch needed."""
     root.mkdir(parents=True)
     (root / "config.json").write_text("{}")
     header, at = {}, 0
@@ -36,7 +36,7 @@ def fake_hf(root: Path, shapes: dict, dtype: str = "F32") -> Path:
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [at, at + size]}
         at += size
     raw = json.dumps(header).encode()
-    (root / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(at))
+    (root / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
     return root
 
 
@@ -82,12 +82,12 @@ def expected_mem_mb(elements: int, hf_item: int = 4, job_item: int = 4) -> int:
 # ---- the bundle ------------------------------------------------------------------------------------------------
 
 def test_import_renders_a_one_node_job_that_runs_the_same_import_without_slurm(tmp_path, monkeypatch, capsys):
-    hf = fake_hf(tmp_path / "hf", TINY)
+    hf = fake_hf(tmp_path / "hf", {"model.embed_tokens.weight": (128000, 64)}, dtype="BF16")
     env = stand_ins(tmp_path)
     monkeypatch.chdir(tmp_path)
     code, out, err = cli(monkeypatch, capsys, env, "import-hf", "--hf", "hf", "--output", "ckpt", *LLAMA,
-                         "cluster=slurm_local", "cluster.partition=cpu", "slurm.time=00:20:00", "--max-memory",
-                         "2GB", "--slurm")
+                         "model.vocab_size=128000", "cluster=slurm_local", "cluster.partition=cpu",
+                         "slurm.time=00:20:00", "--max-memory", "2GB", "--slurm")
     assert code == 0, err
     (bundle,) = (tmp_path / "runs").glob("import-hf-*")
     assert f"bundle: {bundle}\n" in out and "submitted: job 4242 (import-hf, 1 node" in out, out
@@ -95,8 +95,9 @@ def test_import_renders_a_one_node_job_that_runs_the_same_import_without_slurm(t
     assert (tmp_path / "sbatch.argv").read_text().split() == ["--parsable", str(bundle / "job.sbatch")]
     script = (bundle / "job.sbatch").read_text()
     directives = re.findall(r"^#SBATCH (.*)$", script, re.MULTILINE)
-    # the padded vocabulary (200 -> 256 rows of 64) is the largest tensor; fp32 on both sides
-    assert directives == ["--job-name=import-hf", "--nodes=1", "--ntasks=1", f"--mem={expected_mem_mb(256 * 64)}M",
+    # the vocabulary (128000 rows of 64, a multiple of 64) is the largest tensor: bf16 HF bytes, an fp32 job
+    mem = expected_mem_mb(128000 * 64, hf_item=2, job_item=4)
+    assert directives == ["--job-name=import-hf", "--nodes=1", "--ntasks=1", f"--mem={mem}M",
                           "--time=00:20:00", "--partition=cpu", "--no-requeue", "--open-mode=append",
                           f"--output={bundle}/logs/slurm-%j.out"], script
     assert "gpu" not in " ".join(directives)
@@ -107,7 +108,7 @@ def test_import_renders_a_one_node_job_that_runs_the_same_import_without_slurm(t
     assert "export OMP_NUM_THREADS=1" in (bundle / "env.sh").read_text()  # the profile's environment
     from launcher.core import load_job
 
-    ours = compose_job([*LLAMA, "cluster=slurm_local"]).model
+    ours = compose_job([*LLAMA, "model.vocab_size=128000", "cluster=slurm_local"]).model
     assert load_job(bundle / "config.yaml").model == ours  # the job the step imports with
     assert json.loads((bundle / "submission.json").read_text()) == {"job_id": "4242"}
 
@@ -152,7 +153,7 @@ def test_export_renders_its_bound_from_the_checkpoint_manifest(tmp_path, monkeyp
     (ckpt / "metadata.json").write_text("{}")
     model = compose_job(LLAMA).model
     (ckpt / "launcher.json").write_text(json.dumps({
-        "step": 30, "files": {"metadata.json": {"size": 2}}, "padded_vocab": 256, "dtype": "bf16",
+        "step": 30, "files": {"metadata.json": {"size": 2}}, "padded_vocab": 64000, "dtype": "bf16",
         "identity": {f"model.{k}": v for k, v in vars(model).items()}}))
     env = stand_ins(tmp_path)
     code, out, err = cli(monkeypatch, capsys, env, "export-hf", "--checkpoint", str(ckpt.parent), "--output",
@@ -160,8 +161,8 @@ def test_export_renders_its_bound_from_the_checkpoint_manifest(tmp_path, monkeyp
     assert code == 0, err
     (bundle,) = (tmp_path / "runs").glob("export-hf-*")
     script = (bundle / "job.sbatch").read_text()
-    # 3 x the largest tensor (256 x 64 in bf16, the manifest's dtype) + start-up + margin, + 25%
-    mem = -(-int((2**30 + 3 * 256 * 64 * 2 + 128 * 2**20) * 1.25) // 2**20)
+    # 3 x the largest tensor (the manifest's 64000 padded rows x 64, in its bf16) + start-up + margin, + 25%
+    mem = -(-int((2**30 + 3 * 64000 * 64 * 2 + 128 * 2**20) * 1.25) // 2**20)
     assert f"#SBATCH --mem={mem}M\n" in script, script
     step = ["export-hf", "--checkpoint", str(ckpt), "--output", str(tmp_path / "hf")]  # the newest, resolved here
     assert f"-m launcher {shlex.join(step)} || status=$?" in script, script
@@ -240,7 +241,8 @@ def test_the_bound_covers_the_importers_largest_tensor_group(name, tmp_path, meg
     plan = importer.plan_fill(importer.build_meta(job), importer.HFTensors(tmp_path / "hf"), job.model)
     bound = slurm_tool.import_bound(job, slurm_tool.safetensors_itemsize(tmp_path / "hf"))
     assert plan.largest_group[0] + importer.MEMORY_MARGIN <= bound.bytes - slurm_tool.STARTUP_BYTES, (plan, bound)
-    grow = {"ffn": ["model.ffn_hidden_size=2048"], "attention": ["model.num_attention_heads=64", "model.kv_channels=128"]}
+    grow = {"ffn": ["model.ffn_hidden_size=2048"],
+            "attention": ["model.num_attention_heads=64", "model.kv_channels=128"]}
     if job.model.num_experts:
         grow["experts"] = ["model.moe_ffn_hidden_size=2048"]
     if job.model.multi_latent_attention:
