@@ -141,9 +141,8 @@ def test_hostile_paths_reach_the_step_literally(template, tmp_path, monkeypatch,
                          env={**env, "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node0"})
     assert run.returncode == 3, run.stdout + run.stderr  # the step's code is the job's
     assert not sentinel.exists(), "a hostile path was executed"
-    assert recorded.read_bytes().split(b"\0")[:-1] == [
-        os.fsencode(a) for a in ["-m", "launcher", "import-hf", "--hf", str(hf), "--output", str(out), "--config",
-                                 str(bundle / "config.yaml")]]
+    step = ["import-hf", "--hf", str(hf), "--output", str(out), "--config", str(bundle / "config.yaml")]
+    assert recorded.read_bytes().split(b"\0")[:-1] == [os.fsencode(a) for a in ["-m", "launcher", *step]]
     assert (bundle / "EXIT_CODE").read_text() == "3\n"
 
 
