@@ -5,6 +5,9 @@
 - ``logs RUN [--rank N] [--follow]``: a rank's log (``logs/rank-N.log``); ``--follow`` tails it until the run ends.
 - ``cancel RUN``: a stop checkpoint first, then the scheduler's cancel, and a check that the run ended.
 
+``status``, ``logs`` and ``cancel`` also take the bundle of an ``import-hf``/``export-hf --slurm`` job
+(launcher/slurm_tool.py): one step, its state from Slurm and the ``EXIT_CODE`` its script leaves, its one log.
+
 What a bundle says is read by launcher/run_state.py. Login-node code: no torch, no megatron, no rank wing; each
 command answers in about a second (``logs --follow`` and ``cancel`` then wait for the run).
 """
@@ -98,6 +101,12 @@ def is_bundle(path: Path) -> bool:
     return (path / "config.yaml").is_file() and (path / "launch.sh").is_file()
 
 
+def is_tool_bundle(path: Path) -> bool:
+    """A conversion submitted with ``--slurm`` (launcher/slurm_tool.py): ``status`` and ``logs`` show it; ``runs``
+    lists training runs only."""
+    return (path / "tool.json").is_file() and (path / "job.sbatch").is_file()
+
+
 BUNDLE_NAME = re.compile(r"^(?P<job>.+)-(?P<stamp>\d{8}-\d{6})(?:-(?P<n>\d+))?$")
 """render.py's bundle names: <job name>-<UTC stamp>[-n] (n: the second launch of the same second)."""
 
@@ -119,11 +128,11 @@ def resolve(run: str) -> Path:
     """RUN as a path to a bundle, or a bundle name under the default dir, or a job name there (its newest run)."""
     path, base = Path(run), Path(default_dir())
     if path.exists():
-        if not path.is_dir() or not is_bundle(path):
+        if not path.is_dir() or not (is_bundle(path) or is_tool_bundle(path)):
             raise UsageError(f"{run} is not a run bundle (no config.yaml and launch.sh): try python -m launcher "
                              f"runs {_holding_bundles(path)}")
         return _abs(path)
-    if (base / run).is_dir() and is_bundle(base / run):
+    if (base / run).is_dir() and (is_bundle(base / run) or is_tool_bundle(base / run)):
         return _abs(base / run)
     named = [p for p in bundles_under(base) if (BUNDLE_NAME.match(p.name) or {"job": None})["job"] == run]
     if named:
@@ -173,9 +182,68 @@ def _runs(argv: list[str]) -> int:
 
 def _status(argv: list[str]) -> int:
     positional, options = _options("status", argv, flags=("--json",))
-    info = read_run(_one_run("status", positional))
+    bundle = _one_run("status", positional)
+    if is_tool_bundle(bundle):
+        tool = read_tool(bundle)
+        print(json.dumps(tool, indent=1) if options.get("--json") else tool_detail(tool))
+        return 0
+    info = read_run(bundle)
     print(json.dumps(asdict(info), indent=1) if options.get("--json") else detail(info))
     return 0
+
+
+def read_tool(bundle: Path) -> dict:
+    """A ``--slurm`` conversion's state: pending/running (Slurm's word), done or failed (the step's EXIT_CODE,
+    written by job.sbatch), or what Slurm says of a job that ended without one (cancelled, timeout, ...)."""
+    tool = json.loads((bundle / "tool.json").read_text())
+    submitted = _json_file(bundle / "submission.json")
+    job_id = str(submitted["job_id"]) if isinstance(submitted, dict) and submitted.get("job_id") else None
+    said = slurm_state(job_id) if job_id else None
+    code, reason = read_text(bundle / "EXIT_CODE"), None
+    log = bundle / "logs" / f"slurm-{job_id}.out"
+    if code is not None and code.strip().lstrip("-").isdigit():
+        state = "done" if int(code) == 0 else "failed"
+        if state == "failed":
+            errors = [line for line in _tail_lines(log) if line.startswith("error: ")]
+            reason = f"exit code {code}" + (f": {errors[-1].removeprefix('error: ')}" if errors else "")
+    elif job_id is None:
+        state = "rendered"
+    elif said in SLURM_PENDING:
+        state = "pending"
+    elif said in SLURM_ACTIVE:
+        state = "running"
+    else:
+        state = "cancelled" if said == "CANCELLED" else "failed"
+        reason = f"slurm: {said or 'no longer known'}, no exit code written"
+    return {"name": bundle.name, "path": str(bundle), "command": tool.get("command"), "argv": tool.get("argv"),
+            "job_id": job_id, "slurm_state": said, "state": state, "reason": reason, "mem_mb": tool.get("mem_mb"),
+            "bound": tool.get("bound"), "slack": tool.get("slack"), "log": str(log) if job_id else None}
+
+
+def tool_detail(tool: dict) -> str:
+    return "\n".join([f"run:        {tool['name']} ({tool['command']} --slurm)", f"bundle:     {tool['path']}",
+                      "command:    python -m launcher " + " ".join(tool.get("argv") or []),
+                      "scheduler:  slurm" + (f" job {tool['job_id']} ({tool['slurm_state'] or 'unknown to Slurm'})"
+                                             if tool["job_id"] else " (not submitted)"),
+                      f"state:      {tool['state']}" + (f": {tool['reason']}" if tool["reason"] else ""),
+                      f"memory:     --mem={tool['mem_mb']}M ({tool['bound']} + {tool['slack'] or 0:.0%})",
+                      f"log:        {tool['log'] or '-'}"])
+
+
+def _json_file(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _tail_lines(path: Path, size: int = 65536) -> list[str]:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - size))
+            return fh.read().decode(errors="replace").splitlines()
+    except OSError:
+        return []
 
 
 def _duration(seconds: Optional[float]) -> str:
@@ -257,6 +325,8 @@ def detail(info: RunInfo) -> str:
 def _logs(argv: list[str]) -> int:
     positional, options = _options("logs", argv, flags=("--follow", "-f"), valued=("--rank",))
     bundle = _one_run("logs", positional)
+    if is_tool_bundle(bundle):
+        return _tool_logs(bundle, bool(options.get("--follow") or options.get("-f")))
     info = read_run(bundle)
     rank = _rank(options.get("--rank", "0"), info)
     path = bundle / "logs" / f"rank-{rank}.log"
@@ -269,6 +339,22 @@ def _logs(argv: list[str]) -> int:
     offset = _copy(path, 0)
     while follow:
         ended = not _still_active(bundle, info)  # asked before the copy: nothing written after it is lost
+        offset = _copy(path, offset)
+        if ended:
+            break
+        time.sleep(POLL_S)
+    return 0
+
+
+def _tool_logs(bundle: Path, follow: bool) -> int:
+    """A ``--slurm`` conversion's one log (its single step's output, logs/slurm-<job id>.out)."""
+    tool = read_tool(bundle)
+    if tool["job_id"] is None:
+        raise UsageError(f"{bundle.name} was never submitted: no log; submit it with sbatch {bundle}/job.sbatch")
+    path = Path(tool["log"])
+    offset = _copy(path, 0)
+    while follow:
+        ended = slurm_state(tool["job_id"]) not in SLURM_ACTIVE | SLURM_PENDING
         offset = _copy(path, offset)
         if ended:
             break
@@ -310,6 +396,14 @@ def _copy(path: Path, offset: int) -> int:
 def _cancel(argv: list[str]) -> int:
     positional, _ = _options("cancel", argv)
     bundle = _one_run("cancel", positional)
+    if is_tool_bundle(bundle):  # one step with no checkpoint to save first: Slurm's cancel alone
+        tool = read_tool(bundle)
+        if tool["state"] not in ("pending", "running"):
+            raise UsageError(f"{tool['name']} is {tool['state']}: nothing to cancel; see python -m launcher status "
+                             f"{bundle}")
+        _scancel(tool["job_id"])
+        print(f"cancelled {tool['name']}: scancel {tool['job_id']}")
+        return 0
     info = read_run(bundle)
     if info.state == "rendered":
         raise UsageError(f"{info.name} was never started (rendered only): nothing to cancel; start it with "

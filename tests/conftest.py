@@ -87,6 +87,8 @@ SLOW_MODULES = {
         "replays every executed schedule for PP 2..16 (90 s of setup at load 60)",
     "tests/test_hf.py::test_hf_import_export_round_trip_and_logits":
         "builds Megatron-Core models in this process, 2-3 per architecture (19 s for all six at load 8)",
+    "tests/test_hf_slurm.py::test_the_bound_covers_the_importers_largest_tensor_group":
+        "builds Megatron-Core models on the meta device in this process, 3-4 per architecture",
     "tests/test_hf_load.py": "runs import-hf (a Megatron-Core build and save) in a subprocess: 15-36 s at load 8-16",
     "tests/test_nccl_semantics.py::test_zb_h1_executor_issues_exactly_the_planned_program":
         "reads the same fake-rank recording of every schedule at PP 2..16 (48 s of setup, idle-ish): in the fast "

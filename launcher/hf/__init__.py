@@ -1,9 +1,12 @@
 """Hugging Face in and out: ``python -m launcher export-hf`` / ``import-hf`` (also ``python -m launcher.hf``).
 
     python -m launcher export-hf --checkpoint DIR/iter_N --output OUT [--config BUNDLE/config.yaml]
-                                 [--tokenizer tokenizer.json] [--max-shard-size 5GB]
+                                 [--tokenizer tokenizer.json] [--max-shard-size 5GB] [--slurm cluster=NAME]
     python -m launcher import-hf --hf HF_DIR --output CKPT_DIR [--spec te|local] [--max-memory 8GB]
-                                 [key=value ...]  (the job's overrides)
+                                 [key=value ...]  (the job's overrides) [--slurm]
+
+``--slurm`` runs either as a Slurm job on a compute node instead (launcher/slurm_tool.py, torch-free: handed over
+before torch is imported).
 
 Both stream tensor by tensor and never hold the model. import-hf builds the model on the meta device with CUDA
 hidden (no GPU is touched), checks free host memory and disk against its bound first (one line if short), and
@@ -32,22 +35,28 @@ from typing import List, Optional
 
 USAGE = {
     "export-hf": "python -m launcher export-hf --checkpoint DIR/iter_N --output OUT [--config BUNDLE/config.yaml] "
-                 "[--tokenizer PATH] [--max-shard-size 5GB]",
+                 "[--tokenizer PATH] [--max-shard-size 5GB] [--slurm cluster=NAME [cluster.* slurm.* ...]]",
     "import-hf": "python -m launcher import-hf --hf HF_DIR --output CKPT_DIR [--spec te|local] "
-                 "[--config BUNDLE/config.yaml | key=value ...] [--check] [--max-memory 8GB]",
+                 "[--config BUNDLE/config.yaml | key=value ...] [--check] [--max-memory 8GB] [--slurm]",
 }
+SLURM_HELP = ("--slurm: run it as a Slurm job instead (one node, no GPU, --mem = the stated peak bound + 25%, "
+              "slurm.time; the cluster profile from cluster=NAME and cluster.*/slurm.* settings): checks the paths, "
+              "the output and the cluster here, writes a bundle under output_dir (job.sbatch, env.sh, logs/), "
+              "submits it with sbatch and prints the job id (launcher/slurm_tool.py).")
 HELP = {
     "import-hf": "Streams: the model is built on the meta device with CUDA hidden (no GPU is used) and each tensor is "
                  "made from its HF tensors when the torch_dist writer reaches it. Peak host memory: what Python, "
                  "torch, Megatron-Core and transformers take (about 0.5 GB) + the largest tensor group (one Megatron "
                  "tensor's HF sources, the tensor and one copy: ~3x the output layer of an untied Llama) + 128 MiB; "
                  "free memory and disk are checked against that first (one line if short). --max-memory SIZE: "
-                 "refuse unless that bound (beyond what the process holds after start-up) fits in SIZE.",
+                 "refuse unless that bound (beyond what the process holds after start-up) fits in SIZE. " + SLURM_HELP,
+    "export-hf": "Streams: one Megatron tensor and the HF tensors it splits into at a time. " + SLURM_HELP,
 }
-FLAGS = {"export-hf": {"--checkpoint", "--output", "--config", "--tokenizer", "--max-shard-size"},
-         "import-hf": {"--hf", "--output", "--spec", "--config", "--check", "--max-memory"}}
-SWITCHES = {"--check"}
-"""Flags without a value (import-hf --check: compare config.json with the model entry only, write nothing)."""
+FLAGS = {"export-hf": {"--checkpoint", "--output", "--config", "--tokenizer", "--max-shard-size", "--slurm"},
+         "import-hf": {"--hf", "--output", "--spec", "--config", "--check", "--max-memory", "--slurm"}}
+SWITCHES = {"--check", "--slurm"}
+"""Flags without a value (import-hf --check: compare config.json with the model entry only, write nothing; --slurm:
+submit the command as a Slurm job, launcher/slurm_tool.py)."""
 REQUIRED = {"export-hf": ("--checkpoint", "--output"), "import-hf": ("--hf", "--output")}
 
 
@@ -69,10 +78,12 @@ def parse(command: str, argv: List[str]) -> tuple:
             if value is None:
                 raise UsageError(f"{command}: {name} needs a value")
             flags[name] = value
-        elif "=" in token and command == "import-hf":
+        elif "=" in token:
             overrides.append(token)
         else:
             raise UsageError(f"{command}: unexpected argument {token!r}; usage: {USAGE[command]}")
+    if command == "export-hf" and overrides and "--slurm" not in flags:  # its cluster profile's, with --slurm only
+        raise UsageError(f"{command}: unexpected argument {overrides[0]!r}; usage: {USAGE[command]}")
     missing = [f for f in REQUIRED[command] if f not in flags and not (f == "--output" and "--check" in flags)]
     if missing:
         raise UsageError(f"{command}: {', '.join(missing)} is required; usage: {USAGE[command]}")
@@ -98,6 +109,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     try:
         flags, overrides = parse(command, argv[1:])
+        if "--slurm" in flags:  # a Slurm job instead: torch-free, torch is never imported in this process
+            from launcher.slurm_tool import submit
+
+            return submit(command, flags, overrides)
         return _export(flags) if command == "export-hf" else _import(flags, overrides)
     except UsageError as exc:
         if str(exc) == "help":
