@@ -107,9 +107,10 @@ def candidates(job: JobConfig, base: Layout | None = None, skip=None):
     model, cl = job.model, job.cluster
     base = base or derive(job)  # world and TE do not change between candidates
     world, te = base.world, base.transformer_engine
-    # the job's all-to-all overlap, kept where a layout allows it (never switched on by the search: the planner
-    # prices its GPU side only, and NVIDIA's two overlapped dropless Qwen3-30B H100 runs, 25.11 and 26.02, measured
-    # half of the non-overlapped ones: Megatron-Bridge #1998; its B200 recipes drop it for "CPU overhead")
+    # the job's all-to-all overlap, kept where a layout allows it (never switched on by the search: NVIDIA's two
+    # overlapped dropless Qwen3-30B H100 runs, 25.11 and 26.02, measured half of the non-overlapped ones,
+    # Megatron-Bridge #1998, and its B200 recipes drop it for "CPU overhead"; the planner prices that host time by one
+    # constant fitted on one of those runs, host.OVERLAP_HOST_PER_EXPERT_S, too thin to choose the overlap by)
     fixed = _JobFacts(overlap=job.parallel.moe_a2a_overlap and _moe_overlap_possible(job, te),
                       recomputes=_recompute_options(job, te))
     heads = model.num_attention_heads
