@@ -492,6 +492,7 @@ def test_search_tries_cuda_graphs_and_prices_them(recipe):
         assert " s less than eager" in cand.why
         gb = float(cand.why.split("CUDA graphs (transformer_engine) hold ")[1].split(" GB")[0])
         chosen = compose_job([f"recipe={recipe}", *cand.overrides])
+        assert not [p.line() for p in validate(chosen) if p.severity == "error"]  # what the ranks would accept
         stages = memory_per_stage(chosen)
         assert gb > 0 and gb == pytest.approx(max(s.parts["cuda_graphs"] for s in stages) / 1e9, abs=0.05)
         assert cand.peak_gb == pytest.approx(max(s.total for s in stages) / 1e9, rel=1e-9)
