@@ -25,10 +25,13 @@ MoE), distributed optimizer, interleaved schedule when VP > 1, the MoE all-to-al
 (``overlap_moe_expert_parallel_comm``) and the flex dispatcher backend (DeepEP / HybridEP) where the recipe sets
 them, DeepSeek-V3's recompute modules; see ``_overrides`` and the comments above the rows. MoE rows: dropless
 rows force-balance routing (the planner assumes balance); "tokendrop" rows ran Megatron-Bridge's
-``apply_moe_token_drop`` (capacity factor 1.0, padded). Two rows are marked outliers: NVIDIA reports them as a
-regression itself (Megatron-Bridge issue #1998, Jan 2026: "2X slower performance in QWEN3 30B on H100 and B200 with
-the dropless schedule ... the perf in 25.11 is 2X slower than 25.09. We need to fix this in 26.02"), and its
-26.02.01 patch ran Qwen3-30B on 16 H100s at 9,058.
+``apply_moe_token_drop`` (capacity factor 1.0, padded). Where a table's layout columns and its release's recipe
+disagree (Qwen3-30B 25.11 and 26.02.01: the tables repeat an earlier release's columns), the row is planned as the
+recipe ran it. CUDA graphs: the recipe's ``cuda_graph_impl`` / ``cuda_graph_scope`` (only the 26.06 SFT row has any).
+The host-time constant (``launcher.plan.host.OVERLAP_HOST_PER_EXPERT_S``) is fitted on one later row (Qwen3-30B 25.11,
+``Row.fit``), which then counts among the fitted rows; NVIDIA tracks that run and 26.02's as a regression of the
+dropless, overlapped schedule (Megatron-Bridge issue #1998, Jan 2026: "2X slower performance in QWEN3 30B on H100
+and B200 with the dropless schedule"), which the planner prices as host time (launcher/plan/NOTES.md).
 """
 from __future__ import annotations
 
@@ -73,9 +76,6 @@ class Row:
     """The recipe sets moe_a2a_overlap (Megatron-Core overlap_moe_expert_parallel_comm)."""
     tp_overlap: bool | None = None
     """The recipe sets tp_comm_overlap; None: on for dense models with TP > 1 (Megatron-Bridge's default)."""
-    outlier: str = ""
-    """Why the published figure is not held against the model: NVIDIA itself tracks it as a regression of that
-    container (Megatron-Bridge issue #1998); its 26.02.01 patch ran the model ~1.75x faster."""
     seq: int = 0
     """Sequence length when the table's differs from the model entry's (0: the model's)."""
     dispatcher: str = ""
@@ -83,11 +83,18 @@ class Row:
     fp8: str = ""
     """FP8 recipe when not the release's default ('' : delayed for NeMo 24.12, tensorwise after); 'blockwise' is
     NVIDIA's DeepSeek-V3 sub-channel preset, which also keeps BF16 weights (no FP8 parameter gather)."""
+    graphs: tuple = ("none", ())
+    """The recipe's CUDA graphs (Megatron-Bridge cuda_graph_impl, cuda_graph_scope) -> train.cuda_graph_impl,
+    train.cuda_graph_modules. Of the published H100 rows of our models only the 26.06 Llama3-70B SFT run used any
+    (every H100 FP8 pretraining recipe of releases 25.09 .. 26.06 leaves them off; see NOTES.md)."""
+    fit: str = ""
+    """The constant this later-release row was fitted for ('' : none): a row counts as fitted if its release is
+    in FIT_RELEASES or it names one."""
     extra: list = field(default_factory=list)
 
     @property
     def fitted(self) -> bool:
-        return self.release in FIT_RELEASES
+        return self.release in FIT_RELEASES or bool(self.fit)
 
     @property
     def name(self) -> str:
@@ -128,23 +135,27 @@ ROWS = [
     Row("25.11", "llama3_8b", 8, 128, 1, fsdp=True, tokens_per_gpu=14451),
     Row("25.11", "llama3_70b", 64, 128, 1, tp=4, pp=8, vp=5, tokens_per_gpu=1602),
     Row("25.11", "llama405b", 1024, 512, 1, tp=8, pp=8, cp=2, vp=8, split="account", tokens_per_gpu=292),
-    Row("25.11", "qwen3_30b", 16, 512, 2, pp=2, vp=24, ep=8, tokens_per_gpu=5275, note="dropless", a2a_overlap=True,
-        outlier="NVIDIA's regression (Megatron-Bridge #1998: 25.11 '2X slower than 25.09' dropless); 25.09 ran 10,494"),
+    # 25.11 Qwen3-30B: the table repeats 25.09's layout columns (VP24, mbs 2, GA 32), the release's recipe (v0.2.0
+    # QWEN3_30B_A3B_H100_FP8_CS_BASE_CONFIG) runs PP2 x VP12 x EP8 at mbs 1 (the default) with the a2a overlap,
+    # alltoall dispatcher, dropless: planned as the recipe ran it (the table's layout: see NOTES.md). The one row
+    # the host constant OVERLAP_HOST_PER_EXPERT_S is fitted on (host-bound: Megatron-Bridge #1998).
+    Row("25.11", "qwen3_30b", 16, 512, 1, pp=2, vp=12, ep=8, tokens_per_gpu=5275, note="dropless; recipe layout",
+        a2a_overlap=True, fit="OVERLAP_HOST_PER_EXPERT_S"),
     Row("25.11", "qwen3_235b", 256, 2048, 1, tp=2, pp=8, vp=4, ep=32, split="account", tokens_per_gpu=1575,
         note="dropless", a2a_overlap=True, tp_overlap=False),
     Row("26.02", "llama3_70b", 64, 256, 1, tp=4, pp=8, vp=5, tokens_per_gpu=1621),
     Row("26.02", "llama405b", 1024, 1536, 1, tp=8, pp=8, cp=2, vp=8, split="account", tokens_per_gpu=311),
+    # host-bound as 25.11 (Megatron-Bridge #1998); held out from the host constant's fit (another dispatcher, DeepEP)
     Row("26.02", "qwen3_30b", 16, 1024, 1, pp=2, vp=12, ep=8, tokens_per_gpu=5113, note="dropless",
-        a2a_overlap=True, dispatcher="deepep", outlier="#1998's regression, not yet fixed in 26.02; 26.02.01 ran 9,058 (1.77x)"),
+        a2a_overlap=True, dispatcher="deepep"),
     Row("26.02", "qwen3_235b", 256, 8192, 1, tp=2, pp=8, vp=4, ep=32, split="account", tokens_per_gpu=1633,
         note="dropless", a2a_overlap=True, tp_overlap=False),
     # 26.02.01: the patch container (docs commit 2c2425ace, Mar 2026) republished 26.02's layouts; its Qwen3-30B row
-    # keeps PP2 x VP12 x EP8 (the v0.3.0 recipe's settings for that layout are used). Its recipe tag v0.3.1 (Mar 20,
-    # 2026) moved the H100 FP8 run to PP1 x EP16 HybridEP without the a2a overlap, so the row may have run that
-    # layout (the planner: 8,718, -3.8%); planned as the table states it.
+    # keeps PP2 x VP12 x EP8, but the release's recipe (tag v0.3.1, Mar 20, 2026: QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_
+    # FP8_CS_V1) runs PP1 x EP16 HybridEP without the a2a overlap: planned as the recipe ran it (as 25.11's row).
     Row("26.02.01", "llama3_70b", 64, 256, 1, tp=4, pp=8, vp=5, tokens_per_gpu=1639),
-    Row("26.02.01", "qwen3_30b", 16, 1024, 1, pp=2, vp=12, ep=8, tokens_per_gpu=9058, note="dropless",
-        a2a_overlap=True, dispatcher="deepep"),
+    Row("26.02.01", "qwen3_30b", 16, 1024, 1, ep=16, tokens_per_gpu=9058, note="dropless; recipe layout",
+        dispatcher="hybridep"),
     Row("26.02.01", "qwen3_235b", 256, 8192, 1, tp=2, pp=8, vp=4, ep=32, split="account", tokens_per_gpu=1611,
         note="dropless", a2a_overlap=True, tp_overlap=False),
     Row("26.04", "llama3_70b", 64, 256, 1, tp=4, pp=8, vp=5, tokens_per_gpu=1633),
@@ -160,7 +171,9 @@ ROWS = [
     Row("26.06", "qwen3_30b", 16, 1024, 1, ep=16, tokens_per_gpu=8826, note="dropless", dispatcher="hybridep"),
     # 26.06's SFT table: Llama3-70B fine-tuning on packed 4,096-token sequences, planned as pretraining at that length
     # (the same GEMMs; packing only shortens attention, which the planner does not credit). LoRA is out of scope.
-    Row("26.06", "llama3_70b", 32, 32, 1, tp=4, pp=4, vp=5, seq=4096, tokens_per_gpu=1638, note="SFT, packed"),
+    # Its recipe (v0.5.0 LLAMA3_70B_SFT_CONFIG_H100_FP8_CS_V1, as since v0.3.1) captures the MLPs in TE's CUDA graphs.
+    Row("26.06", "llama3_70b", 32, 32, 1, tp=4, pp=4, vp=5, seq=4096, tokens_per_gpu=1638, note="SFT, packed",
+        graphs=("transformer_engine", ("mlp",))),
 ]
 
 
@@ -185,6 +198,8 @@ def _overrides(row: Row, cluster: str = "h100") -> list[str]:
     out += ["model.cross_entropy_loss_fusion=true"]  # Megatron-Bridge's performance recipes fuse the loss
     if row.seq:
         out += [f"model.seq_length={row.seq}"]
+    impl, modules = row.graphs
+    out += [f"train.cuda_graph_impl={impl}"] + ([f"train.cuda_graph_modules=[{','.join(modules)}]"] if modules else [])
     if row.fp8 == "blockwise":
         out += ["precision.fp8_param=false"]
     if moe:
@@ -241,16 +256,17 @@ def main() -> int:
         errs[row.name] = err = error(row, plan)
         mark = "" if plan.fits else " OOM!"
         note = ("fitted" if row.fitted else "held-out") + (f", {row.note}" if row.note else "")
-        if row.outlier:
-            note += f"; OUTLIER: {row.outlier}"
+        if row.graphs[0] != "none":
+            note += f"; CUDA graphs {row.graphs[0]} [{','.join(row.graphs[1])}]"
+        if row.fit:
+            note += f"; fitted {row.fit}"
         print(f"{row.name:<66} {row.tokens_per_gpu:>9,.0f} {pred:>9,.0f} {pub_tf:>7.0f} {plan.perf['tflops_per_gpu']:>7.0f} "
               f"{100 * err:>+6.1f}%  {plan.peak_gb:>7.1f}{mark}  {note}")
-    print(_summary("fitted rows (<= 25.09, NeMo 24.12)", [errs[r.name] for r in ROWS if r.fitted]))
-    held = [r for r in ROWS if not r.fitted]
-    print(_summary("held-out rows (25.11 .. 26.06), all", [errs[r.name] for r in held]))
-    print(_summary("held-out rows without the 2 outliers", [errs[r.name] for r in held if not r.outlier]))
-    print(_summary("MoE rows (fitted + held-out) without the outliers",
-                   [errs[r.name] for r in ROWS if r.ep > 1 and not r.outlier]))
+    print(_summary("fitted rows (<= 25.09, NeMo 24.12; Qwen3-30B 25.11 for the host constant)",
+                   [errs[r.name] for r in ROWS if r.fitted]))
+    print(_summary("held-out rows (25.11 .. 26.06)", [errs[r.name] for r in ROWS if not r.fitted]))
+    print(_summary("MoE rows (fitted + held-out)", [errs[r.name] for r in ROWS if r.ep > 1]))
+    print(_summary("all rows", list(errs.values())))
     print("\nH200 predictions (the *_h200 recipes: cluster=h200 and their own layouts; no published H200 training figure exists):")
     from launcher.config import compose_job
     from launcher.plan import plan_job

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from launcher.core import Layout, derive
 from launcher.plan import layout_errors
 from launcher.core.flops import query_groups
-from launcher.plan.memory import GB, memory_per_stage
+from launcher.plan.memory import GB, cuda_graph_bytes, memory_per_stage, stage_layers
 from launcher.plan.timing import step_time, throughput, zb_v_costs_best, zb_v_costs_estimate
 from launcher.schema import JobConfig, Recompute, Schedule
 from launcher.validate import validate
+from launcher.validate.model import validate_cuda_graphs
 from launcher.validate.schedule import zb_h1_rules
 
 MICRO_BATCH_SIZES = (1, 2, 4)
@@ -33,6 +34,11 @@ RECOMPUTE = ("none", "selective", "full")
 """Recompute modes tried."""
 STATIC_PARTS = ("weights", "grads", "optimizer", "fp8_weights", "reserve")
 """Memory parts that neither the micro batch nor recomputation changes."""
+GRAPH_MODULES = {True: (["attn", "moe_router", "moe_preprocess"], ["attn", "moe_router"], ["attn"]),
+                 False: ([], ["attn", "mlp"])}
+"""train.cuda_graph_modules tried, first valid one wins, for an MoE (True) or a dense (False) model when the job has
+no CUDA graphs: NVIDIA's MoE scope (Megatron-Bridge's DeepSeek-V3 / GPT-OSS / Qwen3-30B recipes: attn, moe_router,
+moe_preprocess; the dropless expert part cannot be captured), and the whole dense layer."""
 MODULE_RECOMPUTE = {"mla": ("mla_up_proj", "mlp"), "moe": ("moe_act", "layernorm")}
 """Per-module selective recomputation tried besides core attention: NVIDIA's DeepSeek-V3 H100 choice for MLA
 models; the cheap output-discarding pair for MoE models."""
@@ -101,9 +107,10 @@ def candidates(job: JobConfig, base: Layout | None = None, skip=None):
     model, cl = job.model, job.cluster
     base = base or derive(job)  # world and TE do not change between candidates
     world, te = base.world, base.transformer_engine
-    # the job's all-to-all overlap, kept where a layout allows it (never switched on by the search: the planner
-    # prices its GPU side only, and NVIDIA's two overlapped dropless Qwen3-30B H100 runs, 25.11 and 26.02, measured
-    # half of the non-overlapped ones: Megatron-Bridge #1998; its B200 recipes drop it for "CPU overhead")
+    # the job's all-to-all overlap, kept where a layout allows it (never switched on by the search: NVIDIA's two
+    # overlapped dropless Qwen3-30B H100 runs, 25.11 and 26.02, measured half of the non-overlapped ones,
+    # Megatron-Bridge #1998, and its B200 recipes drop it for "CPU overhead"; the planner prices that host time by one
+    # constant fitted on one of those runs, host.OVERLAP_HOST_PER_EXPERT_S, too thin to choose the overlap by)
     fixed = _JobFacts(overlap=job.parallel.moe_a2a_overlap and _moe_overlap_possible(job, te),
                       recomputes=_recompute_options(job, te))
     heads = model.num_attention_heads
@@ -317,6 +324,7 @@ def search(job: JobConfig, top: int = 10, layout: Layout | None = None) -> list[
     fitted: set = set()  # layouts (all but recompute) that already fit with less recomputation
     statics: dict = {}  # per parallel layout: its split and static bytes (micro batch and recompute do not change them)
     hopeless: set = set()  # parallel layouts whose static bytes alone exceed the GPU
+    graphs = _GraphChoice(job, layout or derive(job))
     def dropped(layout_key: tuple, batch) -> bool:  # what the checks below drop, told before a candidate is built
         return layout_key in hopeless or (batch is not None and layout_key + (batch,) in fitted)
 
@@ -342,10 +350,17 @@ def search(job: JobConfig, top: int = 10, layout: Layout | None = None) -> list[
             peak = _exact_peak(cand, lay, static)
         if peak <= cap:
             fitted.add(key)
-            fitting.append((overrides, cand, lay, peak, step_time(cand, lay, exact=False).step_s, static, exact))
+            st = step_time(cand, lay, exact=False)
+            fitting.append((overrides, cand, lay, peak, st.step_s, static, exact, None))
+            twin = _graph_twin(cand, lay, stages, st, graphs, cap)
+            if twin is not None:  # the same layout with CUDA graphs switched the other way
+                twin_overrides, twin_job, _, twin_peak, twin_st = twin
+                saved = st.breakdown_s.get("host", 0.0) - twin_st.breakdown_s.get("host", 0.0)
+                fitting.append((overrides + twin_overrides, twin_job, lay, twin_peak, twin_st.step_s, static, exact,
+                                saved if twin_job.train.cuda_graph_impl != "none" else None))
     fitting.sort(key=lambda x: x[4])
     results: list[Candidate] = []
-    for overrides, cand, lay, peak, _, static, exact in fitting:
+    for overrides, cand, lay, peak, _, static, exact, host_saved in fitting:
         if len(results) >= max(2 * top, 12):
             break
         if layout_errors(validate(cand)):
@@ -364,9 +379,68 @@ def search(job: JobConfig, top: int = 10, layout: Layout | None = None) -> list[
             peak = _exact_peak(cand, lay, static)
         results.append(Candidate(overrides, perf["tokens_per_s"], perf["tflops_per_gpu"], perf["mfu"], st.step_s,
                                  peak / GB, job.cluster.gpu_memory_gb, st.bubble_fraction,
-                                 _why(cand, lay, st, peak, cap)))
-    results.sort(key=lambda c: -c.tokens_per_s)
+                                 _why(cand, lay, st, peak, cap, host_saved)))
+    results.sort(key=lambda c: -c.tokens_per_s)  # stable: at equal speed a layout's eager line before its graphed one
     return results[:top]
+
+
+class _GraphChoice:
+    """CUDA graphs as a search dimension: for a job without them, the graphed setting tried beside each fitting
+    candidate (TE's make_graphed_callables where the job has Transformer Engine layers, else Megatron-Core's local
+    graphs; ``GRAPH_MODULES``); for a job with them, the eager one. Whether Megatron-Core (and our executor) take
+    the graphs at a candidate's schedule, recompute, FSDP and overlap is ``validate_cuda_graphs``' answer, asked
+    once per combination of those."""
+
+    def __init__(self, job: JobConfig, lay: Layout):
+        self.own = job.train.cuda_graph_impl
+        self.impl = "transformer_engine" if lay.transformer_engine else "local"
+        self.options = GRAPH_MODULES[bool(job.model.num_experts)]
+        self.allowed = job.cluster.gpu != "cpu"
+        self._cache: dict = {}
+
+    def settings(self, cand: JobConfig, lay: Layout):
+        """(train fields, overrides) of the other setting for ``cand``, or None where it is refused."""
+        if self.own != "none":
+            return dict(cuda_graph_impl="none", cuda_graph_modules=[]), [
+                "train.cuda_graph_impl=none", "train.cuda_graph_modules=[]"]
+        if not self.allowed:
+            return None
+        t, par = cand.train, cand.parallel
+        key = (cand.schedule.kind, t.recompute, tuple(t.recompute_modules), par.megatron_fsdp, par.moe_a2a_overlap)
+        if key not in self._cache:
+            self._cache[key] = next((mods for mods in self.options if not [
+                p for p in validate_cuda_graphs(_with(cand, train=dict(cuda_graph_impl=self.impl,
+                                                                       cuda_graph_modules=mods)), lay)
+                if p.severity == "error"]), None)
+        mods = self._cache[key]
+        if mods is None:
+            return None
+        return dict(cuda_graph_impl=self.impl, cuda_graph_modules=list(mods)), [
+            f"train.cuda_graph_impl={self.impl}", f"train.cuda_graph_modules=[{','.join(mods)}]"]
+
+
+def _graph_twin(cand: JobConfig, lay: Layout, stages, st, graphs: _GraphChoice, cap: float):
+    """(overrides, job, layout, peak, StepTime) of ``cand`` with CUDA graphs switched the other way, if that is
+    allowed and fits. Memory: each stage's total with its graph buffers swapped (``cuda_graph_bytes``, additive);
+    time: graphs change only the host term, so a candidate with no host time exposed keeps its step time when
+    graphs remove host work (no re-timing)."""
+    other = graphs.settings(cand, lay)
+    if other is None:
+        return None
+    fields, overrides = other
+    twin = _with(cand, train=fields)
+    pattern = lay.moe_pattern
+    peak = 0.0
+    for r, s in enumerate(stages):  # the decoder layers' graphs, as memory.stage_memory counts them
+        layers = stage_layers(lay, r)
+        n_moe = sum(1 for i in layers if pattern[i])
+        peak = max(peak, s.total - s.parts.get("cuda_graphs", 0.0) + cuda_graph_bytes(twin, lay, len(layers) - n_moe,
+                                                                                     n_moe))
+    if peak > cap:
+        return None
+    removes_host = fields["cuda_graph_impl"] != "none"
+    twin_st = st if removes_host and not st.breakdown_s.get("host", 0.0) else step_time(twin, lay, exact=False)
+    return overrides, twin, lay, peak, twin_st
 
 
 def _exact_peak(job: JobConfig, lay: Layout, static: dict) -> float:
@@ -379,7 +453,9 @@ TIGHT_FIT = 0.95
 an estimate (within a few percent of Megatron-Core's allocations on CPU), and allocator fragmentation is not in it."""
 
 
-def _why(job: JobConfig, lay: Layout, st, peak: float, cap: float) -> str:
+def _why(job: JobConfig, lay: Layout, st, peak: float, cap: float, host_saved: float | None = None) -> str:
+    """One line: what this candidate's peak, bubble, recompute, exposed communication and CUDA graphs cost
+    (``host_saved``: host time its graphs save against the same layout eager, when the search switched them on)."""
     tr = job.train
     bits = [f"fits {peak / GB:.1f}/{cap / GB:.0f} GB"]
     if peak > TIGHT_FIT * cap:  # the reserve covers the CUDA context and NCCL; fragmentation can take more
@@ -397,7 +473,8 @@ def _why(job: JobConfig, lay: Layout, st, peak: float, cap: float) -> str:
         bits.append("TPxCP crosses nodes")
     if tr.cuda_graph_impl != "none":  # what the graphs cost in memory and what host time is left exposed
         graphs = max(s.parts.get("cuda_graphs", 0.0) for s in memory_per_stage(job, lay))
+        saved = "" if host_saved is None else f", {host_saved:.2f} s less than eager"
         bits.append(f"CUDA graphs ({tr.cuda_graph_impl}) hold {graphs / GB:.1f} GB, "
-                    f"host time exposed {st.breakdown_s.get('host', 0.0):.2f} s")
+                    f"host time exposed {st.breakdown_s.get('host', 0.0):.2f} s{saved}")
     bits.append(f"mbs {tr.micro_batch_size}")
     return "; ".join(bits)

@@ -20,7 +20,7 @@ from launcher.core.flops import FMA, flops_per_step, kv_channels, layer_flops, q
 from launcher.plan.memory import (DTYPE_BYTES, GRAD_BYTES_FP32, fsdp_layer_params, grad_groups, optimizer_shards,
                                   recompute_fraction, recomputed_modules, sp_shards, stage_layers, stage_params)
 from launcher.core.schedules import loss_rank
-from launcher.plan.host import host_seconds
+from launcher.plan.host import host_seconds, overlap_host_seconds
 from launcher.plan.simulator import simulate_kind
 from launcher.schema import JobConfig, Recompute, Schedule
 
@@ -220,7 +220,13 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
         gpu_f = g + att + elem + cast_f + tp + cpc + epc + fs_f
         gpu_b = (g + ATTENTION_BWD_FACTOR * att + ELEMENTWISE_PASSES_BWD * elem + cast_b + tp_b + 2 * cpc + epc + fs_b
                  + rec)
-        exposed_f, exposed_b = max(0.0, host_f - gpu_f), max(0.0, host_b - gpu_b)
+        lump = overlap_host_seconds(job, model.num_experts // lay.ep) if is_moe else 0.0
+        if lump:  # the combined schedule issues a forward and a backward (its W included) as one pair per layer,
+            # and the dispatch's host sync keeps the host from running ahead of the pair: the pair waits for the host
+            # by what issuing both passes takes beyond their GPU time, split over the two passes
+            exposed_f = exposed_b = max(0.0, host_f + host_b + lump - (gpu_f + gpu_b + g)) / 2
+        else:
+            exposed_f, exposed_b = max(0.0, host_f - gpu_f), max(0.0, host_b - gpu_b)
         f += n * exposed_f
         b += n * exposed_b
         parts["host"] += n * (exposed_f + exposed_b)
