@@ -36,7 +36,7 @@ ONE_RANK = ["cluster.gpus_per_node=1", "parallel.tensor=1", "parallel.pipeline=1
 """For a test of Slurm's side (time limit, signal, requeue, no-progress rule) where the ranks' layout plays no
 part: one rank instead of the smoke recipe's four trains a step of this size in the same wall time on 1/4 of the
 CPU, and starts 3 fewer interpreters per attempt (~7 CPU s each). The real 4-rank path stays covered by
-test_smoke_training_through_slurm and test_smoke_training_checkpoints_on_usr1_and_resumes_after_requeue."""
+test_smoke_training_checkpoints_on_usr1_and_resumes_after_requeue."""
 
 
 @pytest.fixture(scope="module")
@@ -182,13 +182,18 @@ echo "probe: no STOP file within 110 s"; exit 3
     assert not (bundle.path / "STOP").exists()  # the batch shell removes it before requeueing
 
 
-def test_smoke_training_through_slurm(slurm, tmp_path):
-    # The real thing, as a user submits it: `python -m launcher ... action=submit` (plan, render, sbatch), then
-    # srun -> launch.sh -> torchrun (c10d rendezvous at MASTER_ADDR) -> 4 gloo ranks of launcher.train,
-    # TP=2 x PP=2, a few steps on synthetic tokens.
-    proc = subprocess.run([sys.executable, "-m", "launcher", "recipe=smoke", *PROFILE, "train.train_steps=3",
+def test_smoke_training_checkpoints_on_usr1_and_resumes_after_requeue(slurm, tmp_path):
+    # USR1 is sent to the batch shell by hand (`scancel --batch --signal=USR1`, the same delivery as
+    # --signal=B:USR1) once training is under way, so the test does not depend on slurmctld's 30 s timer. The
+    # time limit is long enough that Slurm's own USR1 never comes. Expected: training checkpoints and exits 0,
+    # the batch shell requeues, the second run resumes after the last step of the first and finishes.
+    # Submitted as a user submits it: `python -m launcher ... action=submit` (plan, render, sbatch), then
+    # srun -> launch.sh -> torchrun (c10d rendezvous at MASTER_ADDR) -> 4 gloo ranks, TP=2 x PP=2, synthetic
+    # tokens. (This was two tests, a plain submitted run and this one; one Slurm training job covers both.)
+    steps_total = 10
+    proc = subprocess.run([sys.executable, "-m", "launcher", "recipe=smoke", *PROFILE, f"train.train_steps={steps_total}",
                            "train.warmup_steps=0", "train.eval_interval=0", "data=mock", "slurm.time=00:10:00",
-                           f"output_dir={tmp_path}", "action=submit"],
+                           "slurm.signal_lead_s=60", f"output_dir={tmp_path}", "action=submit"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     submitted = re.search(r"^submitted: job (\d+)", proc.stdout, re.MULTILINE)
@@ -197,25 +202,8 @@ def test_smoke_training_through_slurm(slurm, tmp_path):
     bundle, job_id = Bundle(bundle_dir), submitted.group(1)
     assert json.loads((bundle.path / "submission.json").read_text()) == {"job_id": job_id}
     assert f"\n{shlex.quote(sys.executable)} -m launcher.rank.agent" in bundle.launch.read_text()
-    with Job(bundle, job_id) as job:
-        info = job.wait(240)
-    log = log_of(bundle, job.id)
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{log[-6000:]}"
-    steps = re.findall(r"^step\s+(\d+) \| loss ([\d.]+)", log, re.MULTILINE)
-    assert [int(s) for s, _ in steps] == [1, 2, 3], log[-6000:]
-    assert all(float(loss) > 0 for _, loss in steps)
-
-
-def test_smoke_training_checkpoints_on_usr1_and_resumes_after_requeue(slurm, tmp_path):
-    # USR1 is sent to the batch shell by hand (`scancel --batch --signal=USR1`, the same delivery as
-    # --signal=B:USR1) once training is under way, so the test does not depend on slurmctld's 30 s timer. The
-    # time limit is long enough that Slurm's own USR1 never comes. Expected: training checkpoints and exits 0,
-    # the batch shell requeues, the second run resumes after the last step of the first and finishes.
-    steps_total = 10
-    bundle = render(tmp_path, f"train.train_steps={steps_total}", "train.warmup_steps=0",
-                    "train.eval_interval=0", "data=mock", "slurm.time=00:10:00", "slurm.signal_lead_s=60")
     log_path = bundle.path / "logs"
-    with Job(bundle) as job:
+    with Job(bundle, job_id) as job:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if len(re.findall(r"^step\s+\d+ \|", log_of(bundle, job.id), re.MULTILINE)) >= 2:
@@ -242,5 +230,6 @@ def test_smoke_training_checkpoints_on_usr1_and_resumes_after_requeue(slurm, tmp
     steps2 = [int(s) for s in re.findall(r"^step\s+(\d+) \|", second, re.MULTILINE)]
     assert steps1 and steps1[-1] < steps_total, f"the first run did not stop early: {steps1}"
     assert steps2 and steps2[0] == steps1[-1] + 1 and steps2[-1] == steps_total, (steps1, steps2)
+    assert all(float(loss) > 0 for loss in re.findall(r"^step\s+\d+ \| loss ([\d.]+)", log, re.MULTILINE)), log[-6000:]
     assert list(log_path.glob("slurm-*.out")) == [log_path / f"slurm-{job.id}.out"]
     assert not (bundle.path / "STOP").exists()
