@@ -55,6 +55,34 @@ def test_import_refuses_in_one_line_when_memory_or_disk_is_short(short, tmp_path
     assert not (tmp_path / "ckpt").exists() and "imported" not in out
 
 
+@pytest.mark.parametrize("short", ["memory", "disk"])
+def test_export_refuses_in_one_line_when_memory_or_disk_is_short(short, tmp_path, capsys, monkeypatch,
+                                                                  megatron_in_process):  # noqa: F811
+    """export-hf checks the same before it reads a tensor: too little host memory for its largest tensor group or
+    too little disk for the HF files is one line naming what is short and what to try; nothing is written (no
+    output, no temporary directory beside it)."""
+    from launcher.hf import main, stream_in
+
+    save_random("llama", tmp_path / "hf")
+    assert main(["import-hf", "--hf", str(tmp_path / "hf"), "--output", str(tmp_path / "ckpt"),
+                 *overrides("llama")]) == 0
+    if short == "memory":
+        monkeypatch.setattr(stream_in, "available_memory", lambda: (10**6, "MemAvailable in /proc/meminfo"))
+    else:
+        monkeypatch.setattr(stream_in, "free_disk_bytes", lambda path: 10**6)
+    capsys.readouterr()
+    rc = main(["export-hf", "--checkpoint", str(tmp_path / "ckpt"), "--output", str(tmp_path / "out")])
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, err
+    expected = {"memory": ("error: host memory=0.00 GB available (MemAvailable in /proc/meminfo): export-hf needs 0.",
+                           "; try a node (or --slurm with a Slurm --mem) with 0."),
+                "disk": (f"error: --output {tmp_path / 'out'}: 0.00 GB free on its filesystem, the export needs",
+                         "; try an --output on a filesystem with 0.")}[short]
+    assert lines[0].startswith(expected[0]) and expected[1] in lines[0], lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf"] and "exported" not in out
+
+
 def test_import_peak_memory_stays_under_its_bound_far_below_the_model(tmp_path):
     """``python -m launcher import-hf`` of a ~450 MB fp32 model: the child's peak resident memory beyond what it held
     before reading a tensor (Python, torch, Megatron-Core, transformers, the meta model, the plan) is within the

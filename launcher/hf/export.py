@@ -106,6 +106,35 @@ def write_tokenizer(src: Optional[Path], out: Path) -> tuple:
     return tok.token_to_id(bos), eos_id
 
 
+MEMORY_MARGIN = 128 * 2**20
+"""Beyond the largest tensor group (a checkpoint tensor read back and the HF tensors split from it): the reader's
+buffers, one shard writer's header, allocator slack (import-hf's margin, launcher/hf/importer.py, for the same
+kind of streaming step)."""
+DISK_MARGIN, DISK_PER_TENSOR = 16 * 2**20, 256
+"""Beyond the tensors' bytes: config.json, generation_config.json, the tokenizer files and the index (16 MiB), and
+each tensor's entry in its shard's JSON header."""
+
+
+def precheck(output: Path, group_bytes: int, out_bytes: int, n_tensors: int) -> None:
+    """Free host memory and free disk against export-hf's bound, before a tensor is read or a file written:
+    ExportError, one line naming what is short and what to try (import-hf's precheck, for the other direction)."""
+    from launcher.hf import stream_in  # the module, so a test can stand in for what the machine has
+
+    gb = lambda n: f"{n / 1e9:.2f} GB"  # noqa: E731
+    need_mem = group_bytes + MEMORY_MARGIN
+    avail, source = stream_in.available_memory()
+    if need_mem > avail:
+        raise ExportError(f"host memory={gb(avail)} available ({source}): export-hf needs {gb(need_mem)} beyond what "
+                          f"it holds now (its largest tensor group, read and split, + {MEMORY_MARGIN >> 20} MiB); try "
+                          f"a node (or --slurm with a Slurm --mem) with {gb(need_mem - avail)} more free")
+    need_disk = out_bytes + n_tensors * DISK_PER_TENSOR + DISK_MARGIN
+    free = stream_in.free_disk_bytes(output)
+    if need_disk > free:
+        raise ExportError(f"--output {output}: {gb(free)} free on its filesystem, the export needs {gb(need_disk)} "
+                          f"(its {n_tensors} tensors + headers, config and tokenizer); try an --output on a filesystem "
+                          f"with {gb(need_disk)} free")
+
+
 def export(checkpoint: Path, output: Path, *, config: Optional[Path] = None, tokenizer: Optional[str] = None,
            max_shard_bytes: int = 5 * 10**9, log=print) -> dict:
     """Write the HF model directory; returns what it measured (sizes, peak RSS, seconds)."""
@@ -143,6 +172,7 @@ def export(checkpoint: Path, output: Path, *, config: Optional[Path] = None, tok
             entries.append((name, out.shape, out.dtype))
             owner.append((u, j))
     shards = plan_shards(entries, max_shard_bytes)
+    precheck(output, group_bytes, sum(nbytes(shape, dt) for _, shape, dt in entries), len(entries))
     tmp = output.with_name(f"{output.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
