@@ -139,6 +139,9 @@ CASES = [
     ("negative-gbs", SMOKE + ["train.global_batch_size=-4"], "train.global_batch_size="),
     ("lr-inf", SMOKE + ["train.lr=inf"], "train.lr="),
     ("norm-eps-nan", SMOKE + ["model.norm_epsilon=nan"], "model.norm_epsilon="),
+    # declared ranges (launcher/validate/generic.py BOUNDS; tests/test_bounds.py checks every one in-process)
+    ("norm-eps-zero", SMOKE + ["model.norm_epsilon=0"], "model.norm_epsilon="),
+    ("num-workers-negative", SMOKE + ["data.num_workers=-1"], "data.num_workers="),
     ("cluster-float-nan", L8 + ["cluster.gpu_memory_gb=nan"], "cluster.gpu_memory_gb="),
     ("blend-weight-inf", SMOKE + ["data.blend=[inf,data/assets/smoke_text_document]"], "data.blend="),
     ("async-save-fsdp", SMOKE + ["checkpoint.async_save=true", "parallel.megatron_fsdp=true", "parallel.pipeline=1",

@@ -360,6 +360,8 @@ PARTIAL_BUILDS = {
     "tests/test_models_build.py": ({"build_model"}, "the unit tests of models.build_model itself"),
     "tests/test_plan_activations_real.py": (
         {"build_model"}, "counts the tensors a GPTModel forward saves: DDP and optimizer hold no activations"),
+    "tests/test_weight_fields.py": (
+        {"build_model"}, "compares the state dicts of tiny models that differ in one model field: the model alone"),
     "tests/test_wiring.py": (
         {"build_model"}, "records the GPTModel arguments models.build_model passes (GPTModel replaced)"),
     "tests/test_rank_param_sync.py": (

@@ -32,7 +32,7 @@ import torch
 
 from launcher.core.checkpoint_dir import MANIFEST, checkpoint_name
 from launcher.core.layout import uses_transformer_engine
-from launcher.core.weights import WEIGHT_FIELDS  # one home: the model fields that shape a checkpoint's tensors
+from launcher.core.weights import weights_of  # one home: the model fields that shape a checkpoint's tensors
 from launcher.hf import arch, mapping
 from launcher.schema import JobConfig, ParallelConfig, PrecisionConfig
 
@@ -382,7 +382,7 @@ def import_hf(hf_dir: Path, output: Path, job: JobConfig, log=print, spec: Optio
         files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "crc32": None}
                  for p in sorted(tmp.rglob("*")) if p.is_file()}
         manifest = {"step": 0, "run": "hf-import", "weights_only": True, "source": str(hf_dir.resolve()),
-                    "weights_of": {f"model.{k}": getattr(job.model, k) for k in WEIGHT_FIELDS},
+                    "weights_of": weights_of({f"model.{f}": v for f, v in vars(job.model).items()}),
                     "identity": {"data.tokenizer": job.data.tokenizer,
                                  **{f"model.{f}": v for f, v in vars(job.model).items()}},
                     "padded_vocab": int(chunk.embedding.word_embeddings.weight.shape[0]),

@@ -144,6 +144,16 @@ BOUNDS: dict[str, Bound] = {
 """Every numeric field's range, declared once: checked by ``validate_bounds`` and quoted when Hydra cannot
 even convert a value (``field_rule``). Cross-field rules live in the sections below."""
 
+NOT_BOUNDED: dict[str, str] = {
+    # lists of numbers: BOUNDS ranges one number; their rules read the whole list and the layout
+    "schedule.zb_v_costs": "a list: its length (3 or 6 x PP), each cost's range and their spread are one rule, "
+                           "launcher/validate/schedule.py zb_v_costs_in_range",
+    "profile.ranks": "a list: each entry must be a global rank of this job (0..world-1), launcher/validate/run.py "
+                     "validate_profile",
+}
+"""The numeric fields (int or float, or lists of them) without a ``BOUNDS`` entry, each with why; every numeric
+schema field is in exactly one of the two (tests/test_bounds.py)."""
+
 
 def in_bounds(job: JobConfig, *names: str) -> bool:
     """All the named fields hold a usable value (set, and inside their declared range)."""
@@ -194,7 +204,10 @@ def _bound_hint(name: str, bound: Bound) -> str:
     default = default_text(name)
     if default not in (None, "null") and bound.holds(float(default)):
         return default
-    return f"{bound.lo:g}" if bound.lo is not None and not bound.lo_open else "1"
+    # the low end, else one above it (an open low end: train.spike_factor > 1, whose default is null)
+    lo = bound.lo if bound.lo is not None else 0
+    middle = (lo + bound.hi) / 2 if bound.hi is not None else lo
+    return next((_num(x) for x in (lo, lo + 1, middle) if bound.holds(x)), "1")
 
 
 def validate_choices(job: JobConfig) -> list[Problem]:

@@ -80,7 +80,7 @@ def validate_checkpoint(ckpt: CheckpointConfig) -> list[Problem]:
 
 def validate_loaded_weights(job: JobConfig) -> list[Problem]:
     """checkpoint.load of an ``import-hf`` checkpoint (weights only): its launcher.json records the model fields that
-    shape its tensors (launcher/hf/importer.py WEIGHT_FIELDS); each one this job's model sets differently is one
+    shape its tensors (launcher/core/weights.py weights_of); each one this job's model sets differently is one
     problem here, before any rank starts (the ranks check the same, launcher/rank/checkpoint.py weights_mismatch).
     A path this node cannot read is left to the ranks."""
     from launcher.core.checkpoint_dir import read_manifest
