@@ -1,22 +1,17 @@
-"""What each action does once a job is composed and valid. Each returns the process exit code."""
+"""What each action does once a job is composed, valid and through its pre-run checks (``launcher.preflight``).
+Each takes the job, the parsed arguments and the checks' context (``Preflight``: problems, layout, and the plan and
+signal lead derived once) and returns the process exit code."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
-import re
 import sys
 from pathlib import Path
 
 from launcher.core import Layout, derive
+from launcher.preflight import Preflight
 from launcher.problems import EXIT_USAGE, Problem, report
 from launcher.schema import JobConfig
-from launcher.validate import Checked
-
-
-def tokens_needed(job: JobConfig, lay: Layout | None = None) -> int:
-    """Tokens the run consumes (what the data pre-flight checks the blend against; ``lay``: derived if None)."""
-    return (lay or derive(job)).tokens
 
 
 def summary(job: JobConfig, lay: Layout | None = None) -> str:
@@ -29,16 +24,15 @@ def summary(job: JobConfig, lay: Layout | None = None) -> str:
             f"{lay.microbatches} microbatches/step")
 
 
-def do_validate(job: JobConfig, args, checked: Checked) -> int:
+def do_validate(job: JobConfig, args, checked: Preflight) -> int:
     print(f"valid: {summary(job, checked.layout)}")
     from launcher.resume_plan import print_plan
     print_plan(job, checked.layout)
     return 0
 
 
-def do_plan(job: JobConfig, args, checked: Checked) -> int:
-    from launcher.plan import plan_job
-    plan = plan_job(job, checked=checked)
+def do_plan(job: JobConfig, args, checked: Preflight) -> int:
+    plan = checked.plan()
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
@@ -50,7 +44,7 @@ def do_plan(job: JobConfig, args, checked: Checked) -> int:
     return 0
 
 
-def _plan_pictures(job: JobConfig, args, checked: Checked) -> None:
+def _plan_pictures(job: JobConfig, args, checked: Preflight) -> None:
     """The 1F1B / interleaved / ZB-H1 pictures of a pipeline (PP > 1), written only where the user asked: into
     ``output_dir`` when it is given on the command line. A plan run from any directory with the default
     ``output_dir`` (``runs``, relative to the directory it is started from) writes nothing and says how to get them."""
@@ -73,7 +67,7 @@ def _plan_pictures(job: JobConfig, args, checked: Checked) -> None:
         print(f"schedule picture: {path}", file=out)
 
 
-def do_search(job: JobConfig, args, checked: Checked) -> int:
+def do_search(job: JobConfig, args, checked: Preflight) -> int:
     from launcher.plan.search import search
     results = search(job, top=10, layout=checked.layout)
     _say_calibrated(job, args)
@@ -97,7 +91,7 @@ def _say_calibrated(job: JobConfig, args) -> None:
         print(line, file=sys.stderr if args.json else sys.stdout)
 
 
-def do_list(job: JobConfig, args, checked: Checked) -> int:
+def do_list(job: JobConfig, args, checked: Preflight) -> int:
     """The recipe catalogue: each model's parameters and its H100/H200 layouts, as the planner predicts them."""
     from launcher.catalog import catalogue_rows, print_table
     rows = catalogue_rows()
@@ -143,213 +137,23 @@ def _print_rich(renderable) -> None:
     Console(width=140).print(renderable)
 
 
-def preflight_data(job: JobConfig, lay: Layout | None = None) -> list[Problem]:
-    """Login-node data pre-flight (files, headers, vocab, blend weights, tokens available vs needed; ``lay``: the
-    job's layout, derived if None)."""
-    if job.data.kind != "indexed":
-        return []
-    from launcher.data_preflight import preflight
-    return preflight(job.data, vocab_size=job.model.vocab_size, tokens_needed=tokens_needed(job, lay))
-
-
-def launch_preflight(job: JobConfig, checked: Checked | None = None) -> list[Problem]:
-    """What render or run would refuse, found by validate too (one function, so validate says exactly what render
-    would): a checkpoint dir that takes no file, a checkpoint.load that does not exist (with nothing in
-    checkpoint.dir to resume instead), and ``render_refusals``. ``checked``: the job's validation so far (validated
-    again when None)."""
-    from launcher.executor import checkpoint_dir_is_a_checkpoint, checkpoint_dir_problem, checkpoint_load_problem
-    from launcher.plan import PlanError, plan_job
-
-    problems = [p for p in (checkpoint_dir_problem(job), checkpoint_dir_is_a_checkpoint(job),
-                            checkpoint_load_problem(job)) if p is not None]
-    try:
-        plan = plan_job(job, checked=checked)
-    except PlanError:
-        return problems
-    return problems + render_refusals(job, plan)
-
-
-def print_oom_details(job: JobConfig, checked: Checked) -> None:
-    """The stages over the limit, their parts and what to change (``launcher.plan.oom_message``), below the one
-    line ``oom_problem`` reports (stderr's first line is the error, as for every refusal): validate and render show
-    the same."""
-    from launcher.plan import PlanError, oom_message, plan_job
-
-    try:
-        print(oom_message(plan_job(job, checked=checked), job), file=sys.stderr)
-    except PlanError:
-        pass
-
-
-def oom_problem(job: JobConfig, plan) -> Problem | None:
-    """A predicted out-of-memory without force=true: render refuses it, and validate says so (the details are
-    ``launcher.plan.oom_message``, printed below this line)."""
-    if plan.fits or job.force:
-        return None
-    peak = plan.peak_stage
-    return Problem("force", job.force, f"predicted out of memory: pipeline stage {peak.stage} needs "
-                   f"{plan.peak_gb:.1f} GB of the GPU's {plan.gpu_memory_gb:g} GB usable ({plan.name})",
-                   "action=search (layouts that fit), or action=plan for the stages' memory, or force=true")
-
-
-def render_refusals(job: JobConfig, plan) -> list[Problem]:
-    """Every refusal ``render.write_bundle`` makes from the plan, as problems: a predicted OOM (unless force), a
-    Slurm time limit too short for the derived signal lead (the planner's save estimate, or a measured save: every
-    bundle holds an sbatch script, whatever cluster.launcher says) and explicit timeouts that cannot work with the
-    planned step. Render refuses on the same function's findings (``prepare_bundle``)."""
-    from launcher.core.signal_lead import lead_for_render
-    from launcher.render import _time_limit_s, derived_timeouts, lead_problem, timeouts_problems
-
-    problems = [p for p in (oom_problem(job, plan),) if p is not None]
-    plan_dict = plan.to_dict()
-    if job.slurm.signal_lead_s is None:
-        limit = _time_limit_s(job)
-        lead = lead_for_render(job, limit, plan_dict, _ckpt_dir(job))
-        late = lead_problem(job, lead, limit)
-        if late is not None:
-            problems.append(_step_too_long(job, late, lead, limit))
-    if any(v is not None for v in (job.timeouts.collective_s, job.timeouts.hang_s, job.timeouts.heartbeat_s)):
-        problems += timeouts_problems(job, derived_timeouts(job, plan_dict))
-    return problems
-
-
-HF_LINE = re.compile(r"^(model\.\w+)=(.*?): (.*); try (model\.\w+=.*)$")
-"""import-hf's line for one differing field (launcher/hf/arch.py ``_line``): field=value: rule; try field=value."""
-
-
-def hf_import_dir(job: JobConfig, lay: Layout | None = None) -> Path:
-    """Where checkpoint.load_hf is imported: output_dir/hf-imports/NAME-DIGEST, the digest over the HF directory
-    (path, and size and mtime of config.json and every weights file), the whole model entry, the dtype, the layer
-    spec and the padded vocabulary: a job that would import the same tensors reuses the import."""
-    import hashlib
-
-    from launcher.core.layout import uses_transformer_engine
-
-    src = Path(job.checkpoint.load_hf).resolve()
-    files = sorted(p for p in src.iterdir() if p.name == "config.json" or p.name.endswith(
-        (".safetensors", ".safetensors.index.json")))
-    key = json.dumps({"hf": str(src), "files": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files],
-                      "model": dataclasses.asdict(job.model), "dtype": job.precision.dtype,
-                      "te": uses_transformer_engine(job.precision, job.cluster),
-                      "padded_vocab": (lay or derive(job)).padded_vocab}, sort_keys=True, default=str)
-    return Path(job.output_dir).resolve() / "hf-imports" / f"{src.name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-
-
-def hf_start(job: JobConfig, *, import_weights: bool, layout: Layout | None = None) -> tuple[JobConfig, list[Problem]]:
-    """checkpoint.load_hf: compare the HF config.json with the model entry (one problem per differing field) and,
-    unless only validating, import it (once: an import of the same weights for the same model is reused); the job
-    then starts from the import as checkpoint.load, the path every layout loads. Both run in ``python -m launcher
-    import-hf``, a process of its own: it needs torch and transformers, which the login commands never import."""
-    import subprocess
-    import tempfile
-
-    from launcher.core import job_to_yaml
-
-    src, out = job.checkpoint.load_hf, hf_import_dir(job, layout)
-    final = out / "iter_0000000"
-    from launcher.core.checkpoint_dir import read_manifest
-
-    if read_manifest(final) is None:
-        with tempfile.TemporaryDirectory(prefix="load-hf-") as tmp:
-            (Path(tmp) / "config.yaml").write_text(job_to_yaml(job))
-            cmd = [sys.executable, "-m", "launcher", "import-hf", "--hf", str(src), "--config",
-                   str(Path(tmp) / "config.yaml"), *(["--output", str(out)] if import_weights else ["--check"])]
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        if proc.returncode != 0:
-            return job, _hf_problems(src, proc)
-        if not import_weights:
-            return job, []
-        print(proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else f"imported {src} -> {final}")
-    else:
-        print(f"checkpoint.load_hf={src}: the import {final} of the same weights for this model is reused")
-    return dataclasses.replace(job, checkpoint=dataclasses.replace(job.checkpoint, load=str(final))), []
-
-
-def _hf_problems(src: str, proc) -> list[Problem]:
-    """import-hf's refusal as problems: a differing model field as that field's own problem, the rest (another
-    architecture, a file it cannot read) as checkpoint.load_hf's."""
-    import ast
-
-    lines = [ln[len("error: "):] for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
-    if not lines:
-        tail = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
-        lines = [f"import-hf failed: {tail}"]
-    problems = []
-    for line in lines:
-        m = HF_LINE.match(line)
-        if m:
-            try:
-                value = ast.literal_eval(m[2])
-            except (ValueError, SyntaxError):
-                value = m[2]
-            problems.append(Problem(m[1], value, m[3], m[4]))
-        else:
-            problems.append(Problem("checkpoint.load_hf", src, line, "a model entry of that architecture, or "
-                                    "checkpoint.load_hf=null"))
-    return problems
-
-
-def _ckpt_dir(job: JobConfig):
-    from launcher.core.checkpoint_dir import checkpoint_dir
-
-    return checkpoint_dir(job.checkpoint.dir, Path()) if job.checkpoint.dir else None
-
-
-LONGEST_SENSIBLE_LIMIT_S = 30 * 24 * 3600
-"""A time limit past 30 days is no alternative to offer (clusters cap partitions at days; Slurm's own maximum is
-a site setting): a job whose single step outlasts the limit needs a smaller step instead."""
-
-
-def _step_too_long(job: JobConfig, late: Problem, lead: dict, limit: int) -> Problem:
-    """The signal-lead refusal, its hint made a real alternative when the planned step alone is what does not fit
-    (a global batch of 10^12 is a step of years: the time limit it would take is no answer): the largest global
-    batch, a multiple of micro batch x DP, whose planned step leaves the stop its lead, checked by planning it."""
-    from launcher.core.signal_lead import lead_for_render
-    from launcher.fields import set_value
-    from launcher.plan import PlanError, plan_job
-    from launcher.render import lead_problem
-    from launcher.validate.sections import raw_problems
-
-    wanted = 2 * (max(lead["seconds"], 300) + 60)
-    if wanted <= LONGEST_SENSIBLE_LIMIT_S or lead["step_s"] <= 0 or job.train.global_batch_size is None:
-        return late
-    lay = derive(job)
-    unit = job.train.micro_batch_size * lay.dp
-    batch = job.train.global_batch_size
-    # the step is about proportional to the batch: aim at a tenth of the limit, then halve until planned to fit
-    target = max(unit, int(batch * (limit / 10) / lead["step_s"]) // unit * unit)
-    while target >= unit:
-        fixed = copy.deepcopy(job)
-        set_value(fixed, "train.global_batch_size", str(target))
-        try:
-            ok = not any(p.severity == "error" for p in raw_problems(fixed))
-            plan = plan_job(fixed).to_dict() if ok else None
-        except PlanError:
-            ok = False
-        if ok and lead_problem(fixed, lead_for_render(fixed, limit, plan, _ckpt_dir(fixed)), limit) is None:
-            return dataclasses.replace(late, field="train.global_batch_size", value=batch,
-                                       rule=f"a step is planned at {lead['step_s']:.3g} s, longer than slurm.time="
-                                            f"{job.slurm.time} leaves to run it and stop in time",
-                                       hint=f"train.global_batch_size={target}")
-        target = target // 2 // unit * unit
-    return late
-
-
-def prepare_bundle(job: JobConfig, args, checked: Checked):
-    """Plan (refusing a predicted OOM unless force), render and write the bundle. The data pre-flight has run
-    already, with validation (``launcher.cli.main``, whose findings ``checked`` holds), for every action that
-    renders."""
-    from launcher.plan import oom_message, plan_job
+def prepare_bundle(job: JobConfig, args, checked: Preflight):
+    """Render and write the bundle from the plan and signal lead the pre-run checks derived (``checked``; refusing
+    a predicted OOM unless force, for a context whose checks did not run: bench's). Every check of
+    ``launcher.preflight.CHECKS`` for the action has run already (``launcher.cli.main``)."""
+    from launcher.plan import oom_message
+    from launcher.preflight import oom_problem
     from launcher.render import RenderError, write_bundle
 
-    plan = plan_job(job, checked=checked)
+    plan = checked.plan()
     oom = oom_problem(job, plan)
     if oom is not None:
         report([oom])
         print(oom_message(plan, job), file=sys.stderr)
         return None
     try:
-        bundle = write_bundle(job, argv=args.overrides, plan=plan.to_dict(), lay=checked.layout)
+        bundle = write_bundle(job, argv=args.overrides, plan=checked.plan_dict(), lay=checked.layout,
+                              signal_lead=checked.signal_lead(), timeouts=checked.timeouts())
     except RenderError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return None
@@ -362,7 +166,7 @@ def prepare_bundle(job: JobConfig, args, checked: Checked):
     return bundle
 
 
-def do_render(job: JobConfig, args, checked: Checked) -> int:
+def do_render(job: JobConfig, args, checked: Preflight) -> int:
     bundle = prepare_bundle(job, args, checked)
     if bundle is None:
         return EXIT_USAGE
@@ -373,7 +177,7 @@ def do_render(job: JobConfig, args, checked: Checked) -> int:
     return 0
 
 
-def do_submit(job: JobConfig, args, checked: Checked) -> int:
+def do_submit(job: JobConfig, args, checked: Preflight) -> int:
     from launcher.executor import SlurmExecutor, SubmitError
     bundle = prepare_bundle(job, args, checked)
     if bundle is None:
@@ -390,8 +194,9 @@ def do_submit(job: JobConfig, args, checked: Checked) -> int:
     return 0
 
 
-def do_run(job: JobConfig, args, checked: Checked) -> int:
-    from launcher.executor import LocalExecutor, checkpoint_preflight
+def do_run(job: JobConfig, args, checked: Preflight) -> int:
+    from launcher.executor import LocalExecutor
+    from launcher.preflight import checkpoint_preflight
     bundle = prepare_bundle(job, args, checked)
     if bundle is None:
         return EXIT_USAGE
@@ -440,7 +245,7 @@ def bench_job(job: JobConfig) -> JobConfig:
              profile=r(job.profile, kind="none", memory_snapshot=False))
 
 
-def do_bench(job: JobConfig, args, checked: Checked) -> int:
+def do_bench(job: JobConfig, args, checked: Preflight) -> int:
     """Run a few steps of the job's own layout here (the bundle's launch.sh, as action=run), compare the measured
     step time and per-stage peak memory with the plan, fit the cluster's GEMM efficiency and write the calibrated
     profile into the bench bundle's report directory (launcher/calibration.py)."""
@@ -458,7 +263,7 @@ def do_bench(job: JobConfig, args, checked: Checked) -> int:
     if any(p.severity == "error" for p in bchecked.problems):
         report([p for p in bchecked.problems if p.severity == "error"])
         return EXIT_USAGE
-    bundle = prepare_bundle(bench, args, bchecked)
+    bundle = prepare_bundle(bench, args, Preflight(bench, "run", bchecked.layout, list(bchecked.problems)))
     if bundle is None:
         return EXIT_USAGE
     try:

@@ -12,7 +12,7 @@ from launcher.config import ConfigError, compose_dict, secret_problems, secret_v
 from launcher.overrides import check_override
 from launcher.problems import EXIT_USAGE, errors, report
 from launcher.schema import JobConfig
-from launcher.validate import RANK_ACTIONS, Checked, check, rank_side_limits, verified_hint
+from launcher.validate import check
 
 
 @dataclass
@@ -36,7 +36,7 @@ def parse_args(argv: list[str]) -> Args:
         elif token == "--json":
             args.json = True
         elif token.startswith("-"):
-            from launcher.megatron_lm import cli_flag_hint  # Megatron-LM's and neighbours' flags: a pointer
+            from launcher.megatron_lm.table import cli_flag_hint  # Megatron-LM's and neighbours' flags: a pointer
             following = next(it, None) if "=" not in token else None
             value = following if following is not None and not following.startswith("-") and "=" not in following \
                 else None
@@ -79,7 +79,7 @@ def _reader_gone() -> int:
 def _main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["import"]:  # python -m launcher import SCRIPT: a Megatron-LM job -> a recipe
-        from launcher.megatron_lm import import_main
+        from launcher.megatron_lm.commands import import_main
         return import_main(argv[1:])
     if argv[:1] in (["runs"], ["status"], ["logs"], ["cancel"]):  # what became of a run bundle (launcher/runs.py)
         from launcher.runs import main as runs_main
@@ -118,35 +118,19 @@ def _main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     job, refused = _absolute_paths(job)
-    checked = check(job)  # the one validation (and derivation) of this job: the action is handed both
-    problems, lay = checked.problems, checked.layout
+    checked = check(job)  # the one validation (and derivation) of this job: the checks and the action read both
+    problems = checked.problems
     if refused:  # a relative path with a container image: said once, as the path rule's line
         problems = refused + [p for p in problems if (p.field, str(p.value)) not in
                               {(r.field, r.value) for r in refused}]
-    action = resolve_action(job)
-    if not errors(problems) and action in RANK_ACTIONS:
-        problems += [verified_hint(job, p, problems) for p in rank_side_limits(job)]
-    if not errors(problems) and action not in ("plan", "search", "list"):
-        # One pipeline for every action that checks or starts a run: validate's data pre-flight is render's.
-        from launcher.actions import preflight_data
-        problems += [verified_hint(job, p, problems) for p in preflight_data(job, lay)]
-    if not errors(problems) and action in RANK_ACTIONS:
-        from launcher.actions import launch_preflight  # what render or run would refuse: validate says it too
-        problems += launch_preflight(job, Checked(problems, lay))
-    if not errors(problems) and action in RANK_ACTIONS and job.checkpoint.load_hf:
-        from launcher.actions import hf_start  # config.json compared (and, to run, imported) before anything runs
-        job, found = hf_start(job, import_weights=action != "validate", layout=lay)
-        problems += found
-    if not errors(problems) and action in (*RANK_ACTIONS, "plan"):  # the resume plan's refusal, before anything
-        from launcher.resume_plan import problems_for               # renders (launcher/resume_plan.py)
-        problems += problems_for(job, lay)
-    report(problems)
-    if any(p.field == "force" and p.severity == "error" for p in problems):  # a predicted OOM: the one line
-        from launcher.actions import print_oom_details                      # first, then its stages
-        print_oom_details(job, Checked(problems, lay))
-    if errors(problems):
+    from launcher.preflight import Preflight, print_oom_details, run_checks  # what must hold before a run
+    ctx = run_checks(Preflight(job, resolve_action(job), checked.layout, list(problems)))
+    report(ctx.problems)
+    if any(p.field == "force" and p.severity == "error" for p in ctx.problems):  # a predicted OOM: the one line
+        print_oom_details(ctx)                                                  # first, then its stages
+    if errors(ctx.problems):
         return EXIT_USAGE
-    return run_action(job, action, args, Checked(problems, lay))
+    return run_action(ctx, args)
 
 
 def _absolute_paths(job: JobConfig) -> tuple[JobConfig, list]:
@@ -159,16 +143,17 @@ def _absolute_paths(job: JobConfig) -> tuple[JobConfig, list]:
     return (job if refused else with_absolute_paths(job)), refused
 
 
-def run_action(job: JobConfig, action: str, args: Args, checked: Checked) -> int:
-    """The action's handler, given the job as validated (``checked``: its problems and layout)."""
+def run_action(ctx, args: Args) -> int:
+    """The action's handler, given the job as checked (``ctx``: ``launcher.preflight.Preflight``, with its problems,
+    layout and the plan and signal lead derived once)."""
     from launcher import actions
-    if action == "megatron-args":
-        from launcher.megatron_lm import do_megatron_args
-        return do_megatron_args(job, args, checked)
+    if ctx.action == "megatron-args":
+        from launcher.megatron_lm.commands import do_megatron_args
+        return do_megatron_args(ctx.job, args, ctx.checked)
     handler = {"validate": actions.do_validate, "plan": actions.do_plan, "search": actions.do_search,
                "render": actions.do_render, "submit": actions.do_submit, "run": actions.do_run,
-               "list": actions.do_list, "bench": actions.do_bench}[action]
-    return handler(job, args, checked)
+               "list": actions.do_list, "bench": actions.do_bench}[ctx.action]
+    return handler(ctx.job, args, ctx)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,5 +1,5 @@
 """Login-node pre-flight checks of the training data, before any GPU is spent (``validate``, ``render``, ``run``
-through ``launcher/actions.py`` preflight_data; the preprocessor's final step checks its shards with
+a row of ``launcher/preflight.py``'s table; the preprocessor's final step checks its shards with
 ``check_prefix``). Imports numpy and launcher code only: the ``.idx`` header is read by
 ``launcher/core/indexed_files.py`` (why not through Megatron: see there).
 """

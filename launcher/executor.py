@@ -14,8 +14,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.core import checkpoint_dir as cdir
-from launcher.core.paths import absolute
 from launcher.render import Bundle, atomic_write
 
 
@@ -167,87 +165,3 @@ def bundle_processes(bundle_path) -> list:
 def end_strays(bundle_path, grace_s: float = 5.0) -> None:
     """SIGTERM every process left over for the bundle (bundle_processes), then SIGKILL what remains after grace_s."""
     _terminate(bundle_processes(bundle_path), os.kill, grace_s)
-
-
-def checkpoint_dir_problem(job):
-    """The checkpoint dir (checkpoint.dir, else the bundle's own under output_dir), or its nearest existing parent,
-    takes no file: a Problem, else None. Checked with validation for every action that prepares a run."""
-    from launcher.problems import Problem
-
-    target = cdir.checkpoint_dir(job.checkpoint.dir or job.output_dir, Path())
-    why = cdir.write_probe(cdir.nearest_existing(target))
-    if why is None:
-        return None
-    if job.checkpoint.dir:
-        return Problem("checkpoint.dir", job.checkpoint.dir, why, "a directory you can write to, or "
-                       "checkpoint.dir=null (inside the run's bundle)")
-    return Problem("output_dir", job.output_dir, why + " (the bundle and its checkpoints go there)", "output_dir=runs")
-
-
-def checkpoint_dir_is_a_checkpoint(job):
-    """``checkpoint.dir`` names one checkpoint (an ``iter_N`` with our manifest, or a dist_checkpointing /
-    torch.distributed.checkpoint directory) instead of the directory that holds them: the ranks would find no
-    ``iter_*`` inside, start from step 0 and write their checkpoints into it (the user meant to resume). A Problem
-    whose alternatives are the directory holding it (resumed from its newest) and loading it; else None."""
-    from launcher.problems import Problem
-
-    if not job.checkpoint.dir:
-        return None
-    path = Path(absolute(job.checkpoint.dir))
-    manifest = cdir.read_manifest(path)
-    ours = isinstance(manifest, dict) and "step" in manifest
-    if not (ours or (path / "metadata.json").is_file() or (path / ".metadata").is_file()):
-        return None
-    what = f"step {manifest['step']}" if ours else "a dist_checkpointing checkpoint"
-    parent = Path(job.checkpoint.dir).parent
-    newest = cdir.latest_checkpoint(path.parent)
-    hint = (f"checkpoint.dir={parent}" if newest is not None and newest.resolve() == path.resolve() else
-            f"checkpoint.load={job.checkpoint.dir} checkpoint.dir={parent / 'continued'}")
-    return Problem("checkpoint.dir", job.checkpoint.dir,
-                   f"is a checkpoint itself ({what}), not the directory that holds them: the run would start from "
-                   "step 0 and write into it", hint)
-
-
-def checkpoint_load_problem(job):
-    """``checkpoint.load`` is a regular file, or names nothing on this file system (the same one the write probe reads) while
-    ``checkpoint.dir`` holds no complete checkpoint of its own to resume instead: the ranks would refuse it after
-    the model build. Its alternative: the newest complete checkpoint beside the missing path, else null (start from
-    step 0). A Problem, else None."""
-    from launcher.problems import Problem
-
-    load = job.checkpoint.load
-    if load and not job.checkpoint.load_hf and Path(absolute(load)).is_file():  # a checkpoint is a directory
-        near = cdir.latest_checkpoint(Path(absolute(load)).parent)
-        return Problem("checkpoint.load", load, "is a file; a checkpoint is a directory (iter_N, or the directory "
-                       "holding them)", f"checkpoint.load={near}" if near is not None else
-                       "checkpoint.load=null (start from step 0)")
-    if not load or job.checkpoint.load_hf or Path(absolute(load)).exists():
-        return None
-    if job.checkpoint.dir and cdir.latest_checkpoint(Path(absolute(job.checkpoint.dir))) is not None:
-        return None  # the ranks resume checkpoint.dir's own checkpoints first and never read checkpoint.load
-    missing = Path(absolute(load))
-    near = next((found for found in (cdir.latest_checkpoint(missing.parent),
-                                     cdir.latest_checkpoint(missing.parent.parent)) if found is not None), None)
-    hint = f"checkpoint.load={near}" if near is not None else "checkpoint.load=null (start from step 0)"
-    return Problem("checkpoint.load", load, "no such checkpoint or directory", hint)
-
-
-def checkpoint_preflight(job, bundle: Bundle):
-    """Login-node check before a local run: the checkpoint dir (or its nearest existing parent) takes a file
-    and has room for one checkpoint (the planner's parameter count, launcher/core/checkpoint_dir.py
-    estimated_bytes). Returns one problem line, or None. Rank 0 checks again before step 1 (a Slurm job's
-    nodes may see other file systems)."""
-    target = cdir.checkpoint_dir(job.checkpoint.dir, bundle.path)
-    probe_dir = cdir.nearest_existing(target)
-    why = cdir.write_probe(probe_dir)
-    if why:
-        return f"checkpoint.dir={target}: {why}"
-    missing = checkpoint_load_problem(job)  # the rule validate applies (launch_preflight), not a second one
-    if missing is not None:
-        return missing.line().removeprefix("error: ")
-    try:
-        params = json.loads((bundle.path / "plan.json").read_text())["params"]["total"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    full = cdir.space_problem(probe_dir, cdir.estimated_bytes(params, job.precision.dtype))
-    return f"checkpoint.dir={target}: {full} ({params:.3g} parameters)" if full else None

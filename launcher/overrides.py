@@ -57,7 +57,7 @@ class MegatronName(Problem):
 
 def megatron_hint(key: str, value: Optional[str]) -> Optional[Problem]:
     """The Problem for a Megatron-LM argument / Megatron-Core config name used as a key; None if it is neither."""
-    from launcher.megatron_lm import hint_for
+    from launcher.megatron_lm.table import hint_for
     answer = hint_for(key, value)
     return MegatronName(key, value, answer, answer.rsplit("; try ", 1)[-1]) if answer else None
 

@@ -40,6 +40,7 @@ from launcher.core.cuda_env import VAR as CUDA_MAX_CONNECTIONS, job_env
 from launcher.core.paths import absolute
 from launcher.core import timeouts as timeouts_mod
 from launcher.core.signal_lead import lead_for_render, shutdown_timeout_s, step_and_save_s
+from launcher.core.time_limit import time_limit_s
 from launcher.schema import JobConfig, Profiler
 
 TEMPLATES = ROOT / "slurm"
@@ -86,7 +87,7 @@ def template_context(job: JobConfig, bundle_dir: Path, signal_lead: dict | None 
     no measured save (the floor). ``timeouts``: ``launcher.core.timeouts.derive``'s (without: with no plan)."""
     cluster, slurm = job.cluster, job.slurm
     if signal_lead is None:
-        signal_lead = lead_for_render(job, _time_limit_s(job))
+        signal_lead = lead_for_render(job, time_limit_s(job))
     if timeouts is None:
         timeouts = timeouts_mod.derive(job, step_s=None, save_s=None)
     is_gpu = cluster.gpu != "cpu"
@@ -170,18 +171,20 @@ def post_steps(job: JobConfig) -> list[str]:
             if on]
 
 
-def _time_limit_s(job: JobConfig) -> int:
-    from launcher.validate.run import slurm_seconds
+def job_checkpoint_dir(job: JobConfig) -> Path | None:
+    """checkpoint.dir as the login node reads it (None when the run's checkpoints go into its own bundle): where
+    the newest measured save, which the signal lead and the timeouts rest on, is looked for."""
+    return checkpoint_dir(job.checkpoint.dir, Path()) if job.checkpoint.dir else None
 
-    return slurm_seconds(job.slurm.time) or 0
 
-
-def signal_lead_of(job: JobConfig, plan: dict | None) -> dict:
+def signal_lead_of(job: JobConfig, plan: dict | None, lead: dict | None = None) -> dict:
     """The --signal lead (launcher/core/signal_lead.py): explicit, or derived from the newest measured save in
-    checkpoint.dir and the plan; a derived lead that leaves under 60 s of the time limit is refused."""
-    ckpt_dir = checkpoint_dir(job.checkpoint.dir, Path()) if job.checkpoint.dir else None
-    limit = _time_limit_s(job)
-    lead = lead_for_render(job, limit, plan, ckpt_dir)
+    checkpoint.dir and the plan; a derived lead that leaves under 60 s of the time limit is refused. ``lead``: the
+    lead already derived for this job and plan (``launcher.preflight.Preflight.signal_lead``), checked, not
+    derived again."""
+    limit = time_limit_s(job)
+    if lead is None:
+        lead = lead_for_render(job, limit, plan, job_checkpoint_dir(job))
     problem = lead_problem(job, lead, limit)
     if problem is not None:
         raise RenderError(problem.line().removeprefix("error: "))
@@ -191,14 +194,16 @@ def signal_lead_of(job: JobConfig, plan: dict | None) -> dict:
 def derived_timeouts(job: JobConfig, plan: dict | None) -> dict:
     """The collective and heartbeat timeouts (launcher/core/timeouts.py) from the plan's step time and the save
     time the signal lead uses (measured in checkpoint.dir, else the planner's estimate)."""
-    ckpt_dir = checkpoint_dir(job.checkpoint.dir, Path()) if job.checkpoint.dir else None
-    step_s, save_s, _, _ = step_and_save_s(job, plan, ckpt_dir)
+    step_s, save_s, _, _ = step_and_save_s(job, plan, job_checkpoint_dir(job))
     return timeouts_mod.derive(job, step_s=step_s, save_s=save_s)
 
 
-def timeouts_of(job: JobConfig, plan: dict | None) -> dict:
-    """``derived_timeouts``; an explicit timeout that cannot work with the planned step is refused."""
-    found = derived_timeouts(job, plan)
+def timeouts_of(job: JobConfig, plan: dict | None, found: dict | None = None) -> dict:
+    """``derived_timeouts``; an explicit timeout that cannot work with the planned step is refused. ``found``: the
+    timeouts already derived for this job and plan (``launcher.preflight.Preflight.timeouts``), checked, not
+    derived again."""
+    if found is None:
+        found = derived_timeouts(job, plan)
     errors = [p for p in timeouts_problems(job, found) if p.severity == "error"]
     if errors:
         raise RenderError(errors[0].line().removeprefix("error: "))
@@ -207,7 +212,7 @@ def timeouts_of(job: JobConfig, plan: dict | None) -> dict:
 
 def timeouts_problems(job: JobConfig, found: dict) -> list:
     """Explicit timeouts that cannot work with the planned step, or that the first step may outlast (validate
-    reports them too, through ``launcher.actions.launch_preflight``)."""
+    reports them too: a row of ``launcher.preflight.CHECKS``)."""
     from launcher.problems import Problem
 
     return [Problem(field, value, rule, hint, severity=severity)
@@ -216,7 +221,7 @@ def timeouts_problems(job: JobConfig, found: dict) -> list:
 
 def lead_problem(job: JobConfig, lead: dict, limit: int):
     """A derived --signal lead that leaves under 60 s of the time limit: the job could not stop in time (validate
-    reports it too, through ``launcher.actions.launch_preflight``)."""
+    reports it too: a row of ``launcher.preflight.CHECKS``)."""
     from launcher.problems import Problem
 
     if lead["source"] != "derived" or lead["seconds"] + 60 <= limit:
@@ -258,12 +263,14 @@ def new_bundle_dir(job: JobConfig, now: _dt.datetime | None = None) -> Path:
 
 
 def write_bundle(job: JobConfig, *, argv: list[str], plan: dict | None = None,
-                 bundle_dir: Path | None = None, lay: Layout | None = None) -> Bundle:
+                 bundle_dir: Path | None = None, lay: Layout | None = None, signal_lead: dict | None = None,
+                 timeouts: dict | None = None) -> Bundle:
     """Render, cross-check and write the bundle atomically (temp dir + rename); never overwrites one. Two
     launches in the same second pick the same name: the one whose rename comes second takes the next free name
     (``-2``, ...) and renders again, since the scripts hold their own path. ``lay``: the job's layout (derived
-    if None), which the rendered scripts are cross-checked against."""
-    lead, timeouts = signal_lead_of(job, plan), timeouts_of(job, plan)
+    if None), which the rendered scripts are cross-checked against. ``signal_lead`` and ``timeouts``: what the
+    pre-run checks derived from this ``plan`` (``launcher.preflight.Preflight``), derived here when None."""
+    lead, timeouts = signal_lead_of(job, plan, signal_lead), timeouts_of(job, plan, timeouts)
     for _ in range(100):
         final = (bundle_dir or new_bundle_dir(job)).resolve()
         texts = render_texts(job, final, lead, timeouts)

@@ -245,7 +245,7 @@ def resume_plan(job: JobConfig, lay: Layout) -> Optional[ResumePlan]:
     except OSError:
         return None  # unreadable here (another file system): the ranks decide
     if "error" in found and found["error"].startswith("checkpoint.load=") and not Path(absolute(ck.load)).exists():
-        return None  # names nothing here: launcher/executor.py checkpoint_load_problem owns that line (and its hint)
+        return None  # names nothing here: launcher/preflight.py checkpoint_load_problem owns that line (and its hint)
     if "error" in found:
         return ResumePlan("refused", problem=_plan_problem(found["error"], ckpt_dir, ck.load, identity))
     plan = ResumePlan("fresh", source=found["source"])

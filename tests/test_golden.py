@@ -74,13 +74,13 @@ def test_torchrun_waits_for_the_stop_checkpoint_as_long_as_a_stop_may_take(overr
     import re
 
     from launcher.core.signal_lead import FLOOR_S, lead_for_render
-    from launcher.render import _time_limit_s
+    from launcher.core.time_limit import time_limit_s
 
     for base in (FIXED, ["recipe=smoke"]):  # multi-node c10d and single-node standalone
         job = compose_job([*base, *overrides])
         text = render_texts(job, Path("/x"))["launch.sh"]
         (timeout,) = re.findall(r"^export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=(\d+)$", text, re.MULTILINE)
-        assert int(timeout) >= max(FLOOR_S, lead_for_render(job, _time_limit_s(job))["seconds"]), (base, overrides)
+        assert int(timeout) >= max(FLOOR_S, lead_for_render(job, time_limit_s(job))["seconds"]), (base, overrides)
 
 
 def test_an_older_torch_without_the_shutdown_flag_gets_the_timeout_as_its_close_default(monkeypatch):

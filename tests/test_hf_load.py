@@ -42,7 +42,7 @@ def test_a_job_renders_from_hf_weights_through_one_reused_import(tmp_path, capsy
     rc, out, err = _cli(capsys, *job, *LAYOUT)
     assert rc == 0 and "is reused" in out, err
     assert list((tmp_path / "runs" / "hf-imports").iterdir()) == [imported]
-    from launcher.actions import hf_import_dir
+    from launcher.preflight import hf_import_dir
     from launcher.config import compose_job
 
     assert hf_import_dir(compose_job([*job, *LAYOUT])) == imported

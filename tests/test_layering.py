@@ -44,7 +44,8 @@ RANK = ("launcher.rank", "models")
 LOGIN = ("launcher.__main__", "launcher.cli", "launcher.actions", "launcher.validate", "launcher.plan",
          "launcher.render", "launcher.executor", "launcher.overrides", "launcher.help", "launcher.config",
          "launcher.problems", "launcher.fields", "launcher.data_preflight", "launcher.megatron_lm", "launcher.catalog",
-         "launcher.runs", "launcher.run_state", "launcher.resume_plan", "launcher.calibration", "launcher.slurm_tool")
+         "launcher.runs", "launcher.run_state", "launcher.resume_plan", "launcher.calibration", "launcher.slurm_tool",
+         "launcher.preflight")
 TOOLS = ("launcher.hf", "data", "launcher.checkpoint_state")
 """Commands of their own: export-hf/import-hf need torch on a login node (they read and write torch_dist
 checkpoints; ``launcher.__main__`` starts them by module name), and the preprocessor package ``data``

@@ -187,7 +187,7 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
     "checkpoint.save_at_end": _w(CKPT, "save_at_end"), "checkpoint.resume": _w(CKPT, "resume"),
     "checkpoint.keep_last": _w(CKPT, "keep_last"), "checkpoint.format": _w(CKPT, "backend"),
     "checkpoint.async_save": _w(CKPT, "async_save"), "checkpoint.load": _w(CKPT, "load"),
-    "checkpoint.load_hf": _w(LOGIN),  # import-hf at render (launcher/actions.py hf_start), then checkpoint.load
+    "checkpoint.load_hf": _w(LOGIN),  # import-hf at render (launcher/preflight.py hf_start), then checkpoint.load
     "checkpoint.verify": _w(CKPT, "verify"), "checkpoint.optimizer_format": _w(CKPT, "distrib_optim_sharding_type"),
     # ---- logging
     "logging.log_interval": _w(METRICS, "log_interval"), "logging.tensorboard": _w(METRICS, "SummaryWriter"),

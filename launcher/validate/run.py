@@ -12,6 +12,7 @@ from launcher.core import Layout
 from launcher.core.blend import is_number, parse_blend
 from launcher.core.determinism import ACCEPTED as ACCEPTED_DETERMINISTIC
 from launcher.core.paths import length_problem, loop_problem, path_values
+from launcher.core.time_limit import slurm_seconds
 from launcher.fields import get_value, is_allowed
 from launcher.problems import Problem
 from launcher.schema import CheckpointConfig, DataConfig, JobConfig, LoggingConfig, Profiler
@@ -68,7 +69,7 @@ def validate_checkpoint(ckpt: CheckpointConfig) -> list[Problem]:
         c.need(str(ckpt.load).strip() != "", "checkpoint.load", ckpt.load,
                "names a checkpoint (an iter_* directory) or a checkpoint dir holding some",
                "checkpoint.load=/lustre/ckpt/run/iter_0001000")
-    if ckpt.load_hf is not None:  # rendering imports it and sets checkpoint.load (launcher/actions.py hf_start)
+    if ckpt.load_hf is not None:  # rendering imports it and sets checkpoint.load (launcher/preflight.py hf_start)
         c.need(ckpt.load is None, "checkpoint.load_hf", ckpt.load_hf,
                f"a run starts from one thing; checkpoint.load={ckpt.load} is set too", "checkpoint.load=null")
         c.need(bool(str(ckpt.load_hf).strip()) and os.path.isfile(os.path.join(str(ckpt.load_hf), "config.json")),
@@ -265,14 +266,6 @@ def validate_deterministic(job: JobConfig) -> list[Problem]:
         fix = ENV_DEFAULTS.get(var) or (ACCEPTED_DETERMINISTIC.get(var) or ("1",))[0]
         c.need(False, f"cluster.env.{var}", value, f"train.deterministic=true: {rule}", f"cluster.env.{var}={fix}")
     return c.problems
-
-
-def slurm_seconds(text: str) -> int | None:
-    m = re.fullmatch(r"(?:(\d+)-)?(\d{1,2}):(\d{2}):(\d{2})", str(text))
-    if not m:
-        return None
-    days, h, mi, s = (int(g or 0) for g in m.groups())
-    return ((days * 24 + h) * 60 + mi) * 60 + s
 
 
 def validate_post(job: JobConfig) -> list[Problem]:
