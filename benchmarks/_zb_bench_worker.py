@@ -18,20 +18,12 @@ from launcher.schema import Schedule  # noqa: E402
 
 
 def build(job, layout, kind: str, cache: str):
-    from megatron.core import parallel_state as ps
+    from launcher.rank import training
 
-    from launcher.rank import data, loop
-    from launcher.rank.entry import build_model_and_optimizer
-
-    job = dataclasses.replace(job, schedule=dataclasses.replace(job.schedule, kind=kind))
-    tr = job.train
-    model, optimizer, scheduler = build_model_and_optimizer(job, layout)  # production's own build sequence
-    lp = loop.Loop(model=model, optimizer=optimizer, scheduler=scheduler, train=tr, seq_length=job.model.seq_length,
-                   num_microbatches=layout.microbatches, kind=kind, dp_size=layout.dp, record_timeline=True)
-    iters, _ = data.build_train_valid_iterators(
-        data=job.data, model=job.model, train=tr, steps=layout.steps, consumed_samples=0,
-        dp_rank=ps.get_data_parallel_rank(), dp_size=layout.dp, num_chunks=1, cache_dir=cache)
-    return lp, iters
+    job = dataclasses.replace(job, schedule=dataclasses.replace(job.schedule, kind=kind, record_timeline=True))
+    t = training.build(job, layout)  # production's own build sequence
+    iters, _ = t.iterators(cache_dir=cache)
+    return t.loop, iters
 
 
 def main(kinds=(Schedule.ONE_F_ONE_B, Schedule.ZB_H1), build_run=None) -> int:

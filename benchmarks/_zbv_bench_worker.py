@@ -18,19 +18,13 @@ from launcher.schema import Schedule  # noqa: E402
 
 
 def build(job, layout, kind: str, cache: str):
-    from megatron.core import parallel_state as ps
-
-    from launcher.rank import data, loop
+    from launcher.rank import training
     from launcher.rank import zero_bubble as zb
-    from launcher.rank.entry import build_model_and_optimizer
 
     job = dataclasses.replace(job, schedule=dataclasses.replace(job.schedule, kind=kind, overlap_p2p_comm=False,
-                                                                batch_p2p_comm=True))
-    tr = job.train
-    model, optimizer, scheduler = build_model_and_optimizer(job, layout)  # production's own build sequence
-    lp = loop.Loop(model=model, optimizer=optimizer, scheduler=scheduler, train=tr, seq_length=job.model.seq_length,
-                   num_microbatches=layout.microbatches, kind=kind, dp_size=layout.dp, record_timeline=True,
-                   zb_v_costs=job.schedule.zb_v_costs)
+                                                                batch_p2p_comm=True, record_timeline=True))
+    t = training.build(job, layout)  # production's own build sequence
+    lp = t.loop
     if kind == Schedule.INTERLEAVED:  # Loop records 1f1b/zb only: time Megatron's interleaved the way it times 1F1B
 
         @contextlib.contextmanager
@@ -40,10 +34,7 @@ def build(job, layout, kind: str, cache: str):
                 yield lp.fwd_bwd, zb.recorded_forward(lp.forward_step, lp.recorder)
 
         lp._recording = recording
-    iters, _ = data.build_train_valid_iterators(
-        data=job.data, model=job.model, train=tr, steps=layout.steps, consumed_samples=0,
-        dp_rank=ps.get_data_parallel_rank(), dp_size=layout.dp, num_chunks=len(model),
-        reads=data.chunks_reading_data(len(model), kind), cache_dir=cache)
+    iters, _ = t.iterators(cache_dir=cache)
     return lp, iters
 
 

@@ -34,24 +34,18 @@ MODEL = ["data=mock", "model.num_layers=4", "model.hidden_size=256", "model.ffn_
 
 def _worker(out: Path, rounds: int, overrides: list) -> int:
     import torch
-    from megatron.core import parallel_state as ps
 
     from launcher.config import compose_job
     from launcher.core import derive
-    from launcher.rank import checkpoint as ckpt, data, loop, setup
+    from launcher.rank import checkpoint as ckpt, setup, training
     from launcher.rank.async_save import AsyncSaves
-    from launcher.rank.entry import build_model_and_optimizer
 
     job = compose_job(overrides)
     layout = derive(job)
     setup.init_distributed(cluster=job.cluster, layout=layout, seed=job.train.seed)
-    model, optimizer, scheduler = build_model_and_optimizer(job, layout)
-    lp = loop.Loop(model=model, optimizer=optimizer, scheduler=scheduler, train=job.train,
-                   seq_length=job.model.seq_length, num_microbatches=layout.microbatches, kind=job.schedule.kind,
-                   dp_size=layout.dp)
-    iters, _ = data.build_train_valid_iterators(
-        data=job.data, model=job.model, train=job.train, steps=layout.steps, consumed_samples=0,
-        dp_rank=ps.get_data_parallel_rank(), dp_size=layout.dp, num_chunks=1, cache_dir=str(out.parent / "cache"))
+    t = training.build(job, layout)
+    model, optimizer, scheduler, lp = t.model, t.optimizer, t.scheduler, t.loop
+    iters, _ = t.iterators(cache_dir=str(out.parent / "cache"))
     ckpt_dir = out.parent / "checkpoints"
     background = AsyncSaves()
     rec = {"plain": [], "sync_save_step": [], "async_save_step": [], "during_async": []}

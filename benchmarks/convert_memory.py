@@ -52,13 +52,13 @@ def _worker(bundle: Path) -> None:
     from launcher.core import derive, load_job
     from launcher.core.checkpoint_format import checkpoint_format
     from launcher.core.run_identity import run_identity
-    from launcher.rank import checkpoint as ckpt, setup
-    from launcher.rank.entry import build_model_and_optimizer
+    from launcher.rank import checkpoint as ckpt, setup, training
 
     job = load_job(bundle / "config.yaml")
     layout = derive(job)
     setup.init_distributed(cluster=job.cluster, layout=layout, seed=job.train.seed)
-    model, optimizer, scheduler = build_model_and_optimizer(job, layout)
+    t = training.build(job, layout, loop=False)  # resumed here, never trained
+    model, optimizer, scheduler = t.model, t.optimizer, t.scheduler
     torch.distributed.barrier()
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS (Linux >= 4.0)
     before = _status_kb("VmRSS")

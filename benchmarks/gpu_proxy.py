@@ -100,10 +100,8 @@ def main(argv=None) -> dict:
 
     from launcher.core import derive
     from launcher.core.flops import flops_per_token
-    from launcher.rank import loop, setup
-    from launcher.rank.entry import build_model_and_optimizer
+    from launcher.rank import setup, training
     from launcher.rank.metrics import memory_gib
-    from launcher.schema import Schedule
 
     on_gpu = torch.cuda.is_available()
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29500 + os.getpid() % 1000)),
@@ -112,9 +110,8 @@ def main(argv=None) -> dict:
     job = _job(args, on_gpu)
     layout, train = derive(job), job.train
     setup.init_distributed(cluster=job.cluster, layout=layout, seed=train.seed)
-    model, optimizer, scheduler = build_model_and_optimizer(job, layout)  # production's own build sequence
-    lp = loop.Loop(model=model, optimizer=optimizer, scheduler=scheduler, train=train, seq_length=args.seq,
-                   num_microbatches=layout.microbatches, kind=Schedule.ONE_F_ONE_B, dp_size=layout.dp)
+    t = training.build(job, layout)  # production's own build sequence (the job's schedule: 1F1B)
+    model, lp = t.model, t.loop
     data = [_batches(args)]
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     losses = []

@@ -70,19 +70,16 @@ def cpu_streams():
 def one_step(job, layout, bundle: Path, combined: bool):
     """Fresh model (same seed) in Megatron DDP; one forward-backward; its per-microbatch losses and grads."""
     import torch
-    from megatron.core import parallel_state as ps
 
-    from launcher.rank import data, loop
-    from launcher.rank.entry import build_model_and_optimizer
+    from launcher.rank import loop, training
 
-    model, _, _ = build_model_and_optimizer(job, layout)  # production's own build sequence
+    t = training.build(job, layout, loop=False)  # production's own build sequence; one step driven here
+    model = t.model
     # fp32 on CPU (exact comparison); TransformerConfig's bf16/fp16 assert for the overlap is a GPU numerics rule,
     # so the flag is set on the built config (the chunk's, which its DDP wrapper shares; DDP, the optimizer and
     # the config hooks do not read it), which every layer and the schedule read at run time
     model[0].config.overlap_moe_expert_parallel_comm = combined
-    iters, _ = data.build_train_valid_iterators(
-        data=job.data, model=job.model, train=job.train, steps=layout.steps, consumed_samples=0,
-        dp_rank=ps.get_data_parallel_rank(), dp_size=layout.dp, num_chunks=1, cache_dir=str(bundle / "cache"))
+    iters, _ = t.iterators(cache_dir=str(bundle / "cache"))
     for chunk in model:
         chunk.zero_grad_buffer()
     forward = loop.forward_step_for(micro_batch_size=job.train.micro_batch_size, seq_length=job.model.seq_length)

@@ -1,5 +1,5 @@
 """Rank worker for tests/test_fsdp.py's exact-conversion check: build a job's model, optimizer and scheduler through
-the rank entry's own ``build_model_and_optimizer`` (launcher/rank/entry.py), resume it from ``checkpoint.load`` (a
+the rank's own ``launcher.rank.training.build``, resume it from ``checkpoint.load`` (a
 checkpoint of the other format: launcher/rank/checkpoint.py ``resume`` converts it on the ranks,
 launcher/rank/checkpoint_convert.py) and save it again, in this job's own format, at the step it was loaded at: no step in between, so every weight,
 Adam moment, counter and RNG stream written is what the conversion put into the live model and optimizer. Rank 0
@@ -18,13 +18,13 @@ def convert(bundle: Path, out: Path) -> None:
     from launcher.core import derive, load_job
     from launcher.core.checkpoint_format import checkpoint_format
     from launcher.core.run_identity import run_identity
-    from launcher.rank import checkpoint as ckpt, checkpoint_convert, setup
-    from launcher.rank.entry import build_model_and_optimizer
+    from launcher.rank import checkpoint as ckpt, checkpoint_convert, setup, training
 
     job = load_job(bundle / "config.yaml")
     layout = derive(job)
     setup.init_distributed(cluster=job.cluster, layout=layout, seed=job.train.seed)
-    model, optimizer, scheduler = build_model_and_optimizer(job, layout)
+    t = training.build(job, layout, loop=False)  # resumed and saved here, never trained
+    model, optimizer, scheduler = t.model, t.optimizer, t.scheduler
     identity, fmt = run_identity(job), checkpoint_format(job)
     step, consumed, loaded = ckpt.resume(out / "unused", identity=identity, load_from=job.checkpoint.load,
                                          checksum=False, model=model, optimizer=optimizer, scheduler=scheduler,

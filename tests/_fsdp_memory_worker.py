@@ -1,5 +1,5 @@
 """Rank worker for tests/test_fsdp.py's memory check: build a job's model as the rank wing does
-(launcher.rank.entry.build_model_and_optimizer: Megatron-FSDP and its distributed optimizer), take one training
+(launcher.rank.training.build: Megatron-FSDP and its distributed optimizer), take one training
 step so every lazily made buffer exists, and report the bytes this rank holds in static state: each distinct tensor
 storage reachable from Megatron-FSDP's buffers (sharded weights, fp32 main weights, sharded gradients), the model's
 parameters (the unsharded ones outside the FSDP units, and the all-gathered layers) and the optimizer state,
@@ -30,13 +30,13 @@ def measure(bundle: Path) -> dict:
     from megatron.core import parallel_state as ps
 
     from launcher.core import derive, load_job
-    from launcher.rank import loop, setup
-    from launcher.rank.entry import build_model_and_optimizer
+    from launcher.rank import loop, setup, training
 
     job = load_job(bundle / "config.yaml")
     layout = derive(job)
     setup.init_distributed(cluster=job.cluster, layout=layout, seed=job.train.seed)
-    model, opt, _ = build_model_and_optimizer(job, layout)  # production's own build sequence
+    t = training.build(job, layout, loop=False)  # production's own build sequence; one step driven here
+    model, opt = t.model, t.optimizer
     gen = torch.Generator().manual_seed(ps.get_data_parallel_rank())
     s, mbs, v = job.model.seq_length, job.train.micro_batch_size, job.model.vocab_size
 

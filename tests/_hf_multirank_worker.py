@@ -3,7 +3,7 @@ catalogue architecture: the rank loops over the architectures, each job's own la
 TP2 x PP2 x EP2, expert TP 1), re-initialising Megatron-Core's model-parallel groups in between.
 
 Per architecture, the job's own rank code (``launcher.rank``):
-1. builds the model as a job does (``launcher.rank.entry.build_model_and_optimizer``: the backend checks,
+1. builds the model as a job does (``launcher.rank.training.build``: the backend checks,
    ``models.build_model``, Megatron DDP, the Megatron optimizer and scheduler, the model config's hooks) and
    loads the ``import-hf`` checkpoint (written at TP=1) through ``checkpoint.load``'s path
    (``launcher.rank.checkpoint.resume``): torch_dist reshards it to the job's layout;
@@ -59,13 +59,13 @@ def training_batch(tokens):
 
 
 def build(job, layout):
-    """(model chunks, optimizer, scheduler) through the rank entry's own build sequence
-    (``build_model_and_optimizer``); MLA (DeepSeek-V3) with the SDPA core attention in place of Transformer
-    Engine's (the config of the TE path, the local spec: as launcher.hf.importer.build_single)."""
-    from launcher.rank.entry import build_model_and_optimizer
+    """The rank's training objects through its own build sequence (``launcher.rank.training.build``); MLA
+    (DeepSeek-V3) with the SDPA core attention in place of Transformer Engine's (the config of the TE path, the local
+    spec: as launcher.hf.importer.build_single)."""
+    from launcher.rank import training
 
     if not job.model.multi_latent_attention:
-        return build_model_and_optimizer(job, layout)
+        return training.build(job, layout)
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     from _hf_tiny import sdpa_core_attention
@@ -83,7 +83,7 @@ def build(job, layout):
 
     builder.transformer_config, backend.decoder_block_spec = te_config, sdpa_spec
     try:
-        return build_model_and_optimizer(job, layout)
+        return training.build(job, layout)
     finally:
         builder.transformer_config, backend.decoder_block_spec = config_of, spec_of
 
@@ -95,7 +95,7 @@ def run_one(name: str, bundle: Path, imported: Path, out: Path) -> None:
 
     from launcher.core import derive, load_job
     from launcher.core.run_identity import run_identity
-    from launcher.rank import checkpoint as ckpt, loop, setup
+    from launcher.rank import checkpoint as ckpt, setup
 
     job = load_job(bundle / "config.yaml")
     layout = derive(job)
@@ -104,7 +104,8 @@ def run_one(name: str, bundle: Path, imported: Path, out: Path) -> None:
     destroy_moe_metrics_tracker()  # sized by the first model built: the next architecture has other layers
     multi_token_prediction.MTPLossLoggingHelper.tracker = {}
     setup.init_distributed(cluster=job.cluster, layout=layout, seed=job.train.seed)
-    model, optimizer, scheduler = build(job, layout)
+    t = build(job, layout)
+    model, optimizer, scheduler, lp = t.model, t.optimizer, t.scheduler, t.loop
     identity = run_identity(job)
     # a job's path: checkpoint.load=<the import> with an empty checkpoint dir (plan, verify, model check, load)
     step, consumed, loaded = ckpt.resume(out / name, identity=identity, load_from=str(imported), checksum=False,
@@ -113,9 +114,6 @@ def run_one(name: str, bundle: Path, imported: Path, out: Path) -> None:
     assert (step, consumed, loaded) == (0, 0, imported), (name, step, consumed, loaded)
     tokens = torch.load(bundle / "tokens.pt")
     first = logits(model, tokens)
-    lp = loop.Loop(model=model, optimizer=optimizer, scheduler=scheduler, train=job.train,
-                   seq_length=job.model.seq_length, num_microbatches=layout.microbatches, kind=job.schedule.kind,
-                   dp_size=layout.dp)
     report = lp.train_step([iter([training_batch(tokens)] * layout.microbatches)])
     assert not report["nonfinite"] and report["grad_norm"] > 0, (name, report)
     ckpt.save(out / name, model=model, optimizer=optimizer, scheduler=scheduler, step=lp.step, consumed=lp.consumed,

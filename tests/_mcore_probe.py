@@ -5,7 +5,7 @@ one process: the exact Megatron-Core config objects (``models.builder.transforme
 configs, LR scheduler arguments), then ``parallel_state.initialize_model_parallel`` with the job's real world
 size on torch's *fake* process group (one process plays rank 0, then the last rank, of the real layout: every
 group is created, collectives are no-ops), then that rank's build exactly as the rank entry does it
-(``launcher.rank.entry.build_model_and_optimizer``: the backend checks, the model chunks, DDP, the (distributed)
+(``launcher.rank.training.build``: the backend checks, the model chunks, DDP, the (distributed)
 optimizer, the LR scheduler and the model config's hooks; skipped for models too large for this machine). Jobs without
 pipeline parallelism also run one forward and backward pass of the first microbatch on CPU. OUT gets {case id:
 error or null}.
@@ -68,8 +68,7 @@ def build(job, rank: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from launcher.core import derive
-    from launcher.rank import optim, setup
-    from launcher.rank.entry import build_model_and_optimizer
+    from launcher.rank import optim, setup, training
     from models.builder import transformer_config
 
     lay, tr = derive(job), job.train
@@ -87,7 +86,7 @@ def build(job, rank: int) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(tr.seed)
         if too_large(job):
             return
-        model, _, _ = build_model_and_optimizer(job, lay)  # production's own build sequence
+        model = training.build(job, lay, loop=False).model  # production's own build sequence
         if lay.pp == 1 and lay.world == 1 and job.model.seq_length * tr.micro_batch_size <= MAX_STEP_TOKENS \
                 and _params(job) <= MAX_STEP_PARAMS and not (NO_CXX and job.model.cross_entropy_loss_fusion):
             _step(job, model[0])

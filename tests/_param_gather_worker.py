@@ -37,21 +37,14 @@ def _record_gathers() -> None:
 
 
 def _train(job, layout, cache: Path, overlap: bool) -> dict:
-    from megatron.core import parallel_state as ps
     from megatron.core.utils import get_model_config
 
-    from launcher.rank import data, loop, optim
-    from launcher.rank.entry import build_model_and_optimizer
+    from launcher.rank import loop, optim, training
 
     optim._overlap_param_gather = lambda parallel, on_gpu: overlap  # DDP's and the optimizer's (they must agree)
-    tr = job.train
-    model, optimizer, scheduler = build_model_and_optimizer(job, layout)  # production's own build sequence
-    lp = loop.Loop(model=model, optimizer=optimizer, scheduler=scheduler, train=tr, seq_length=job.model.seq_length,
-                   num_microbatches=layout.microbatches, kind=job.schedule.kind, dp_size=layout.dp)
-    iters, valid = data.build_train_valid_iterators(
-        data=job.data, model=job.model, train=tr, steps=layout.steps, consumed_samples=0,
-        dp_rank=ps.get_data_parallel_rank(), dp_size=layout.dp, num_chunks=len(model),
-        reads=data.chunks_reading_data(len(model), job.schedule.kind), cache_dir=str(cache))
+    t = training.build(job, layout)  # production's own build sequence
+    model, lp = t.model, t.loop
+    iters, valid = t.iterators(cache_dir=str(cache))
     config = get_model_config(model[0])
     steps, losses = [], []
     train_step = lp.train_step
@@ -65,9 +58,8 @@ def _train(job, layout, cache: Path, overlap: bool) -> dict:
         return out
 
     lp.train_step = recorded_step
-    why = lp.run(iterators=iters, valid_iters=valid, steps=layout.steps, on_step=lambda r: losses.append(r["loss"]),
-                 on_eval=lambda step, loss: None, on_checkpoint=lambda: None, save_interval=0, flops_per_token=1.0,
-                 tokens_per_step=layout.tokens_per_step, world=layout.world, deadline=None)
+    lp.save_interval = 0  # no checkpoint dir here
+    why = lp.run(iters, valid, loop.Hooks(on_step=lambda r: losses.append(r["loss"])))
     return {"why": why, "steps": steps, "losses": losses,
             "hooks_after_run": any(len(getattr(c, "remove_forward_pre_hook_handles", {})) > 0 for c in model),
             "param_sync_func_after_run": config.param_sync_func is not None,

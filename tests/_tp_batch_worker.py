@@ -55,20 +55,17 @@ def _train(job, layout, cache: Path, former: bool):
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_attr_wrapped_model
 
-    from launcher.rank import data, loop
-    from launcher.rank.entry import build_model_and_optimizer
+    from launcher.rank import training
 
     tr = job.train
-    model, optimizer, scheduler = build_model_and_optimizer(job, layout)  # production's own build sequence
-    lp = loop.Loop(model=model, optimizer=optimizer, scheduler=scheduler, train=tr, seq_length=job.model.seq_length,
-                   num_microbatches=layout.microbatches, kind=job.schedule.kind, dp_size=layout.dp)
+    t = training.build(job, layout)  # production's own build sequence
+    model, lp = t.model, t.loop
     if former:
         lp.forward_step = _former_forward_step
 
     def loaders():
-        iters, _ = data.build_train_valid_iterators(
-            data=job.data, model=job.model, train=tr, steps=layout.steps, consumed_samples=0,
-            dp_rank=ps.get_data_parallel_rank(), dp_size=layout.dp, num_chunks=len(model), cache_dir=str(cache))
+        # a loader on every TP rank: the former forward step read its own, and each rank's own is compared below
+        iters, _ = t.iterators(cache_dir=str(cache), every_rank_reads=True)
         return iters
 
     iters = [Counting(it) for it in loaders()]

@@ -63,17 +63,14 @@ def one_step(job, layout, kind: str, bundle: Path, steps: int = 1):
     import dataclasses
 
     import torch
-    from megatron.core import parallel_state as ps
 
-    from launcher.rank import data, loop
-    from launcher.rank.entry import build_model_and_optimizer
+    from launcher.rank import loop, training
 
     job = dataclasses.replace(job, schedule=dataclasses.replace(job.schedule, kind=kind))
     tr = job.train
-    model, optimizer, _ = build_model_and_optimizer(job, layout)  # production's own build sequence
-    iters, _ = data.build_train_valid_iterators(
-        data=job.data, model=job.model, train=job.train, steps=layout.steps, consumed_samples=0,
-        dp_rank=ps.get_data_parallel_rank(), dp_size=layout.dp, num_chunks=1, cache_dir=str(bundle / "cache"))
+    t = training.build(job, layout, loop=False)  # production's own build sequence; the steps driven here
+    model, optimizer = t.model, t.optimizer
+    iters, _ = t.iterators(cache_dir=str(bundle / "cache"))
     forward = loop.forward_step_for(micro_batch_size=job.train.micro_batch_size, seq_length=job.model.seq_length)
     for _ in range(steps):
         for chunk in model:

@@ -23,8 +23,7 @@ def main() -> int:
 
     from launcher.config import compose_job
     from launcher.core import derive
-    from launcher.rank import data, loop, setup
-    from launcher.rank.entry import build_model_and_optimizer
+    from launcher.rank import loop, setup, training
     from models.zero_bubble import STORE
 
     job = compose_job(overrides)
@@ -32,10 +31,9 @@ def main() -> int:
     assert job.schedule.kind == "zb_h1", job.schedule.kind
     setup.init_distributed(cluster=job.cluster, layout=layout, seed=job.train.seed)
     # production's own build sequence (recompute, determinism and backend checks included)
-    model, optimizer, _ = build_model_and_optimizer(job, layout)
-    iters, _ = data.build_train_valid_iterators(
-        data=job.data, model=job.model, train=job.train, steps=layout.steps, consumed_samples=0,
-        dp_rank=ps.get_data_parallel_rank(), dp_size=layout.dp, num_chunks=1, cache_dir=str(out / "cache"))
+    t = training.build(job, layout, loop=False)  # this worker drives the schedule itself
+    model, optimizer = t.model, t.optimizer
+    iters, _ = t.iterators(cache_dir=str(out / "cache"))
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()

@@ -37,10 +37,9 @@ def main() -> int:
 
     from launcher.config import compose_job
     from launcher.core import derive
-    from launcher.rank import data, loop, setup
+    from launcher.rank import loop, setup, training
     from launcher.rank.zero_bubble import Recorder
     from launcher.schema import Schedule
-    from launcher.rank.entry import build_model_and_optimizer
 
     job = compose_job(overrides)
     layout = derive(job)
@@ -52,13 +51,9 @@ def main() -> int:
         steps = 2
     setup.init_distributed(cluster=job.cluster, layout=layout, seed=job.train.seed)
     tr = job.train
-    model, optimizer, _ = build_model_and_optimizer(job, layout)  # production's own build sequence
-    chunks = [getattr(m, "module", m) for m in model]
-    reads = [c.pre_process or c.post_process for c in chunks]
-    iters, _ = data.build_train_valid_iterators(
-        data=job.data, model=job.model, train=tr, steps=layout.steps, consumed_samples=0,
-        dp_rank=ps.get_data_parallel_rank(), dp_size=layout.dp, num_chunks=len(chunks), reads=reads,
-        cache_dir=str(out / "cache"))
+    t = training.build(job, layout, loop=False)  # production's own build sequence; the steps driven here
+    model, optimizer = t.model, t.optimizer
+    iters, _ = t.iterators(cache_dir=str(out / "cache"))
     kind = job.schedule.kind
     forward = loop.forward_step_for(micro_batch_size=tr.micro_batch_size, seq_length=job.model.seq_length)
     recorder = Recorder() if kind in Schedule.ZERO_BUBBLE else None
@@ -76,11 +71,8 @@ def main() -> int:
                                           micro_batch_size=tr.micro_batch_size, forward_only=False, **kwargs)
     eval_losses = None
     if kind in Schedule.ZERO_BUBBLE:  # evaluation: the V's forwards alone, or Megatron's function
-        iters2, _ = data.build_train_valid_iterators(  # the last step's batches again
-            data=job.data, model=job.model, train=tr, steps=layout.steps,
-            consumed_samples=(steps - 1) * tr.global_batch_size,
-            dp_rank=ps.get_data_parallel_rank(), dp_size=layout.dp, num_chunks=len(chunks), reads=reads,
-            cache_dir=str(out / "cache"))
+        iters2, _ = t.iterators(consumed=(steps - 1) * tr.global_batch_size,  # the last step's batches again
+                                cache_dir=str(out / "cache"))
         eval_losses = [float(x["lm loss"]) for x in loop.schedule_func(kind)(
             forward_step_func=forward, data_iterator=iters2, model=model,
             num_microbatches=layout.microbatches, seq_length=job.model.seq_length,

@@ -78,10 +78,10 @@ def test_busiest_node_sums_the_ranks_of_each_node(monkeypatch):
 
 
 def test_first_save_estimate_is_busiest_node_over_node_bandwidth():
-    from launcher.rank.entry import _stop_guard
+    from launcher.rank.training import stop_guard
 
     job = compose_job(["recipe=smoke", "nodes=4", "cluster.checkpoint_write_gbps=2.0"])
-    guard = _stop_guard(job, None, int(6e9), types.SimpleNamespace(line=lambda s: None))
+    guard = stop_guard(job, None, int(6e9), lambda s: None)
     assert guard.save_s == pytest.approx(3.0)  # 6 GB on the busiest node at 2 GB/s, not 6 GB / (4 x 2 GB/s)
 
 

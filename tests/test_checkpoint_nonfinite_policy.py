@@ -10,7 +10,7 @@ import torch
 
 from _rank_harness import single_process_group
 from launcher.config import compose_job
-from launcher.rank.loop import Loop
+from launcher.rank.loop import Hooks, Loop
 
 
 class _Chunk(torch.nn.Module):
@@ -43,7 +43,8 @@ def _loop(policy: str, bad_step: int):
     train = compose_job([f"train.nonfinite={policy}", "train.clip_grad=0"]).train
     chunk, optimizer, scheduler = _Chunk(), _Counter(), _Counter()
     lp = Loop(model=[chunk], optimizer=optimizer, scheduler=scheduler, train=train, seq_length=8,
-              num_microbatches=1, kind="1f1b", dp_size=1)
+              num_microbatches=1, kind="1f1b", dp_size=1, steps=5, save_interval=1, flops_per_token=1.0,
+              tokens_per_step=8, world=1)
 
     def fwd_bwd(**_):
         bad = lp.step + 1 == bad_step
@@ -52,9 +53,7 @@ def _loop(policy: str, bad_step: int):
 
     lp.fwd_bwd = fwd_bwd
     notes, saves = [], []
-    why = lp.run(iterators=[iter(())], valid_iters=lambda: None, steps=5, on_step=lambda rec: None,
-                 on_eval=lambda *a: None, on_checkpoint=lambda: saves.append(lp.step), save_interval=1,
-                 flops_per_token=1.0, tokens_per_step=8, world=1, deadline=None, on_note=notes.append)
+    why = lp.run([iter(())], lambda: None, Hooks(on_checkpoint=lambda: saves.append(lp.step), on_note=notes.append))
     return why, lp, optimizer, scheduler, notes, saves
 
 

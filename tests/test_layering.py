@@ -12,8 +12,9 @@ parsed with ``ast`` and followed through the project's own modules, without runn
 - No wing reaches a tool, and no product module reaches the tests or benchmarks.
 - No module imports itself back through others (an import circle), counting imports inside functions.
 - The rank's training objects (model, DDP, optimizer, scheduler, config hooks) are built in one place,
-  ``launcher.rank.entry.build_model_and_optimizer``: no other file calls a step of that sequence, except the
-  partial builds of ``PARTIAL_BUILDS``, each with why.
+  ``launcher.rank.training.build``: no other file calls a step of that sequence, except the partial builds of
+  ``PARTIAL_BUILDS``, each with why.
+- The rank entry's training function and ``Loop.run`` stay short (``SHORT_FUNCTIONS``: lines and parameters).
 """
 from __future__ import annotations
 
@@ -343,10 +344,10 @@ def test_a_long_module_without_a_reason_is_found(tmp_path):
 
 
 BUILD_SEQUENCE = ("build_model", "wrap_ddp", "build_optimizer", "build_scheduler", "hook_model_config")
-"""The steps of a rank's build, in production's order (``launcher.rank.entry.build_model_and_optimizer``); a copy
+"""The steps of a rank's build, in production's order (``launcher.rank.training.build``); a copy
 of them elsewhere drifts from what a job runs (recompute, determinism and the backend checks were left out of
 copies before: issue 43)."""
-BUILDERS = ("launcher/rank/entry.py", "launcher/rank/optim.py")
+BUILDERS = ("launcher/rank/training.py", "launcher/rank/optim.py")
 """The one builder, and the module that defines the optimizer's steps."""
 PARTIAL_BUILDS = {
     "models/__init__.py": ({"build_model"}, "the package's lazy forward to models.builder.build_model (no build)"),
@@ -407,8 +408,9 @@ def _source_files() -> dict[str, Path]:
 
 def test_the_rank_build_sequence_has_one_builder():
     copies = build_sequence_copies(_source_files())
-    assert not copies, ("build through launcher.rank.entry.build_model_and_optimizer(job, layout) (a job composed "
-                        "with launcher.config.compose_job, its layout from launcher.core.derive), or, for a unit "
+    assert not copies, ("build through launcher.rank.training.build(job, layout) (a job composed with "
+                        "launcher.config.compose_job, its layout from launcher.core.derive; loop=False without the "
+                        "step loop), or, for a unit "
                         f"test of one step, add the file to PARTIAL_BUILDS with why: {copies}")
 
 
@@ -421,8 +423,9 @@ def test_every_partial_build_is_still_one():
 
 
 def test_a_copy_of_the_build_sequence_is_found(tmp_path):
-    """A worker with its own build (as tests/_combined_1f1b_worker.py had), a step under an alias, and an allowed
-    model-only test that starts wrapping in DDP are reported; a docstring mention and the builder's call are not."""
+    """A worker with its own build (as tests/_combined_1f1b_worker.py had), a step under an alias, an allowed
+    model-only test that starts wrapping in DDP and the rank entry building for itself are reported; a docstring
+    mention and a call of the builder are not."""
     copy = tmp_path / "copy.py"
     copy.write_text("def one_step(job, layout):\n    from launcher.rank import optim\n"
                     "    from models import build_model\n"
@@ -437,11 +440,67 @@ def test_a_copy_of_the_build_sequence_is_found(tmp_path):
                      "optim.wrap_ddp(build_model(model=None, parallel=None, precision=None))\n")
     fine = tmp_path / "fine.py"
     fine.write_text('"""Built by build_model( then wrap_ddp(, as entry does."""\n'
-                    "from launcher.rank.entry import build_model_and_optimizer\n"
-                    "build_model_and_optimizer(None, None)\n")
+                    "from launcher.rank import training\n"
+                    "training.build(None, None, loop=False)\n")
     assert build_sequence_copies({"tests/_copy_worker.py": copy, "benchmarks/aliased.py": aliased,
                                   "tests/test_models_build.py": grown, "tests/_fine_worker.py": fine,
-                                  "launcher/rank/entry.py": copy}) == [
+                                  "launcher/rank/training.py": copy, "launcher/rank/entry.py": copy}) == [
         "benchmarks/aliased.py calls build_scheduler",
+        "launcher/rank/entry.py calls build_model, build_optimizer, hook_model_config, wrap_ddp",
         "tests/_copy_worker.py calls build_model, build_optimizer, hook_model_config, wrap_ddp",
         "tests/test_models_build.py calls wrap_ddp"]
+
+
+SHORT_FUNCTIONS = {("launcher/rank/entry.py", "_train_locked"): "the rank's pretrain: build, resume, data, train",
+                   ("launcher/rank/loop.py", "Loop.run"): "the step loop"}
+"""(file, function or Class.method) -> what it is: each at most MAX_FUNCTION_LINES lines (its def to its last
+line, docstring included) and MAX_FUNCTION_PARAMETERS parameters (self and cls not counted; issue 43: the
+entry's training function had grown to 107 lines and 12 parameters, Loop.run to 16 parameters)."""
+MAX_FUNCTION_LINES, MAX_FUNCTION_PARAMETERS = 50, 5
+
+
+def function_size(path: Path, qualname: str) -> tuple[int, int]:
+    """(lines, parameters other than self/cls) of ``qualname`` (``f`` or ``Class.f``) in ``path``, by ``ast``."""
+    body = ast.parse(path.read_text(), str(path)).body
+    node = None
+    for part in qualname.split("."):
+        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                     and n.name == part), None)
+        if node is None:
+            raise LookupError(f"{path}: no {qualname}")
+        body = node.body
+    a = node.args
+    params = [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (a.vararg, a.kwarg))]
+    if params and params[0].arg in ("self", "cls") and "." in qualname:
+        params = params[1:]
+    return node.end_lineno - node.lineno + 1, len(params)
+
+
+def too_long_functions(functions: dict) -> list[str]:
+    """``functions`` ((file from the repository root, qualname) -> what) over MAX_FUNCTION_LINES or
+    MAX_FUNCTION_PARAMETERS."""
+    out = []
+    for rel, qualname in sorted(functions):
+        lines, params = function_size(ROOT / rel if not Path(rel).is_absolute() else Path(rel), qualname)
+        if lines > MAX_FUNCTION_LINES or params > MAX_FUNCTION_PARAMETERS:
+            out.append(f"{rel} {qualname}: {lines} lines, {params} parameters")
+    return out
+
+
+def test_the_rank_training_function_and_the_step_loop_are_short():
+    assert too_long_functions(SHORT_FUNCTIONS) == [], (
+        f"at most {MAX_FUNCTION_LINES} lines and {MAX_FUNCTION_PARAMETERS} parameters: move steps into helpers "
+        "(launcher/rank/training.py's Checkpointer, loop.Hooks) instead")
+
+
+def test_a_long_function_or_one_with_many_parameters_is_found(tmp_path):
+    src = tmp_path / "mod.py"
+    src.write_text("def short(a, b, c, d, e):\n    return a\n\n\n"
+                   "def wide(a, b, c, d, e, f):\n    return a\n\n\n"
+                   "def long(a):\n" + "    a += 1\n" * MAX_FUNCTION_LINES + "\n\n"
+                   "class Loop:\n    def run(self, a, b, *, c, d, e=None, **kw):\n        return a\n")
+    assert function_size(src, "Loop.run") == (2, 6)
+    assert too_long_functions({(str(src), "short"): "", (str(src), "wide"): "", (str(src), "long"): "",
+                               (str(src), "Loop.run"): ""}) == [
+        f"{src} Loop.run: 2 lines, 6 parameters", f"{src} long: {MAX_FUNCTION_LINES + 1} lines, 1 parameters",
+        f"{src} wide: 2 lines, 6 parameters"]

@@ -1,7 +1,7 @@
 """The planner's parameter, gradient and optimizer bytes per rank equal what Megatron-Core really allocates.
 
 Four CPU processes (gloo) build the model for several layouts of the smoke model through the rank entry's own
-build sequence (``launcher.rank.entry.build_model_and_optimizer``: a real ``GPTModel``, Megatron's
+build sequence (``launcher.rank.training.build``: a real ``GPTModel``, Megatron's
 ``DistributedDataParallel`` gradient buffer, Megatron's optimizer) with its state
 initialised (``init_state_fn``: Adam moments, plus fp32 master copies for bf16). Each rank reports its bytes;
 the planner's prediction for that rank's pipeline stage must agree within 1%.
@@ -54,21 +54,21 @@ def _job_yaml(overrides) -> str:
 
 # ----------------------------------------------------------------------------------- child side (torch)
 def _measure(config_yaml: str, tmp: str):
-    """Build this rank's model exactly as the rank wing does (launcher.rank.entry.build_model_and_optimizer),
+    """Build this rank's model exactly as the rank wing does (launcher.rank.training.build),
     then count the bytes Megatron-Core allocated for weights, the DDP gradient buffer and the optimizer state."""
     import torch
     from megatron.core import parallel_state as ps
 
     from launcher.core import derive, load_job
-    from launcher.rank import setup
-    from launcher.rank.entry import build_model_and_optimizer
+    from launcher.rank import setup, training
 
     path = Path(tmp) / f"job-{os.getpid()}.yaml"
     path.write_text(config_yaml)
     job = load_job(path)
     layout = derive(job)
     setup.init_distributed(cluster=job.cluster, layout=layout, seed=job.train.seed)
-    model, opt, _ = build_model_and_optimizer(job, layout)  # production's own build sequence
+    t = training.build(job, layout, loop=False)  # production's own build sequence
+    model, opt = t.model, t.optimizer
     chunks = [ddp.module for ddp in model]  # the GPTModel chunks inside the DDP wrappers
     params = sum(p.numel() for c in chunks for p in c.parameters())
     weights = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())

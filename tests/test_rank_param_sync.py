@@ -113,7 +113,7 @@ def _run_loop(overrides, steps=3, skipped=()):
     chunks = [_HookedChunk(ddp, config, log) for _ in range(job.parallel.virtual_pipeline or 1)]
     optim.hook_model_config(chunks, types.SimpleNamespace(scale_loss=lambda x: x), parallel=job.parallel)
     lp = Loop(model=chunks, optimizer=None, scheduler=None, train=job.train, seq_length=8, num_microbatches=1,
-              kind=job.schedule.kind, dp_size=1)
+              kind=job.schedule.kind, dp_size=1, steps=steps, flops_per_token=1.0, tokens_per_step=8)
     seen = []
 
     def train_step(iterators):
@@ -123,9 +123,7 @@ def _run_loop(overrides, steps=3, skipped=()):
                 "nonfinite": lp.step in skipped}
 
     lp.train_step = train_step
-    lp.run(iterators=[None] * len(chunks), valid_iters=lambda: None, steps=steps, on_step=lambda rec: None,
-           on_eval=lambda *a: None, on_checkpoint=lambda: None, save_interval=0, flops_per_token=1.0,
-           tokens_per_step=8, world=1, deadline=None)
+    lp.run([None] * len(chunks), lambda: None)
     return seen, log, chunks, config
 
 

@@ -9,11 +9,11 @@ process that re-imports this module).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 
 def main(argv=None) -> int:
@@ -131,7 +131,7 @@ def train(bundle: Path, console) -> int:
         profiling.SNAPSHOT.start()  # profile.memory_snapshot: the allocator's history from the model build on
         attempt = progress.Attempt(bundle, torch.distributed.get_rank())
         attempt.start()
-        return _build_and_train(bundle, console, job, layout, ckpt_dir, identity, lock, attempt)
+        return _train_locked(_RankRun(bundle, console, job, layout, ckpt_dir, identity, lock, attempt))
     except ckpt.CheckpointError as exc:
         raise RunRefused(str(exc)) from None
     except DataFilesChanged as exc:
@@ -140,241 +140,127 @@ def train(bundle: Path, console) -> int:
         lock.release()
 
 
-def build_model_and_optimizer(job, layout) -> tuple:
-    """(model chunks, optimizer, LR scheduler) of this rank, built exactly as a production run builds them: the
-    backend checks, TP communicator set-up, GPTModel, DDP or Megatron-FSDP wrapper, optimizer, scheduler and the
-    model config's hooks. Test workers that need the real objects build through here too."""
-    from launcher.rank import optim
-    from models import backend, build_model
+@dataclass
+class _RankRun:
+    """This rank's attempt as ``train`` set it up: the bundle, its console, the job and its layout, the
+    checkpoint directory (and the run identity and lock that own it) and the progress record."""
 
-    tr = job.train
-    backend.check_planned_backend(job.precision, layout)
-    backend.check_flex_dispatcher(job.model)
-    backend.initialize_tp_comm_overlap(model=job.model, parallel=job.parallel, precision=job.precision, train=tr,
-                                       layout=layout, schedule_kind=job.schedule.kind)
-    chunks = build_model(model=job.model, parallel=job.parallel, precision=job.precision, layout=layout,
-                         schedule=job.schedule, seed=tr.seed, recompute=tr.recompute,
-                         recompute_num_layers=tr.recompute_num_layers, recompute_modules=tr.recompute_modules,
-                         deterministic=tr.deterministic, cuda_graph_impl=tr.cuda_graph_impl,
-                         cuda_graph_modules=tr.cuda_graph_modules, cuda_graph_warmup_steps=tr.cuda_graph_warmup_steps)
-    model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision)
-    optimizer = optim.build_optimizer(model, train=tr, parallel=job.parallel, precision=job.precision)
-    offloaded = optim.host_offload(optimizer) if tr.optimizer_cpu_offload else None
-    if offloaded:  # the rank's log says what the offload fraction came to (whole parameters move)
-        print(f"optimizer CPU offload: {offloaded[0]:,} of {offloaded[1]:,} elements' Adam state on the host "
-              f"({offloaded[0] / max(1, offloaded[1]):.0%}; train.optimizer_offload_fraction="
-              f"{tr.optimizer_offload_fraction:g})", flush=True)
-    scheduler = optim.build_scheduler(optimizer, train=tr, steps=layout.steps)
-    optim.hook_model_config(model, optimizer, parallel=job.parallel)
-    return model, optimizer, scheduler
+    bundle: Path
+    console: Any
+    job: Any
+    layout: Any
+    ckpt_dir: Path
+    identity: dict
+    lock: Any
+    attempt: Any
 
 
-def _build_and_train(bundle, console, job, layout, ckpt_dir, identity, lock, attempt) -> int:
-    from launcher.rank import loop
-
-    tr = job.train
-    model, optimizer, scheduler = build_model_and_optimizer(job, layout)
-    lp = loop.Loop(model=model, optimizer=optimizer, scheduler=scheduler, train=tr, seq_length=job.model.seq_length,
-                   num_microbatches=layout.microbatches, kind=job.schedule.kind, dp_size=layout.dp,
-                   record_timeline=job.schedule.record_timeline, zb_v_costs=job.schedule.zb_v_costs)
-    return _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp, ckpt_dir, identity, lock,
-                         attempt)
-
-
-def _spike_guard(job, lp, ckpt_dir, latest, console):
-    """train.spike_factor: the run's loss-spike rule (launcher/rank/spikes.py), handed to the loop, with the window
-    and skips of the checkpoint resumed from; None without the rule."""
-    if job.train.spike_factor is None:
-        return None
-    from launcher.rank import checkpoint as ckpt
-    from launcher.rank.spikes import SpikeGuard
-
-    lp.spikes = SpikeGuard(job.train, ckpt_dir, job.schedule.kind, console.line)
-    lp.spikes.loaded(ckpt.read_manifest(latest) if latest is not None else None)
-    return lp.spikes
-
-
-def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp, ckpt_dir, identity, lock,
-                  attempt) -> int:
-    from launcher.core import signal_lead
-    from launcher.core.checkpoint_dir import checkpoint_name
-    from launcher.core.checkpoint_format import checkpoint_format
-    from launcher.core.flops import flops_per_token
-    from launcher.rank import checkpoint as ckpt, data, forensics, loop, metrics, profiling, progress, setup
-    from megatron.core import parallel_state as ps
+def _train_locked(run: _RankRun) -> int:
+    """Megatron-LM's pretrain order: the model and optimizer (and their checkpoint), the data iterators, train."""
+    from launcher.rank import progress, training
 
     import torch
 
-    tr, rank = job.train, torch.distributed.get_rank()
-    checksum = job.checkpoint.verify == "checksum"
-    latest, carried = None, ckpt.CheckpointState()  # the size estimate and the loaded RNG, from call to call
-    if not job.checkpoint.resume:
-        moved = ckpt.start_fresh(ckpt_dir, identity)
-        if moved:
-            console.line(f"checkpoint.resume=false: moved {len(moved)} earlier checkpoint(s) of this run aside "
-                         f"(e.g. {moved[0].name})")
-    else:
-        lp.step, lp.consumed, latest = ckpt.resume(ckpt_dir, identity=identity, load_from=job.checkpoint.load,
-                                                   checksum=checksum, model=model, optimizer=optimizer,
-                                                   scheduler=scheduler, warn=console.line,
-                                                   distributed_optimizer=job.parallel.distributed_optimizer,
-                                                   fmt=checkpoint_format(job), run_state=carried)
-        if latest is not None:
-            console.line(f"resumed from {latest} at step {lp.step} ({lp.consumed} samples consumed)")
-    spikes = _spike_guard(job, lp, ckpt_dir, latest, console)
-    saved_at = lp.step
-    attempt.update(resumed=lp.step, reached=lp.step)
+    t = training.build(run.job, run.layout)
+    lp = t.loop
+    ckpts = training.Checkpointer(run.job, t, run.ckpt_dir, run.identity, run.console.line)
+    ckpts.open()
+    run.attempt.update(resumed=lp.step, reached=lp.step)
     progress.STEP[0] = lp.step
-    need = ckpt.checkpoint_shares(model, distributed_optimizer=job.parallel.distributed_optimizer)
-    ckpt.preflight_dir(ckpt_dir, need["total"], run_state=carried)
-    guard = _stop_guard(job, latest, need["busiest_node"], console)
-    def iterators():  # at lp.consumed: the start, and after a loss-spike rollback
-        return data.build_train_valid_iterators(
-            data=job.data, model=job.model, train=tr, steps=layout.steps, consumed_samples=lp.consumed,
-            dp_rank=ps.get_data_parallel_rank(), dp_size=layout.dp, num_chunks=len(model),
-            reads=data.chunks_reading_data(len(model), job.schedule.kind),
-            cache_dir=job.data.cache_dir or str(bundle / "data_cache"))
-
-    train_iters, valid_iters = iterators()
+    ckpts.preflight()
+    cache_dir = run.job.data.cache_dir or str(run.bundle / "data_cache")
+    train_iters, valid_iters = t.iterators(cache_dir=cache_dir)  # at lp.consumed: the start, and after a rollback
     torch.distributed.barrier()  # every rank measures the CPU share at the same time
+    log = _metrics_logger(run)
+    ckpts.open_background()
+    ckpts.on_saved = lambda step: run.attempt.update(saved=step)
+    ckpts.carried.restore_loaded_rng()  # exactly the saved RNG state at the first step (dropout resumes exactly)
+    hooks = _hooks(run, lp, ckpts, log)
+    try:
+        why = lp.run(train_iters, valid_iters, hooks)
+        while why == "spike":  # roll back to the newest checkpoint (all before the spike) and replay from it
+            ckpts.rollback()
+            train_iters, valid_iters = t.iterators(cache_dir=cache_dir)
+            ckpts.carried.restore_loaded_rng()  # as a resume: the checkpoint's RNG streams at the first replayed step
+            why = lp.run(train_iters, valid_iters, hooks)
+    finally:
+        hooks.profiler.close()
+    return _finish(run, lp, ckpts, log, why)
+
+
+def _metrics_logger(run: _RankRun):
+    """The run's metrics (console, JSONL, TensorBoard/W&B), utilisation against this rank's peak."""
+    from launcher.rank import metrics
+
+    import torch
+
+    job = run.job
     peak, label = metrics.utilisation_basis(peak_tflops_bf16=job.cluster.peak_tflops_bf16,
                                             on_gpu=torch.cuda.is_available(), fp8=job.precision.fp8)
-    log = metrics.MetricsLogger(logging=job.logging, bundle=bundle, run_name=job.name, config=asdict(job), rank=rank,
-                                console=console, peak_tflops=peak, util_label=label)
+    return metrics.MetricsLogger(logging=job.logging, bundle=run.bundle, run_name=job.name, config=asdict(job),
+                                 rank=torch.distributed.get_rank(), console=run.console, peak_tflops=peak,
+                                 util_label=label)
 
-    # checkpoint.async_save: torch_dist files written in the background (launcher/rank/checkpoint.py AsyncSaves),
-    # published when every rank's writer is done; None: every save blocks until published
-    from launcher.rank.async_save import AsyncSaves
 
-    background = AsyncSaves() if job.checkpoint.async_save else None
+def _hooks(run: _RankRun, lp, ckpts, log):
+    """What the loop calls out to: the per-step bookkeeping, evaluation, checkpoints, notes and the stops."""
+    from launcher.rank import forensics, loop, profiling, progress
 
-    def published(path, took, step):  # every rank, once the checkpoint of `step` is complete (its manifest written)
-        if spikes is not None:
-            spikes.saved()
-        console.line(f"saved checkpoint {path}")
-        attempt.update(saved=step)
-        guard.saved(took)
-        lead = int(os.environ.get(signal_lead.LEAD_ENV) or job.slurm.signal_lead_s or 0)
-        need = guard.needed()
-        if os.environ.get("SLURM_JOB_ID") and need > lead:  # USR1 -> the step in flight -> the stop save
-            console.line(f"warning: this checkpoint took {took:.0f} s to save; slurm.signal_lead_s={lead} leaves "
-                         f"less than {job.slurm.signal_save_factor:g} x that + a step + {job.slurm.signal_margin_s} s "
-                         f"before the time limit (training stops by itself {need:.0f} s before it instead): submit "
-                         f"with slurm.signal_lead_s={math.ceil(need)} or more, or null to derive it from this save")
-
-    def finish_in_flight():
-        """Publish the checkpoint being written in the background, if any (blocking; collective)."""
-        if background is not None:
-            background.wait()
-            guard.in_flight = False
-
-    def save(in_background: bool = False):
-        nonlocal saved_at
-        finish_in_flight()  # a stop/end save after an async one: that one first (Megatron: one save at a time)
-        saved_at, step = lp.step, lp.step
-        path = ckpt.save(ckpt_dir, model=model, optimizer=optimizer, scheduler=scheduler, step=lp.step,
-                         consumed=lp.consumed, keep_last=job.checkpoint.keep_last, identity=identity,
-                         checksum=checksum, optimizer_format=job.checkpoint.optimizer_format,
-                         fmt=checkpoint_format(job), run_state=carried,
-                         extra={"consumed_samples": lp.consumed,  # the resume plan reads it (resume_plan.py)
-                                **({"spikes": spikes.state()} if spikes is not None else {})},
-                         background=background if in_background else None,
-                         on_published=lambda path, took: published(path, took, step))
-        if path is None:  # the writer runs; AsyncSaves.poll publishes it at a later step
-            guard.in_flight = True
-            console.line(f"writing checkpoint {ckpt_dir / checkpoint_name(step)} in the background "
-                         "(checkpoint.async_save)")
-
-    minutes = tr.exit_after_minutes
-    fpt = flops_per_token(job.model)
+    import torch
 
     def on_step(record):
         forensics.set_step(lp.step)
         log.step(record)
-        guard.step_took(record["ms_per_step"] / 1e3)
-        lock.refresh()
-        if background is not None:  # Megatron-LM: maybe_finalize_async_save(blocking=False) every iteration
-            background.poll()
-            guard.in_flight = background.in_flight()
+        ckpts.guard.step_took(record["ms_per_step"] / 1e3)
+        run.lock.refresh()
+        ckpts.poll()  # Megatron-LM: maybe_finalize_async_save(blocking=False) every iteration
         progress.STEP[0] = lp.step
-        attempt.update(reached=lp.step)
+        run.attempt.update(reached=lp.step)
 
-    carried.restore_loaded_rng()  # exactly the saved RNG state at the first step (dropout resumes exactly)
-    profiler = profiling.StepProfiler.for_job(job, bundle, rank, note=lambda text: console.line(text, all_ranks=True))
-    deadline = time.time() + minutes * 60 if minutes else None
+    console, minutes = run.console, run.job.train.exit_after_minutes
+    profiler = profiling.StepProfiler.for_job(run.job, run.bundle, torch.distributed.get_rank(),
+                                              note=lambda text: console.line(text, all_ranks=True))
+    return loop.Hooks(on_step=on_step, on_eval=log.eval, on_checkpoint=ckpts.on_checkpoint, on_note=console.line,
+                      stop_check=ckpts.guard.reason, profiler=profiler, stop_file=run.bundle / "STOP",
+                      deadline=time.time() + minutes * 60 if minutes else None)
 
-    def run(train_iters, valid_iters) -> str:
-        return lp.run(iterators=train_iters, valid_iters=valid_iters, steps=layout.steps, on_step=on_step,
-                      on_eval=log.eval, on_checkpoint=lambda: save(in_background=background is not None),
-                      save_interval=job.checkpoint.save_interval,
-                      flops_per_token=fpt, tokens_per_step=layout.tokens_per_step, world=layout.world,
-                      deadline=deadline, stop_file=bundle / "STOP", on_note=console.line, stop_check=guard.reason,
-                      profiler=profiler)
 
-    try:
-        why = run(train_iters, valid_iters)
-        while why == "spike":  # roll back to the newest checkpoint (all before the spike) and replay from it
-            finish_in_flight()  # a checkpoint still being written is the newest one to roll back to
-            lp.step, lp.consumed, latest = ckpt.resume(  # this run's own newest, else the one it started from
-                ckpt_dir, identity=identity, load_from=job.checkpoint.load, checksum=checksum, model=model, optimizer=optimizer,
-                scheduler=scheduler, warn=console.line, distributed_optimizer=job.parallel.distributed_optimizer,
-                fmt=checkpoint_format(job), run_state=carried)
-            spikes.loaded(ckpt.read_manifest(latest) if latest is not None else None)
-            console.line(f"rolled back to {latest} (step {lp.step}, {lp.consumed} samples consumed): replaying")
-            train_iters, valid_iters = iterators()
-            carried.restore_loaded_rng()  # as a resume: the checkpoint's RNG streams at the first replayed step
-            why = run(train_iters, valid_iters)
-    finally:
-        profiler.close()
+def _finish(run: _RankRun, lp, ckpts, log, why: str) -> int:
+    """After the last step: the timeline, the checkpoint in flight, the end save, the summary, DONE or STOPPED."""
+    from launcher.rank import checkpoint as ckpt, metrics, setup
+    from megatron.core import parallel_state as ps
+
+    import torch
+
+    job, layout, console, bundle = run.job, run.layout, run.console, run.bundle
     if lp.recorder is not None and lp.recorder.spans:  # schedule.record_timeline: the last step, drawn
         from launcher.rank.zero_bubble import write_timeline
 
         drawn = write_timeline(lp.recorder, bundle / "timeline", job.schedule.kind)
         if drawn is not None:
             console.line(f"executed timeline of step {lp.step}: {drawn}")
-    finish_in_flight()  # its steps were good: publish it before judging the end (Megatron-LM's blocking finalize)
+    ckpts.finish_in_flight()  # its steps were good: publish it before judging the end (Megatron-LM's blocking finalize)
+    summary = dict(steps=lp.step, world=layout.world, flops_per_token=lp.flops_per_token,
+                   peak_tflops=log.peak_tflops, util_label=log.util_label)
     if why == "nonfinite":
-        log.close(metrics.summary(log.history, log.evals, status="failed", steps=lp.step, world=layout.world,
-                                  flops_per_token=fpt, peak_tflops=peak, util_label=label))
-        last = f"the last checkpoint is from step {saved_at}" if saved_at else "no checkpoint was saved"
+        log.close(metrics.summary(log.history, log.evals, status="failed", **summary))
+        last = f"the last checkpoint is from step {ckpts.saved_at}" if ckpts.saved_at else "no checkpoint was saved"
         raise ckpt.CheckpointError(f"{lp.stop_reason}: stopping without saving a checkpoint ({last}); "
                                    "lower train.lr, or set train.nonfinite=skip")
-    if (job.checkpoint.save_at_end or why == "stopped") and lp.step > saved_at:
-        save()  # synchronous: the run reports done (or stopped) only once it is published
-    if background is not None:
-        background.close()
+    if (job.checkpoint.save_at_end or why == "stopped") and lp.step > ckpts.saved_at:
+        ckpts.save()  # synchronous: the run reports done (or stopped) only once it is published
+    ckpts.close()
     stages = metrics.memory_by_stage(ps.get_pipeline_model_parallel_rank())  # collective: every rank
-    log.close(metrics.summary(log.history, log.evals, status=why, steps=lp.step, world=layout.world,
-                              flops_per_token=fpt, peak_tflops=peak, util_label=label, stages=stages))
-    attempt.update(outcome="done" if why == "done" else "stopped")
-    if why == "done" and rank == 0:
+    log.close(metrics.summary(log.history, log.evals, status=why, stages=stages, **summary))
+    run.attempt.update(outcome="done" if why == "done" else "stopped")
+    if why == "done" and torch.distributed.get_rank() == 0:
         (bundle / "DONE").write_text(f"{lp.step}\n")  # the job script requeues only runs without DONE
-    elif rank == 0:  # launch.sh's final line says why
+    elif torch.distributed.get_rank() == 0:  # launch.sh's final line says why
         (bundle / "STOPPED").write_text(f"at step {lp.step} of {layout.steps}: {lp.stop_reason}\n")
     console.line(f"{'finished' if why == 'done' else 'stopped'} at step {lp.step} of {layout.steps}"
                  f"{' (DONE written)' if why == 'done' else ' (checkpointed; a requeued run resumes)'}")
     setup.close()
     return 0
-
-
-def _stop_guard(job, resumed, node_bytes: int, console):
-    """Stop in time for the Slurm time limit on every attempt (launcher/core/signal_lead.py): the job's end
-    time from job.sbatch, this run's save time (the resumed checkpoint's measured one, else the estimate: the
-    bytes the busiest node writes under fully parallel save over one node's write bandwidth)."""
-    from launcher.core import checkpoint_dir as cdir, signal_lead
-
-    measured = (cdir.read_manifest(Path(resumed)) or {}).get("save_seconds") if resumed is not None else None
-    save_s = (float(measured) if isinstance(measured, (int, float)) else
-              cdir.node_save_s(node_bytes, write_gbps=job.cluster.checkpoint_write_gbps))
-    guard = signal_lead.StopGuard(signal_lead.job_end_from_env(), save_s=save_s, factor=job.slurm.signal_save_factor,
-                                  margin_s=job.slurm.signal_margin_s)
-    if guard.job_end is not None:
-        end = time.strftime("%H:%M:%S UTC", time.gmtime(guard.job_end))
-        console.line(f"slurm: the job ends at {end} (in {guard.job_end - time.time():.0f} s); training stops for a "
-                     f"checkpoint once less than {guard.factor:g} x the last save ({save_s:.1f} s"
-                     f"{' measured' if measured is not None else ' estimated'}) + a step + {guard.margin_s:g} s is "
-                     f"left (--signal lead {os.environ.get(signal_lead.LEAD_ENV, '?')} s)")
-    return guard
 
 
 def _parse(argv):

@@ -7,8 +7,9 @@ import signal
 import statistics
 import time
 from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -298,13 +299,76 @@ class TECudaGraphs:
             self.own_calculator = False
 
 
+def _ignore(*_args) -> None:
+    return None
+
+
+@dataclass
+class Hooks:
+    """What ``Loop.run`` calls out to, and what stops it besides the step count: ``on_step(record)`` after every
+    step, ``on_eval(step, loss)``, ``on_checkpoint()`` every checkpoint.save_interval steps, ``on_note(line)`` for a
+    warning or a straggler report; ``stop_check()`` a reason to stop (e.g. close to the time limit) or None,
+    ``deadline`` (train.exit_after_minutes, time.time() seconds) and ``stop_file`` (DIR/STOP) stop it too;
+    ``profiler`` (launcher.rank.profiling.StepProfiler) is told before and after each step."""
+
+    on_step: Callable[[dict], None] = _ignore
+    on_eval: Callable[[int, float], None] = _ignore
+    on_checkpoint: Callable[[], None] = _ignore
+    on_note: Optional[Callable[[str], None]] = None
+    stop_check: Optional[Callable[[], Optional[str]]] = None
+    profiler: Any = None
+    deadline: Optional[float] = None
+    stop_file: Optional[Path] = None
+
+    def local_reason(self, requested: Optional[str]) -> Optional[str]:
+        """This rank's reason to stop after this step (``requested``: a signal's), None to go on."""
+        return (requested
+                or (EXIT_AFTER if self.deadline is not None and time.time() > self.deadline
+                    else STOP_FILE if self.stop_file is not None and self.stop_file.exists()
+                    else self.stop_check() if self.stop_check is not None else None))
+
+    def note(self, line: str) -> None:
+        if self.on_note:
+            self.on_note(line)
+
+
+class _AroundSteps:
+    """What one ``Loop.run`` wraps its steps in: the first step without the parameter all-gather
+    (FirstStepWithoutParamGather) and TE's CUDA graphs (TECudaGraphs), both undone when the run ends."""
+
+    def __init__(self, lp: "Loop") -> None:
+        self.first_step = FirstStepWithoutParamGather(lp.model)
+        self.graphs = TECudaGraphs(model=lp.model, optimizer=lp.optimizer, train=lp.train, seq_length=lp.seq_length,
+                                   num_microbatches=lp.num_microbatches, dp_size=lp.dp_size)
+        self.first_step.start()
+        self.start_step = lp.step
+
+    def before(self, step: int) -> None:
+        self.graphs.before_step(step - self.start_step)
+
+    def after(self, skipped: bool) -> None:
+        hooks_were_off = self.first_step.off
+        self.first_step.after_step(skipped)  # Megatron-LM: right after train_step
+        if hooks_were_off and not self.first_step.off:
+            self.graphs.pre_hooks_restored()
+
+    def close(self) -> None:
+        self.first_step.restore()
+        self.graphs.close()
+
+
 class Loop:
-    """Step loop state: what a checkpoint restores (step, consumed samples) and the stop flag."""
+    """Step loop state: what a checkpoint restores (step, consumed samples) and the stop flag; what it runs to
+    (``steps``), how often it checkpoints (``save_interval``) and what a step's throughput is counted from
+    (``flops_per_token``, ``tokens_per_step``, ``world``): ``from_job`` reads them off the job and the layout."""
 
     def __init__(self, *, model, optimizer, scheduler, train, seq_length: int, num_microbatches: int,
-                 kind: str, dp_size: int, record_timeline: bool = False, zb_v_costs=None):
+                 kind: str, dp_size: int, record_timeline: bool = False, zb_v_costs=None, steps: int = 0,
+                 save_interval: int = 0, flops_per_token: float = 0.0, tokens_per_step: int = 0, world: int = 1):
         self.model, self.optimizer, self.scheduler, self.train = model, optimizer, scheduler, train
         self.seq_length, self.num_microbatches, self.dp_size = seq_length, num_microbatches, dp_size
+        self.steps, self.save_interval = steps, save_interval
+        self.flops_per_token, self.tokens_per_step, self.world = flops_per_token, tokens_per_step, world
         self.kind, self.fwd_bwd = kind, schedule_func(kind, zb_v_costs)
         self.forward_step = forward_step_for(micro_batch_size=train.micro_batch_size, seq_length=seq_length)
         self.recorder = None  # schedule.record_timeline: spans of the last training step (zero_bubble.Recorder)
@@ -318,6 +382,18 @@ class Loop:
         self.signals.install()
         self.stop_reason: Optional[str] = None
         """Why run() returned 'stopped' or 'nonfinite' (for the final line)."""
+
+    @classmethod
+    def from_job(cls, job, layout, model, optimizer, scheduler) -> "Loop":
+        """The loop of ``job`` on this ``layout`` (launcher.core.derive) over the built objects."""
+        from launcher.core.flops import flops_per_token
+
+        return cls(model=model, optimizer=optimizer, scheduler=scheduler, train=job.train,
+                   seq_length=job.model.seq_length, num_microbatches=layout.microbatches, kind=job.schedule.kind,
+                   dp_size=layout.dp, record_timeline=job.schedule.record_timeline,
+                   zb_v_costs=job.schedule.zb_v_costs, steps=layout.steps,
+                   save_interval=job.checkpoint.save_interval, flops_per_token=flops_per_token(job.model),
+                   tokens_per_step=layout.tokens_per_step, world=layout.world)
 
     def _iter_arg(self, iterators):
         return iterators if len(self.model) > 1 else iterators[0]
@@ -394,81 +470,76 @@ class Loop:
         loss, _ = reduce_report(sum(losses) / len(losses), None, self.kind)
         return loss
 
-    def run(self, *, iterators, valid_iters: Callable, steps: int, on_step: Callable,
-            on_eval: Callable, on_checkpoint: Callable, save_interval: int,
-            flops_per_token: float, tokens_per_step: int, world: int, deadline: Optional[float],
-            stop_file: Optional[Path] = None, on_note: Optional[Callable[[str], None]] = None,
-            stop_check: Optional[Callable[[], Optional[str]]] = None, profiler=None) -> str:
-        """Train to ``steps``; returns why it stopped: 'done', 'stopped' (STOP file, SIGUSR1 or time
+    def run(self, iterators, valid_iters: Callable, hooks: Optional[Hooks] = None) -> str:
+        """Train to ``self.steps``; returns why it stopped: 'done', 'stopped' (STOP file, SIGUSR1 or time
         limit; the caller then checkpoints), 'nonfinite' (NaN/Inf loss or grad norm with
         train.nonfinite=stop; the caller must not checkpoint) or 'spike' (a first loss spike, not applied: the
         caller rolls back to the last checkpoint and calls run again). Any rank's reason stops all ranks at the same
         step; ``stop_reason`` says which."""
-        from launcher.rank.metrics import memory_gib
-
-        def local_reason() -> Optional[str]:
-            return (self.signals.requested
-                    or (EXIT_AFTER if deadline is not None and time.time() > deadline
-                        else STOP_FILE if stop_file is not None and stop_file.exists()
-                        else stop_check() if stop_check is not None else None))  # e.g. close to the time limit
-
-        first_step = FirstStepWithoutParamGather(self.model)
-        graphs = TECudaGraphs(model=self.model, optimizer=self.optimizer, train=self.train, seq_length=self.seq_length,
-                              num_microbatches=self.num_microbatches, dp_size=self.dp_size)
-        first_step.start()
-        start_step = self.step
+        hooks = hooks if hooks is not None else Hooks()
+        around = _AroundSteps(self)
         try:
-            while self.step < steps:
-                if profiler is not None:  # profile.*: opens the trace / capture range at profile.step_start
-                    profiler.before(self.step + 1)
-                graphs.before_step(self.step - start_step)
-                start = time.perf_counter()
-                out = self.train_step(iterators)
-                hooks_were_off = first_step.off
-                first_step.after_step(bool(out.get("skipped")))  # Megatron-LM: right after train_step
-                if hooks_were_off and not first_step.off:
-                    graphs.pre_hooks_restored()
-                why = local_reason()
-                loss, agreed = reduce_report(out["local_loss"], why, self.kind)
-                elapsed = time.perf_counter() - start
-                self.signals.step_s = elapsed
-                tflops = flops_per_token * tokens_per_step / elapsed / world / 1e12
-                on_step({"step": self.step, "loss": loss, "lr": out["lr"], "grad_norm": out["grad_norm"],
-                         "ms_per_step": elapsed * 1e3, "tokens_per_s": tokens_per_step / elapsed,
-                         "tflops": tflops,
-                         "mem_gib": memory_gib(), **out.get("aux", {})})  # MoE/MTP losses: appended last
-                if profiler is not None:
-                    profiler.after(self.step)
-                if out.get("spike") == "rollback":  # the caller rolls back to the last checkpoint and replays
-                    self.stop_reason = f"loss spike at step {self.step}"
-                    return "spike"
-                if self.train.eval_interval and self.step % self.train.eval_interval == 0:
-                    vi = valid_iters()
-                    if vi is not None:
-                        on_eval(self.step, self.evaluate(vi))
-                if out.get("nonfinite") or not (math.isfinite(loss) and math.isfinite(out["grad_norm"])):
-                    what = f"loss {loss}, grad norm {out['grad_norm']}"
-                    if out.get("skipped"):
-                        if on_note:
-                            on_note(f"warning: non-finite {what} at step {self.step}: update skipped "
-                                    "(train.nonfinite=skip)")
-                    else:
-                        self.stop_reason = f"non-finite {what} at step {self.step}"
-                        return "nonfinite"
-                if self.train.straggler_interval and self.step % self.train.straggler_interval == 0:
-                    times = [None] * torch.distributed.get_world_size()
-                    torch.distributed.all_gather_object(times, elapsed * 1e3)
-                    if on_note:
-                        on_note(straggler_report(times, self.train.straggler_margin))
-                if agreed is not None:
-                    # every rank names the same cause, the one the ranks agreed on (its own words when it saw that
-                    # one itself: the time-limit guard's figures), whichever rank noticed it first
-                    self.signals.at_boundary()
-                    self.stop_reason = why if stop_code(why) == agreed else STOP_REASONS[agreed]
-                    return "stopped"
-                if save_interval and self.step % save_interval == 0:
-                    on_checkpoint()
+            while self.step < self.steps:
+                out, loss, why, agreed, elapsed = self._timed_step(iterators, hooks, around)
+                verdict = self._after_step(out, loss, (why, agreed), elapsed, valid_iters, hooks)
+                if verdict is not None:
+                    return verdict
             return "done"
         finally:
-            first_step.restore()
-            graphs.close()
+            around.close()
+
+    def _timed_step(self, iterators, hooks: Hooks, around: _AroundSteps) -> tuple:
+        """One training step, agreed on and reported: (train_step's record, the ranks' mean loss, this rank's
+        reason to stop, the agreed one, seconds)."""
+        from launcher.rank.metrics import memory_gib
+
+        if hooks.profiler is not None:  # profile.*: opens the trace / capture range at profile.step_start
+            hooks.profiler.before(self.step + 1)
+        around.before(self.step)
+        start = time.perf_counter()
+        out = self.train_step(iterators)
+        around.after(bool(out.get("skipped")))
+        why = hooks.local_reason(self.signals.requested)
+        loss, agreed = reduce_report(out["local_loss"], why, self.kind)
+        elapsed = time.perf_counter() - start
+        self.signals.step_s = elapsed
+        tflops = self.flops_per_token * self.tokens_per_step / elapsed / self.world / 1e12
+        hooks.on_step({"step": self.step, "loss": loss, "lr": out["lr"], "grad_norm": out["grad_norm"],
+                       "ms_per_step": elapsed * 1e3, "tokens_per_s": self.tokens_per_step / elapsed,
+                       "tflops": tflops,
+                       "mem_gib": memory_gib(), **out.get("aux", {})})  # MoE/MTP losses: appended last
+        if hooks.profiler is not None:
+            hooks.profiler.after(self.step)
+        return out, loss, why, agreed, elapsed
+
+    def _after_step(self, out: dict, loss: float, reasons: tuple, elapsed: float, valid_iters: Callable,
+                    hooks: Hooks) -> Optional[str]:
+        """What follows a step, in this order: a spike's rollback, evaluation, the non-finite rule, the straggler
+        report, an agreed stop, the periodic checkpoint. Returns run()'s verdict, or None to go on."""
+        why, agreed = reasons
+        if out.get("spike") == "rollback":  # the caller rolls back to the last checkpoint and replays
+            self.stop_reason = f"loss spike at step {self.step}"
+            return "spike"
+        if self.train.eval_interval and self.step % self.train.eval_interval == 0:
+            vi = valid_iters()
+            if vi is not None:
+                hooks.on_eval(self.step, self.evaluate(vi))
+        if out.get("nonfinite") or not (math.isfinite(loss) and math.isfinite(out["grad_norm"])):
+            what = f"loss {loss}, grad norm {out['grad_norm']}"
+            if not out.get("skipped"):
+                self.stop_reason = f"non-finite {what} at step {self.step}"
+                return "nonfinite"
+            hooks.note(f"warning: non-finite {what} at step {self.step}: update skipped (train.nonfinite=skip)")
+        if self.train.straggler_interval and self.step % self.train.straggler_interval == 0:
+            times = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(times, elapsed * 1e3)
+            hooks.note(straggler_report(times, self.train.straggler_margin))
+        if agreed is not None:
+            # every rank names the same cause, the one the ranks agreed on (its own words when it saw that
+            # one itself: the time-limit guard's figures), whichever rank noticed it first
+            self.signals.at_boundary()
+            self.stop_reason = why if stop_code(why) == agreed else STOP_REASONS[agreed]
+            return "stopped"
+        if self.save_interval and self.step % self.save_interval == 0:
+            hooks.on_checkpoint()
+        return None
