@@ -429,7 +429,10 @@ def bench_job(job: JobConfig) -> JobConfig:
     from launcher.calibration import BENCH_STEPS
 
     r = dataclasses.replace
+    # the timeline's per-stage forward/backward times are what the op cost is fitted to (interleaved: not recorded)
+    timeline = job.schedule.record_timeline or job.schedule.kind != "interleaved"
     return r(job, name=f"{job.name[:40]}-bench", action="run",
+             schedule=r(job.schedule, record_timeline=timeline),
              train=r(job.train, train_steps=BENCH_STEPS, train_tokens=None, eval_interval=0,
                      warmup_steps=min(job.train.warmup_steps, BENCH_STEPS - 1), exit_after_minutes=None,
                      wsd_decay_steps=None, straggler_interval=0),
@@ -444,7 +447,7 @@ def do_bench(job: JobConfig, args, checked: Checked) -> int:
     """Run a few steps of the job's own layout here (the bundle's launch.sh, as action=run), compare the measured
     step time and per-stage peak memory with the plan, fit the cluster's GEMM efficiency and write the calibrated
     profile into the bench bundle's report directory (launcher/calibration.py)."""
-    from launcher.calibration import calibrate
+    from launcher.calibration import calibrate, read_passes
     from launcher.executor import LocalExecutor
     from launcher.validate import check
 
@@ -473,7 +476,8 @@ def do_bench(job: JobConfig, args, checked: Checked) -> int:
     metrics = json.loads(metrics_file.read_text())
     lay = bchecked.layout
     layout_text = summary(bench, lay).split(": ", 1)[1]
-    found = calibrate(bench, metrics, bundle.path / "report", layout_text=layout_text, lay=lay)
+    found = calibrate(bench, metrics, bundle.path / "report", layout_text=layout_text, lay=lay,
+                      passes=read_passes(bundle.path))
     _print_bench(bench, lay, metrics, found, args)
     return 0
 
@@ -487,6 +491,9 @@ def _print_bench(job: JobConfig, lay: Layout, metrics: dict, found: dict, args) 
     stages = {s["stage"]: s for s in metrics.get("final", {}).get("memory_by_stage", [])}
     out = {"measured_step_s": found["measured_step_s"], "planned_step_s": found["planned_step_s"],
            "gemm_efficiency": {"before": found["gemm_efficiency_before"], "fitted": found["gemm_efficiency"]},
+           "fitted": {k: {"before": found["before"][k], "fitted": v, "from": found["sources"].get(k)}
+                      for k, v in found["fitted"].items()},
+           "measured_passes_s": found["measured_passes_s"],
            "planned_with_fit_s": found["planned_with_fit_s"], "at_bound": found["at_bound"],
            "memory_by_stage": [{"stage": s.stage, "planned_gb": (s.total - s.parts.get("reserve", 0.0)) / 1e9,
                                 "measured_gib": stages.get(s.stage, {}).get("peak_gib"),
@@ -503,8 +510,9 @@ def _print_bench(job: JobConfig, lay: Layout, metrics: dict, found: dict, args) 
             print(f"  stage {row['stage']}: peak memory planned {row['planned_gb']:.3f} GB (reserve left out), "
                   f"measured {measured}")
         bound = " (at its bound: the plan's other terms alone miss the measurement)" if found["at_bound"] else ""
-        print(f"fitted cluster.gemm_efficiency {found['gemm_efficiency_before']:g} -> {found['gemm_efficiency']:.4g}"
-              f"{bound}; the plan with it: {found['planned_with_fit_s']:.4g} s")
+        for key, value in found["fitted"].items():
+            print(f"fitted cluster.{key} {found['before'][key]} -> {value:.4g} (from {found['sources'][key]})")
+        print(f"the plan with them: {found['planned_with_fit_s']:.4g} s{bound}")
     print(f"calibrated profile: {found['path']}", file=sys.stderr if args.json else sys.stdout)
     print(f"use it with: cluster={job.cluster.name} cluster.profile={found['path']}  (action=plan, action=search)",
           file=sys.stderr if args.json else sys.stdout)
