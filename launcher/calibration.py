@@ -261,6 +261,74 @@ def fit_passes(job: JobConfig, passes: dict, lay=None) -> Optional[tuple[float, 
     return 1.0 / x, per_op, rms
 
 
+# ------------------------------------------------------------------------------------------------ where it runs
+def visible_gpus() -> tuple[int, str]:
+    """(GPUs this machine shows, how that was found): ``nvidia-smi -L``'s lines, limited by CUDA_VISIBLE_DEVICES
+    when set; 0 without nvidia-smi. The login side may not import torch to ask CUDA."""
+    import shutil
+    import subprocess
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0, "no nvidia-smi on this machine"
+    try:
+        listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0, "nvidia-smi -L failed"
+    count = sum(1 for line in listed.splitlines() if line.startswith("GPU "))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        count = min(count, len([d for d in visible.split(",") if d.strip()]))
+        return count, f"nvidia-smi -L, CUDA_VISIBLE_DEVICES={visible}"
+    return count, "nvidia-smi -L"
+
+
+def cannot_stand_in(job: JobConfig, lay) -> Optional[Problem]:
+    """The one line for a GPU job whose layout needs more GPUs than this machine shows (bench runs the job's own
+    layout here, one rank per GPU); None when it fits (or runs on CPU)."""
+    if str(job.cluster.gpu).lower() == "cpu":
+        return None
+    have, how = visible_gpus()
+    if have >= lay.world:
+        return None
+    return Problem("action", "bench", f"the job's layout (TP{lay.tp} PP{lay.pp} CP{lay.cp} DP{lay.dp}) runs "
+                   f"{lay.world} ranks, one per GPU, and this machine shows {have} ({how})",
+                   f"action=bench on a node with {lay.world} GPUs (the cluster's first node)"
+                   + (f", or cluster.gpus_per_node={have} with parallel.* to match" if have else ""))
+
+
+# ------------------------------------------------------------------------------------------------ memory
+STATIC_TOLERANCE = 0.01
+"""How far a stage's measured static bytes may be from the plan's: the tolerance the planner's memory tests hold
+it to against Megatron-Core's allocations (tests/test_plan_memory_real.py)."""
+
+
+def memory_rows(job: JobConfig, metrics: dict, lay=None) -> list[dict]:
+    """Per pipeline stage: the planned peak (reserve left out) and the measured one (max_memory_allocated on GPU,
+    peak RSS on CPU, which includes the interpreter and libraries), and the static bytes (weights, gradient
+    buffers, optimizer state) planned and measured on the stage's largest rank, with whether they agree within
+    STATIC_TOLERANCE."""
+    from launcher.core import derive
+    from launcher.plan import plan_job
+    from launcher.plan.memory import stage_params, static_bytes
+
+    lay = lay or derive(job)
+    measured = {s["stage"]: s for s in metrics.get("final", {}).get("memory_by_stage", [])}
+    rows = []
+    for st in plan_job(job).stages:
+        got = measured.get(st.stage, {})
+        planned_static = static_bytes(job, stage_params(job, st.stage, lay), lay)
+        planned_static = sum(planned_static.get(k, 0.0) for k in ("weights", "grads", "optimizer"))
+        real = got.get("static_bytes")
+        real_static = sum(real.values()) if real else None
+        rows.append({"stage": st.stage, "planned_gb": (st.total - st.parts.get("reserve", 0.0)) / 1e9,
+                     "measured_gib": got.get("peak_gib"), "basis": got.get("basis"),
+                     "static_planned_bytes": planned_static, "static_measured_bytes": real_static,
+                     "static_within_tolerance": (None if not real_static else
+                                                 abs(planned_static - real_static) <= STATIC_TOLERANCE * real_static)})
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------ writing
 def profile_path(report_dir: Path, cluster_name: str) -> Path:
     return Path(report_dir) / f"calibrated-{cluster_name}.yaml"

@@ -184,3 +184,48 @@ def test_bench_on_a_slurm_cluster_says_where_to_run_it(cli, tmp_path):
     [line] = err.splitlines()
     assert line.startswith("error: action='bench': ") and line.endswith("try cluster.launcher=local action=bench on "
                                                                         "the cluster's first node (same profile)")
+
+
+@pytest.mark.parametrize("shown,how", [(0, "no nvidia-smi on this machine"), (4, "nvidia-smi -L")])
+def test_bench_of_a_layout_this_machine_cannot_hold_is_one_line(cli, tmp_path, monkeypatch, shown, how):
+    import launcher.calibration as calibration
+
+    monkeypatch.setattr(calibration, "visible_gpus", lambda: (shown, how))
+    code, out, err = cli("recipe=llama3_8b", "cluster.launcher=local", "action=bench", f"output_dir={tmp_path}")
+    assert code == 2 and list(tmp_path.iterdir()) == []  # refused before any bundle
+    [line] = err.splitlines()
+    assert line.startswith("error: action='bench': the job's layout (TP1 PP1 CP2 DP4) runs 8 ranks, one per GPU, "
+                           f"and this machine shows {shown} ({how}); try action=bench on a node with 8 GPUs")
+    assert line.endswith("with parallel.* to match") == bool(shown)
+
+
+def test_visible_gpus_count_only_what_cuda_visible_devices_leaves(monkeypatch, tmp_path):
+    import launcher.calibration as calibration
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nfor i in 0 1 2 3 4 5 6 7; do echo \"GPU $i: NVIDIA H100 80GB HBM3 (UUID: GPU-$i)\"; done\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert calibration.visible_gpus() == (8, "nvidia-smi -L")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert calibration.visible_gpus()[0] == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert calibration.visible_gpus()[0] == 0
+
+
+def test_bench_compares_static_bytes_per_stage_with_the_plan():
+    from launcher.calibration import memory_rows
+    from launcher.plan.memory import stage_params, static_bytes
+
+    job = compose_job(["recipe=smoke"])
+    planned = [sum(v for k, v in static_bytes(job, stage_params(job, st)).items()
+                   if k in ("weights", "grads", "optimizer")) for st in (0, 1)]
+    metrics = {"final": {"memory_by_stage": [
+        {"stage": 0, "peak_gib": 0.5, "basis": "peak RSS",
+         "static_bytes": {"weights": planned[0] / 4, "grads": planned[0] / 4, "optimizer": planned[0] / 2 * 1.005}},
+        {"stage": 1, "peak_gib": 0.5, "basis": "peak RSS",
+         "static_bytes": {"weights": planned[1] / 4, "grads": planned[1] / 4, "optimizer": planned[1] / 2 * 1.05}}]}}
+    rows = memory_rows(job, metrics)
+    assert [r["static_planned_bytes"] for r in rows] == pytest.approx(planned)
+    assert [r["static_within_tolerance"] for r in rows] == [True, False]  # 0.25% off, then 2.4% off

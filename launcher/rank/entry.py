@@ -343,7 +343,7 @@ def _train_locked(bundle, console, job, layout, model, optimizer, scheduler, lp,
         save()  # synchronous: the run reports done (or stopped) only once it is published
     if background is not None:
         background.close()
-    stages = metrics.memory_by_stage(ps.get_pipeline_model_parallel_rank())  # collective: every rank
+    stages = metrics.memory_by_stage(ps.get_pipeline_model_parallel_rank(), model, optimizer)  # collective
     log.close(metrics.summary(log.history, log.evals, status=why, steps=lp.step, world=layout.world,
                               flops_per_token=fpt, peak_tflops=peak, util_label=label, stages=stages))
     attempt.update(outcome="done" if why == "done" else "stopped")
