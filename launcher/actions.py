@@ -10,7 +10,7 @@ from pathlib import Path
 
 from launcher.core import Layout, derive
 from launcher.problems import EXIT_USAGE, Problem, report
-from launcher.schema import JobConfig
+from launcher.schema import JobConfig, Schedule
 from launcher.validate import Checked
 
 
@@ -430,7 +430,7 @@ def bench_job(job: JobConfig) -> JobConfig:
 
     r = dataclasses.replace
     # the timeline's per-stage forward/backward times are what the op cost is fitted to (interleaved: not recorded)
-    timeline = job.schedule.record_timeline or job.schedule.kind != "interleaved"
+    timeline = job.schedule.record_timeline or job.schedule.kind != Schedule.INTERLEAVED
     return r(job, name=f"{job.name[:40]}-bench", action="run",
              schedule=r(job.schedule, record_timeline=timeline),
              train=r(job.train, train_steps=BENCH_STEPS, train_tokens=None, eval_interval=0,

@@ -20,7 +20,8 @@ from launcher.core.flops import FMA, flops_per_step, kv_channels, layer_flops, q
 from launcher.plan.memory import (DTYPE_BYTES, GRAD_BYTES_FP32, fsdp_layer_params, grad_groups, optimizer_shards,
                                   recompute_fraction, recomputed_modules, sp_shards, stage_layers, stage_params)
 from launcher.core.schedules import loss_rank
-from launcher.plan.host import HOST_OP_S, host_seconds
+from launcher.plan.host import host_seconds
+from launcher.plan.measured import op_overhead, shared_units_s
 from launcher.plan.simulator import simulate_kind
 from launcher.schema import JobConfig, Recompute, Schedule
 
@@ -224,7 +225,7 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
         f += n * exposed_f
         b += n * exposed_b
         parts["host"] += n * (exposed_f + exposed_b)
-    f, b = _op_overhead(job, counts, f, b, parts)
+    f, b = op_overhead(job, counts, f, b, parts)
     if last:  # output layer (+ MTP heads): GEMMs in BF16, plus the loss
         vp = lay.padded_vocab
         heads = 1 + n_mtp
@@ -236,36 +237,6 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
         parts["gemm"] += 3 * g
         parts["elementwise"] += 2 * elem
     return StageCosts(f, b, w, parts)
-
-
-def _op_overhead(job: JobConfig, counts: dict, f: float, b: float, parts: dict) -> tuple[float, float]:
-    """(f, b) with cluster.op_overhead_us per eager op of the stage's layers added (``counts``: layers by MoE-ness):
-    time the device spends per op beyond its FLOPs and bytes, serial with them. A CPU rank issues and runs its own
-    ops, and the smoke model's small GEMMs cost about as much in dispatch as in arithmetic; 0 on GPUs (whose host
-    issuing overlaps the kernels: the host-time term). The op counts are the host-time model's."""
-    per_op = job.cluster.op_overhead_us * 1e-6
-    if not per_op:
-        return f, b
-    extra_f = extra_b = 0.0
-    for is_moe, n in counts.items():
-        host_f, host_b = host_seconds(job, is_moe)
-        extra_f += n * host_f / HOST_OP_S * per_op
-        extra_b += n * host_b / HOST_OP_S * per_op
-    parts["op_overhead"] = extra_f + extra_b
-    return f + extra_f, b + extra_b
-
-
-def shared_units_s(job: JobConfig, lay: Layout, costs: list, m: int) -> float:
-    """The least pipeline time when a node's ranks share cluster.compute_units_per_node compute units (CPU cores):
-    the node's busy rank-seconds (every rank's m x (F + B + W) of its stage) over the units. 0 when null (a GPU per
-    rank: no sharing)."""
-    units = job.cluster.compute_units_per_node
-    if not units:
-        return 0.0
-    per_stage = lay.world // lay.pp  # ranks holding each stage
-    on_node = min(lay.world, job.cluster.gpus_per_node) / lay.world  # one node's share of them
-    busy = sum(m * (c.f + c.b + c.w) for c in costs) * per_stage * on_node
-    return busy / units
 
 
 def _overlapped_tp(comm: float, n: int, hide: float, zero_bubble: bool = False) -> float:
