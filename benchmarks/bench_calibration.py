@@ -46,8 +46,8 @@ LAYOUTS = [
 BASE = ["recipe=smoke", "cluster=local"]
 
 
-def bench(overrides: list[str], out_dir: Path) -> float:
-    """One measured run (action=bench) of a layout: its median step time after warm-up, seconds."""
+def bench(overrides: list[str], out_dir: Path) -> tuple[float, Path]:
+    """One measured run (action=bench) of a layout: its median step time after warm-up (seconds), its bundle."""
     from launcher.calibration import measured_step_s
 
     cmd = [sys.executable, "-m", "launcher", *BASE, *overrides, "action=bench", f"output_dir={out_dir}"]
@@ -56,7 +56,7 @@ def bench(overrides: list[str], out_dir: Path) -> float:
     if proc.returncode != 0 or bundle is None:
         raise SystemExit(f"bench failed ({proc.returncode}): {' '.join(overrides)}\n{proc.stdout[-3000:]}")
     metrics = json.loads((Path(bundle[1]) / "report" / "metrics.json").read_text())
-    return measured_step_s(metrics)
+    return measured_step_s(metrics), Path(bundle[1])
 
 
 def planned(overrides: list[str]) -> float:
@@ -67,38 +67,58 @@ def planned(overrides: list[str]) -> float:
     return planned_step_s(compose_job([*BASE, *overrides]))
 
 
-def write_calibration(measured: float, out_dir: Path) -> tuple[Path, float]:
-    """Fit the calibration layout's median step and write the profile, as action=bench does for one run."""
-    from launcher.calibration import calibrated_profile, fit_gemm_efficiency, planned_step_s, write_profile
+def median_passes(bundles: list[Path]) -> dict | None:
+    """The calibration rounds' per-stage pass times (launcher/calibration.py read_passes), median over rounds."""
+    from launcher.calibration import read_passes
+
+    rounds = [p for p in (read_passes(b) for b in bundles) if p]
+    if not rounds:
+        return None
+    out = {st: {k: statistics.median(r[st][k] for r in rounds) for k in rounds[0][st]}
+           for st in rounds[0] if st != "cpu"}
+    if all(r.get("cpu") for r in rounds):
+        out["cpu"] = True
+    return out
+
+
+def write_calibration(measured: float, passes: dict | None, out_dir: Path) -> tuple[Path, dict]:
+    """Fit the calibration layout's median step and passes and write the profile, as action=bench does for one
+    run."""
+    from launcher.calibration import calibrated_profile, fit_profile, planned_step_s, write_profile
     from launcher.config import compose_job
 
     job = compose_job([*BASE, *CALIBRATION[1]])
-    eff, bounded = fit_gemm_efficiency(job, measured)
+    fitted, sources, bounded = fit_profile(job, measured, passes)
     record = {"job": job.name, "layout": CALIBRATION[0], "measured_step_s": round(measured, 6),
               "planned_step_s": round(planned_step_s(job), 6), "when": datetime.datetime.now(
-                  datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                  datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "sources": sources,
               "statistic": "median over rounds of the median step after warm-up", "at_bound": bounded}
-    path = write_profile(out_dir / "calibrated-local.yaml", calibrated_profile(job, {"gemm_efficiency": eff}, record))
-    return path, eff
+    path = write_profile(out_dir / "calibrated-local.yaml", calibrated_profile(job, fitted, record))
+    return path, fitted
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (a layout's figure: their median)")
     ap.add_argument("--only", type=int, default=len(LAYOUTS), help="measure only the first N other layouts")
+    ap.add_argument("--keep", default=None, help="copy the calibrated profile here")
     args = ap.parse_args(argv)
     layouts = [CALIBRATION, *LAYOUTS[:args.only]]
     load_before = os.getloadavg()[0]
     runs: dict[str, list[float]] = {name: [] for name, _ in layouts}
+    bundles: list[Path] = []
     with tempfile.TemporaryDirectory(prefix="bench-calibration-") as tmp:
         out = Path(tmp)
         for r in range(args.rounds):
             for name, overrides in layouts:
-                runs[name].append(bench(overrides, out / "runs"))
-                print(f"round {r + 1}: {name}: {runs[name][-1]:.3f} s/step", flush=True)
+                step, bundle = bench(overrides, out / "runs")
+                runs[name].append(step)
+                if name == CALIBRATION[0]:
+                    bundles.append(bundle)
+                print(f"round {r + 1}: {name}: {runs[name][-1]:.3f} s/step (load {os.getloadavg()[0]:.1f})", flush=True)
         measured = {name: statistics.median(v) for name, v in runs.items()}
-        profile, eff = write_calibration(measured[CALIBRATION[0]], out)
-        print(f"\ncalibrated on {CALIBRATION[0]}: cluster.gemm_efficiency 0.7 -> {eff:.4g}")
+        profile, fitted = write_calibration(measured[CALIBRATION[0]], median_passes(bundles), out)
+        print(f"\ncalibrated on {CALIBRATION[0]}: " + ", ".join(f"cluster.{k} {v:.4g}" for k, v in fitted.items()))
         print(f"{datetime.date.today()}; {args.rounds} alternating rounds; load average {load_before:.1f} before, "
               f"{os.getloadavg()[0]:.1f} after, on {os.cpu_count()} cores\n")
         head = f"{'layout':32s} {'measured s':>10s} {'runs':>22s} {'planned':>9s} {'err':>7s} {'calibrated':>10s} {'err':>7s}"
@@ -114,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
             shown = ",".join(f"{x:.2f}" for x in runs[name])
             print(f"{name:32s} {m:10.3f} {shown:>22s} {unc:9.3f} {e_unc:+7.0%} {cal:10.3f} {e_cal:+7.0%}")
         print(f"\ncalibrated within 15%: {sum(within)} of {len(within)} other layouts")
+        if args.keep:
+            import shutil
+
+            shutil.copy(profile, args.keep)
+            print(f"profile kept: {args.keep}")
     return 0
 
 

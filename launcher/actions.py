@@ -11,7 +11,7 @@ from pathlib import Path
 from launcher.core import Layout, derive
 from launcher.preflight import Preflight
 from launcher.problems import EXIT_USAGE, Problem, report
-from launcher.schema import JobConfig
+from launcher.schema import JobConfig, Schedule
 
 
 def summary(job: JobConfig, lay: Layout | None = None) -> str:
@@ -234,7 +234,10 @@ def bench_job(job: JobConfig) -> JobConfig:
     from launcher.calibration import BENCH_STEPS
 
     r = dataclasses.replace
+    # the timeline's per-stage forward/backward times are what the op cost is fitted to (interleaved: not recorded)
+    timeline = job.schedule.record_timeline or job.schedule.kind != Schedule.INTERLEAVED
     return r(job, name=f"{job.name[:40]}-bench", action="run",
+             schedule=r(job.schedule, record_timeline=timeline),
              train=r(job.train, train_steps=BENCH_STEPS, train_tokens=None, eval_interval=0,
                      warmup_steps=min(job.train.warmup_steps, BENCH_STEPS - 1), exit_after_minutes=None,
                      wsd_decay_steps=None, straggler_interval=0),
@@ -249,7 +252,7 @@ def do_bench(job: JobConfig, args, checked: Preflight) -> int:
     """Run a few steps of the job's own layout here (the bundle's launch.sh, as action=run), compare the measured
     step time and per-stage peak memory with the plan, fit the cluster's GEMM efficiency and write the calibrated
     profile into the bench bundle's report directory (launcher/calibration.py)."""
-    from launcher.calibration import calibrate
+    from launcher.calibration import calibrate, cannot_stand_in, read_passes
     from launcher.executor import LocalExecutor
     from launcher.validate import check
 
@@ -262,6 +265,10 @@ def do_bench(job: JobConfig, args, checked: Preflight) -> int:
     bchecked = check(bench)
     if any(p.severity == "error" for p in bchecked.problems):
         report([p for p in bchecked.problems if p.severity == "error"])
+        return EXIT_USAGE
+    elsewhere = cannot_stand_in(bench, bchecked.layout)
+    if elsewhere is not None:
+        report([elsewhere])
         return EXIT_USAGE
     bundle = prepare_bundle(bench, args, Preflight(bench, "run", bchecked.layout, list(bchecked.problems)))
     if bundle is None:
@@ -278,24 +285,24 @@ def do_bench(job: JobConfig, args, checked: Preflight) -> int:
     metrics = json.loads(metrics_file.read_text())
     lay = bchecked.layout
     layout_text = summary(bench, lay).split(": ", 1)[1]
-    found = calibrate(bench, metrics, bundle.path / "report", layout_text=layout_text, lay=lay)
+    found = calibrate(bench, metrics, bundle.path / "report", layout_text=layout_text, lay=lay,
+                      passes=read_passes(bundle.path))
     _print_bench(bench, lay, metrics, found, args)
     return 0
 
 
 def _print_bench(job: JobConfig, lay: Layout, metrics: dict, found: dict, args) -> None:
-    """Measured vs planned: the step (median after warm-up) and the peak memory per stage; the fitted term; where
-    the profile is and how to select it."""
-    from launcher.plan import plan_job
+    """Measured vs planned: the step (median after warm-up), the peak memory and the static bytes per stage; the
+    fitted terms and their sources; where the profile is and how to select it."""
+    from launcher.calibration import STATIC_TOLERANCE, memory_rows
 
-    plan = plan_job(job)
-    stages = {s["stage"]: s for s in metrics.get("final", {}).get("memory_by_stage", [])}
     out = {"measured_step_s": found["measured_step_s"], "planned_step_s": found["planned_step_s"],
            "gemm_efficiency": {"before": found["gemm_efficiency_before"], "fitted": found["gemm_efficiency"]},
+           "fitted": {k: {"before": found["before"][k], "fitted": v, "from": found["sources"].get(k)}
+                      for k, v in found["fitted"].items()},
+           "measured_passes_s": found["measured_passes_s"],
            "planned_with_fit_s": found["planned_with_fit_s"], "at_bound": found["at_bound"],
-           "memory_by_stage": [{"stage": s.stage, "planned_gb": (s.total - s.parts.get("reserve", 0.0)) / 1e9,
-                                "measured_gib": stages.get(s.stage, {}).get("peak_gib"),
-                                "basis": stages.get(s.stage, {}).get("basis")} for s in plan.stages],
+           "memory_by_stage": memory_rows(job, metrics, lay),
            "profile": found["path"], "bundle": str(Path(found["path"]).parent.parent)}
     if args.json:
         print(json.dumps(out, indent=2))
@@ -307,9 +314,16 @@ def _print_bench(job: JobConfig, lay: Layout, metrics: dict, found: dict, args) 
             measured = "n/a" if row["measured_gib"] is None else f"{row['measured_gib']:.3f} GiB ({row['basis']})"
             print(f"  stage {row['stage']}: peak memory planned {row['planned_gb']:.3f} GB (reserve left out), "
                   f"measured {measured}")
+            if row["static_measured_bytes"]:
+                real, plan_b = row["static_measured_bytes"], row["static_planned_bytes"]
+                verdict = "within" if row["static_within_tolerance"] else "NOT within"
+                print(f"  stage {row['stage']}: weights + gradient buffers + optimizer state planned "
+                      f"{plan_b / 1e6:.3f} MB, measured {real / 1e6:.3f} MB ({(plan_b - real) / real:+.2%}, "
+                      f"{verdict} {STATIC_TOLERANCE:.0%})")
         bound = " (at its bound: the plan's other terms alone miss the measurement)" if found["at_bound"] else ""
-        print(f"fitted cluster.gemm_efficiency {found['gemm_efficiency_before']:g} -> {found['gemm_efficiency']:.4g}"
-              f"{bound}; the plan with it: {found['planned_with_fit_s']:.4g} s")
+        for key, value in found["fitted"].items():
+            print(f"fitted cluster.{key} {found['before'][key]} -> {value:.4g} (from {found['sources'][key]})")
+        print(f"the plan with them: {found['planned_with_fit_s']:.4g} s{bound}")
     print(f"calibrated profile: {found['path']}", file=sys.stderr if args.json else sys.stdout)
     print(f"use it with: cluster={job.cluster.name} cluster.profile={found['path']}  (action=plan, action=search)",
           file=sys.stderr if args.json else sys.stdout)

@@ -550,6 +550,15 @@ class ClusterConfig:
     maintainers quote 46-48 GB/s per 400 Gb/s NDR ConnectX-7 NIC (nccl-tests issues #290, #267), 47/50 = 0.94."""
     memory_reserve_gb: float = 4.0
     """Memory held back per GPU for the CUDA context, allocator fragmentation and NCCL."""
+    op_overhead_us: float = 0.0
+    """Fixed time per eager op of a layer pass that the device itself spends beyond the op's FLOPs and bytes
+    (planner constant, added to each layer's forward and backward, not overlapped): a CPU rank's dispatch and
+    small-kernel cost. 0 on GPUs, whose host issuing overlaps the kernels (the planner's host-time model).
+    action=bench fits it on CPU (launcher/calibration.py)."""
+    compute_units_per_node: Optional[float] = None
+    """Compute units the ranks of a node share (planner constant): the step is at least the node's busy
+    rank-seconds over them. null: one unit per rank (a GPU each). On CPU, ranks share the cores; action=bench
+    fits the share its run measured (launcher/calibration.py)."""
     profile: Optional[str] = None
     """A calibrated cluster profile (a YAML file action=bench wrote, BUNDLE/report/calibrated-NAME.yaml): its fitted
     terms (the GEMM efficiency) replace this profile's for compose, plan and search; it must belong to this

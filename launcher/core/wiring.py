@@ -200,7 +200,8 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
         "name", "launcher", "gpu", "gpus_per_node", "gpu_memory_gb", "peak_tflops_fp8", "hbm_bandwidth_gbps",
         "nvlink_bandwidth_gbps", "network_bandwidth_gbps", "gemm_efficiency", "fp8_gemm_efficiency",
         "comm_efficiency", "network_efficiency", "memory_reserve_gb", "profile", "partition", "account", "container_image", "container_mounts",
-        "workdir", "python", "env", "secret_env", "max_restarts", "checkpoint_write_gbps")},
+        "workdir", "python", "env", "secret_env", "max_restarts", "checkpoint_write_gbps", "op_overhead_us",
+        "compute_units_per_node")},
     "cluster.health_check": _w(DIST, "pre-flight bandwidth probe"),
     # ---- profile (launcher/rank/profiling.py; nsys also wraps the rank command in the bundle's rank.sh)
     **{f"profile.{name}": _w(LOOP, "profiler") for name in (

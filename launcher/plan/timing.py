@@ -21,6 +21,7 @@ from launcher.plan.memory import (DTYPE_BYTES, GRAD_BYTES_FP32, fsdp_layer_param
                                   recompute_fraction, recomputed_modules, sp_shards, stage_layers, stage_params)
 from launcher.core.schedules import loss_rank
 from launcher.plan.host import host_seconds, overlap_host_seconds
+from launcher.plan.measured import op_overhead, shared_units_s
 from launcher.plan.simulator import simulate_kind
 from launcher.schema import JobConfig, Recompute, Schedule
 
@@ -230,6 +231,7 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
         f += n * exposed_f
         b += n * exposed_b
         parts["host"] += n * (exposed_f + exposed_b)
+    f, b = op_overhead(job, counts, f, b, parts)
     if last:  # output layer (+ MTP heads): GEMMs in BF16, plus the loss
         vp = lay.padded_vocab
         heads = 1 + n_mtp
@@ -567,6 +569,7 @@ def step_time(job: JobConfig, lay: Layout | None = None, exact: bool = True) -> 
         pp_bw = _bandwidth(job, lay.world)  # stages are the outermost dimension: across nodes when world > node
         t_comm = a * model.hidden_size * tokens / cp / sp / pp_bw + COLLECTIVE_LATENCY_S
     pipeline_s, bubble_s, bubble_frac = _pipeline(job, lay, costs, t_comm, exact)
+    pipeline_s = max(pipeline_s, shared_units_s(job, lay, costs, m))  # ranks sharing cores wait for each other
     # Data parallel: reduce-scatter of gradients (or all-reduce) and all-gather of updated parameters.
     dp_cp, edp = grad_groups(lay)
     dp_bw = _bandwidth(job, t * cp * lay.dp)

@@ -250,7 +250,7 @@ def _finish(run: _RankRun, lp, ckpts, log, why: str) -> int:
     if (job.checkpoint.save_at_end or why == "stopped") and lp.step > ckpts.saved_at:
         ckpts.save()  # synchronous: the run reports done (or stopped) only once it is published
     ckpts.close()
-    stages = metrics.memory_by_stage(ps.get_pipeline_model_parallel_rank())  # collective: every rank
+    stages = metrics.memory_by_stage(ps.get_pipeline_model_parallel_rank(), lp.model, lp.optimizer)  # collective
     log.close(metrics.summary(log.history, log.evals, status=why, stages=stages, **summary))
     run.attempt.update(outcome="done" if why == "done" else "stopped")
     if why == "done" and torch.distributed.get_rank() == 0:

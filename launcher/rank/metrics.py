@@ -19,15 +19,37 @@ def memory_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
 
 
-def memory_by_stage(pp_rank: int) -> List[dict]:
+def static_bytes(model, optimizer) -> dict:
+    """Bytes this rank holds for weights, the DDP gradient buffers and the optimizer state (Adam moments, fp32
+    master copies), counted on the tensors themselves: the planner's static memory per rank, which a CPU run can
+    check where its peak (RSS: the interpreter and libraries included) cannot. Chained optimizers' state counts
+    once it exists (after the first step)."""
+    weights = sum(p.numel() * p.element_size() for ddp in model for p in ddp.module.parameters())
+    grads = sum(b.grad_data.numel() * b.grad_data.element_size()
+                for ddp in model for b in list(getattr(ddp, "buffers", [])) + list(getattr(ddp, "expert_parallel_buffers", [])))
+    opt = 0
+    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(o, "optimizer", None)
+        for state in (inner.state.values() if inner is not None else []):
+            opt += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+        for name in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups"):
+            for group in getattr(o, name, None) or []:
+                opt += sum(p.numel() * p.element_size() for p in group)
+    return {"weights": weights, "grads": grads, "optimizer": opt}
+
+
+def memory_by_stage(pp_rank: int, model=None, optimizer=None) -> List[dict]:
     """Collective over the world: every rank's peak memory (``memory_gib``, and on GPU the caching allocator's
     peak reservation), gathered; returns, per pipeline stage, the largest over that stage's ranks (what the planner
     predicts per stage: launcher/plan/memory.py). Every rank gets the same list; rank 0 writes it into the run's
-    report, where the GPU lane compares it with the plan."""
+    report, where the GPU lane and action=bench compare it with the plan. With ``model`` and ``optimizer``, each
+    entry also holds that rank's :func:`static_bytes`."""
     import torch.distributed as dist
 
     mine = {"stage": pp_rank, "rank": dist.get_rank(), "peak_gib": memory_gib(),
             "reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else None}
+    if model is not None and optimizer is not None:
+        mine["static_bytes"] = static_bytes(model, optimizer)
     everyone: List[Optional[dict]] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     out = []

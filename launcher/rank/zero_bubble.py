@@ -124,6 +124,15 @@ class Recorder:
             return None
         return [e.cpu - s.cpu for _, _, _, s, e in self._raw]
 
+    @property
+    def cpu_history(self) -> Optional[List[List[float]]]:
+        """:attr:`cpu_seconds` of each of the last ``KEEP`` steps' spans, in :attr:`history`'s order (None on GPU):
+        what action=bench fits per-op costs to on CPU, where a span's wall time depends on how many ranks shared
+        the cores meanwhile."""
+        if self._event is not None:
+            return None
+        return [[e.cpu - s.cpu for _, _, _, s, e in raw] for _, raw in self._history]
+
     @contextlib.contextmanager
     def span(self, kind: str, microbatch: int, chunk: int = 0):
         start = self.now()
@@ -441,7 +450,7 @@ def _holds_loss(model) -> bool:
 # ------------------------------------------------------------------------------------ writing it out
 def write_timeline(recorder: Recorder, out_dir, kind: str):
     """Gather every rank's recorded spans; the first rank writes ``spans.json`` (all ranks: ``spans`` of the
-    last step, ``steps`` of the last ``Recorder.KEEP`` steps),
+    last step, ``steps`` of the last ``Recorder.KEEP`` steps, ``cpu_steps`` their CPU seconds on CPU),
     ``executed.trace.json`` (Chrome/Perfetto) and ``executed.png`` for the pipeline of TP/DP/CP rank 0.
     Collective: every rank calls it. Returns the PNG path on the first rank (None elsewhere)."""
     import json
@@ -453,7 +462,8 @@ def write_timeline(recorder: Recorder, out_dir, kind: str):
 
     mine = {"rank": torch.distributed.get_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
             "tp": ps.get_tensor_model_parallel_rank(), "dp": ps.get_data_parallel_rank(),
-            "cp": ps.get_context_parallel_rank(), "spans": recorder.spans, "steps": recorder.history}
+            "cp": ps.get_context_parallel_rank(), "spans": recorder.spans, "steps": recorder.history,
+            "cpu_steps": recorder.cpu_history}
     everyone = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, mine)
     if torch.distributed.get_rank() != 0:

@@ -127,6 +127,10 @@ BOUNDS: dict[str, Bound] = {
                                                  "network_bandwidth_gbps")},
     **{f"cluster.{n}": FRACTION for n in ("gemm_efficiency", "fp8_gemm_efficiency", "comm_efficiency",
                                          "network_efficiency")},
+    # a second of overhead per op would price a layer pass at minutes; fitted CPU values are tens of microseconds
+    "cluster.op_overhead_us": Bound(0, 1e6, why="microseconds per op; 0 on GPUs"),
+    "cluster.compute_units_per_node": Bound(0, 1e6, lo_open=True, why="cores (or GPUs) the ranks share; null: "
+                                                                      "one per rank"),
     "slurm.signal_lead_s": NON_NEGATIVE, "nodes": POSITIVE,
     # nothing lost, nothing hangs: requeue/restart budgets, the stop-in-time arithmetic, the straggler report
     "slurm.max_requeues": Bound(0, why="0: never requeue"),

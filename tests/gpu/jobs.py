@@ -95,7 +95,14 @@ def hang(n: int = 4) -> List[str]:
             "train.train_steps=100000", "checkpoint.save_interval=0", "timeouts.hang_s=30"]
 
 
-ALL = {"hang_4": hang(4), "hang_2": hang(2), "fp8_llama_1": fp8_llama(1), "fp8_llama_8": fp8_llama(8), "moe_ep2": moe(False),
+def bench(n: int = 8) -> List[str]:
+    """The catalogue's Llama3-8B recipe (TP1 x CP2 x DP4, FP8) as it runs on one node, for action=bench: the run
+    that measures the node and writes its calibrated profile. Its own layout and model; a smaller global batch (16:
+    4 microbatches per DP rank) keeps the bench's 8 steps short."""
+    return ["recipe=llama3_8b", "cluster.launcher=local", "nodes=1", *gpus(n), "train.global_batch_size=16"]
+
+
+ALL = {"hang_4": hang(4), "bench_llama3_8b": bench(8), "hang_2": hang(2), "fp8_llama_1": fp8_llama(1), "fp8_llama_8": fp8_llama(8), "moe_ep2": moe(False),
        "moe_ep2_a2a_overlap": moe(True), "checkpointed_1": checkpointed(1), "mfu_1": mfu(1),
        "fsdp_2": fsdp(True), "ddp_2": fsdp(False),
        **{f"tp2_{kind}_{n}gpu": zero_bubble_tp(kind, n) for kind in ZB_TP_KINDS for n in (4, 8)}}

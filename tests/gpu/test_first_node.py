@@ -222,6 +222,42 @@ def test_logged_mfu_is_within_the_planners_band(tmp_path):
     assert 0.6 <= median / predicted <= 1.4, (median, predicted)
 
 
+def test_bench_calibrates_a_catalogue_recipe_on_one_node(tmp_path):
+    """action=bench of the catalogue's Llama3-8B on this node: it runs, fits and writes the calibrated profile
+    (copied into the lane's output, its record and the per-stage memory comparison into the lane's report), and
+    the profile is one that plan then uses."""
+    need(8)
+    import re
+    import shutil
+
+    import yaml
+
+    from _rank_harness import communicate_on_progress
+    from launcher.calibration import memory_rows
+    from launcher.config import compose_job
+
+    overrides = jobs.bench(8)
+    proc = subprocess.Popen([sys.executable, "-m", "launcher", *overrides, "action=bench",
+                             f"output_dir={tmp_path}"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    stdout, stderr = communicate_on_progress(proc, HANG_S, "bench llama3_8b")
+    assert proc.returncode == 0, f"bench failed:\n{stdout[-3000:]}\n{stderr[-3000:]}"
+    path = Path(re.search(r"^calibrated profile: (\S+)$", stdout, re.M)[1])
+    profile = yaml.safe_load(path.read_text())
+    out = os.environ.get("LAUNCHER_GPU_LANE_OUT")
+    if out:
+        shutil.copy(path, Path(out) / path.name)
+    metrics = json.loads((path.parent / "metrics.json").read_text())
+    job = compose_job([*overrides, "name=llama3_8b-bench"])
+    rows = memory_rows(job, metrics)
+    record("bench_llama3_8b", profile=path.name, **{k: profile["calibrated"][k] for k in (
+        "measured_step_s", "planned_step_s", "planned_with_fit_s", "fitted", "sources", "measured_passes_s")},
+        memory_by_stage=rows)
+    assert profile["name"] == "h100" and set(profile["calibrated"]["fitted"]) >= {"gemm_efficiency"}
+    assert compose_job([*overrides, f"cluster.profile={path}"]).cluster.gemm_efficiency == \
+        profile["calibrated"]["fitted"]["gemm_efficiency"]
+
+
 def test_a_stopped_rank_is_named_from_the_nccl_flight_recorder_traces(tmp_path):
     """Rank n/2 (pipeline stage 1) is stopped (SIGSTOP) after step 3: its peers wait in NCCL; the watchdog (30 s
     without progress, timeouts.hang_s) signals every rank, each live one dumps its NCCL Flight Recorder trace, and
