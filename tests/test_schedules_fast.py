@@ -25,3 +25,24 @@ def test_zb_h1_interleaved_matches_reference(p, m, v, g):
 def test_schedule_interleaved_matches_reference(p, m, v, g):
     """Including microbatch counts the group does not divide (validate refuses them; the order is still defined)."""
     assert schedule_interleaved(p, m, v, g) == ref_interleaved(p, m, v, g)
+
+
+def _front_pairwise(states) -> tuple:
+    """memory._front as it was: every state against every other."""
+    return tuple(s for s in states if not any(o != s and o[0] >= s[0] and o[1] >= s[1] for o in states))
+
+
+def test_front_matches_pairwise():
+    """The planner's one-pass Pareto front of (in flight, pending W) states equals the pairwise one, in the
+    states' order, on the op lists' own states and on random ones (duplicates, ties in either count)."""
+    import random
+
+    from launcher.plan.memory import _front, zb_h1_states, zb_v_states
+
+    cases = [st for args in ((8, 64, 4, 8), (16, 64, 6, 16), (4, 24, 3, 6), (8, 32)) for st in zb_h1_states(*args)]
+    cases += list(zb_v_states(4, 16))
+    rnd = random.Random(0)
+    cases += [[(rnd.randint(0, 6), rnd.randint(0, 6)) for _ in range(rnd.randint(1, 30))] for _ in range(500)]
+    cases += [[(f / 2, w / 2) for f, w in st] for st in cases[:10]]
+    for states in cases:
+        assert _front(states) == _front_pairwise(states), states

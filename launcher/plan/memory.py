@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from dataclasses import dataclass, field
 
 from launcher.core import Layout, derive, moe_layer_pattern
@@ -354,18 +355,21 @@ def held_after_each_op(ops: list[Op]) -> list[tuple[int, int]]:
     that may follow it: the store then holds that B's W work too, its most."""
     in_flight = pending = 0
     out = []
-    for op in ops:
-        if op.kind == "F":
+    append = out.append
+    for op in ops:  # a plain if-chain on the kind: this runs over every op of every exact op list the search builds
+        kind = op.kind
+        if kind == "F":
             in_flight += 1
-        elif op.kind == "B":
-            in_flight, pending = in_flight - 1, pending + 1
-        elif op.kind == "W":
+        elif kind == "B":
+            in_flight -= 1
+            pending += 1
+        elif kind == "W":
             pending -= 1
-        elif op.kind == "BW":
+        elif kind == "BW":
             in_flight -= 1
         else:
             raise ValueError(f"op {op} is not F, B, W or BW")
-        out.append((in_flight, pending))
+        append((in_flight, pending))
     return out
 
 
@@ -385,8 +389,18 @@ def zb_v_states(p: int, m: int, costs: tuple = (1.0, 1.0, 1.0)) -> tuple[tuple[t
 
 def _front(states) -> tuple:
     """The states no other state matches or exceeds in both counts, in ``states``' order: the only candidates for
-    ``zb_peak_state``, whose memory grows with both (an op list of PP 16 x VPP 6 has hundreds of states a stage)."""
-    return tuple(s for s in states if not any(o != s and o[0] >= s[0] and o[1] >= s[1] for o in states))
+    ``zb_peak_state``, whose memory grows with both (an op list of PP 16 x VPP 6 has hundreds of states a stage).
+
+    One pass over the distinct states by falling first count (not every pair): a state is dominated iff a state of
+    the same first count has a larger second one, or one of a larger first count has at least its second one."""
+    keep = set()
+    above = None  # the largest second count among states of a larger first count
+    for first, group in itertools.groupby(sorted(set(states), reverse=True), key=lambda st: st[0]):
+        top = next(group)  # the largest second count at this first count: the only one not dominated here
+        if above is None or top[1] > above:
+            keep.add(top)
+            above = top[1]
+    return tuple(s for s in states if s in keep)
 
 
 @functools.lru_cache(maxsize=256)
