@@ -100,14 +100,16 @@ def _zb_h1_interleaved(p: int, m: int, v: int, group: int) -> tuple:
     n = p * v
     size = n * m
     never = 1 << 62
-    # end[k * m + mb]: when stage k's F of microbatch mb ended; end[size + k * m + mb]: its B; end[-1] (always 0):
-    # the input of an op with none (the first stage's F, the last stage's B from downstream)
-    end = [never] * (2 * size) + [0]
-    none = 2 * size
+    # end[k * m + mb]: when stage k's F of microbatch mb ended; end[size + k * m + mb]: its B; end[none] (always 0):
+    # the input of an op with none (the first stage's F, the last stage's B from downstream); end[stop] (never): see
+    # below
+    none, stop = 2 * size, 2 * size + 1
+    end = [never] * (2 * size) + [0, never]
     ops_f = [Op("F", mb, c) for mb in range(m) for c in range(v)]  # index mb * v + c
     ops_b = [Op("B", mb, c) for mb in range(m) for c in range(v)]
     ops_w = [Op("W", mb, c) for mb in range(m) for c in range(v)]
-    # per rank, per op of its F/B order: (Op, end slot it writes, its two inputs' slots, its W or None for an F)
+    # per rank, per op of its F/B order: (Op, end slot it writes, its two inputs' slots, its W or None for an F),
+    # then one that never becomes ready (both inputs at ``stop``), so that "the next op" always exists
     plan = []
     for r in range(p):
         rank = []
@@ -118,26 +120,26 @@ def _zb_h1_interleaved(p: int, m: int, v: int, group: int) -> tuple:
             else:
                 rank.append((ops_b[mb * v + c], size + k * m + mb, k * m + mb,
                              size + (k + 1) * m + mb if k < n - 1 else none, ops_w[mb * v + c]))
+        rank.append((None, stop, stop, stop, None))
         plan.append(rank)
     out: list[list[Op]] = [[] for _ in range(p)]
     pos = [0] * p
     pending = [collections.deque() for _ in range(p)]  # the W's of B's run, oldest first
     total, count, t = 3 * m * v * p, 0, 0
+    ranks = list(zip(range(p), plan, pending, out))
     while count < total:
         ran = count
-        for r in range(p):
-            i, pend = pos[r], pending[r]
-            step = plan[r][i] if i < len(plan[r]) else None
-            ready = step is not None and end[step[2]] <= t and end[step[3]] <= t
+        for r, steps, pend, ops in ranks:
+            op, slot, a, b, w = steps[pos[r]]
+            ready = end[a] <= t and end[b] <= t
             if len(pend) > r or (pend and not ready):
-                out[r].append(pend.popleft())
+                ops.append(pend.popleft())
             elif ready:
-                op, slot, _, _, w = step
-                pos[r] = i + 1
+                pos[r] += 1
                 end[slot] = t + 1  # > t: ranks after r in this round do not see it yet, as at equal end times
                 if w is not None:
                     pend.append(w)
-                out[r].append(op)
+                ops.append(op)
             else:
                 continue
             count += 1
