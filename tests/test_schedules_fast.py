@@ -46,3 +46,26 @@ def test_front_matches_pairwise():
     cases += [[(f / 2, w / 2) for f, w in st] for st in cases[:10]]
     for states in cases:
         assert _front(states) == _front_pairwise(states), states
+
+
+def test_distinct_held_matches_held_after_each_op():
+    """The planner's integer-coded distinct states equal the distinct states of held_after_each_op, on ZB-H1 (with
+    and without chunks), ZB-V and 1F1B op lists."""
+    from launcher.core.schedules import schedule_1f1b, schedule_zb_v
+    from launcher.plan.memory import _distinct_held, held_after_each_op
+
+    lists = [ops for args in ((8, 64, 4, 8), (4, 24, 3, 6), (8, 32), (1, 4)) for ops in schedule_zb_h1(*args)]
+    lists += schedule_zb_v(4, 16) + schedule_1f1b(4, 8) + [[]]
+    for ops in lists:
+        assert _distinct_held(ops) == tuple(sorted(set(held_after_each_op(ops))))
+
+
+@pytest.mark.parametrize("p,m,v,g", [(2, 1, 1, None), (4, 3, 1, None), (8, 64, 1, None), (4, 8, 2, 4),
+                                     (8, 64, 4, 8), (4, 24, 3, 6), (8, 8, 3, 8), (16, 64, 6, 16)])
+def test_reached_states_are_reached(p, m, v, g):
+    """The search drops a ZB-H1 candidate whose peak over zb_h1_reached_states exceeds the GPU without its exact
+    peak: sound only if the op list reaches every one of those states on that rank."""
+    from launcher.plan.memory import zb_h1_reached_states, zb_h1_states
+
+    for reached, states in zip(zb_h1_reached_states(p, m, v, g), zb_h1_states(p, m, v, g)):
+        assert set(reached) <= set(states), (reached, states)
