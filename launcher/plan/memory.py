@@ -460,7 +460,7 @@ def zb_h1_bound_states(p: int, m: int, v: int = 1, group: int | None = None) -> 
     return tuple(out)
 
 
-def zb_h1_reached_states(p: int, m: int, v: int = 1, group: int | None = None) -> tuple[tuple[tuple[int, int], ...], ...]:
+def zb_h1_reached_states(p: int, m: int, v: int = 1, group: int | None = None) -> tuple:
     """Per stage, two states ``schedule_zb_h1(p, m, v, group)`` certainly reaches on that rank: before its first B
     it runs only F's (no W is pending yet), A of them (``zb_h1_bound_states``' A: 1F1B's or interleaved's warm-up
     and one more), so (A, 0); the B makes it (A - 1, 1), counted before the W that may follow. The peak over these
