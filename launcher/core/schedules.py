@@ -8,6 +8,7 @@ executed-timeline test checks that what ran is this order. One definition, read 
 """
 from __future__ import annotations
 
+import collections
 import functools
 import heapq
 from dataclasses import dataclass
@@ -86,47 +87,89 @@ def _zb_h1_interleaved(p: int, m: int, v: int, group: int) -> tuple:
     pending (the one after the (r+1)-th runs first), which bounds the weight-gradient operands it holds to r + 1
     chunk-microbatches (1/v of a stage each). The W's left run at the end. At equal costs the bubble is about a
     third of interleaved 1F1B's (PP 8, VPP 4, 64 microbatches: 0.9% vs 2.7% of the step,
-    tests/test_schedules_zb.py); the planner replays this order with its own stage costs."""
-    base = schedule_interleaved(p, m, v, group)
-    seq = [[Op("B" if op.kind == "BW" else "F", op.microbatch, op.chunk) for op in ops] for ops in base]
-    n, inf = p * v, float("inf")
-    f_end = [[inf] * m for _ in range(n)]  # [stage][microbatch] -> end time
-    b_end = [[inf] * m for _ in range(n)]
+    tests/test_schedules_zb.py); the planner replays this order with its own stage costs.
+
+    Written for speed (the search builds this order for every (p, m, v, group) whose exact memory it needs, up to
+    PP 16 x VPP 6 x 512 microbatches, 150k ops): every op costs one time step, so the clock is an integer that
+    advances by one per round and every rank is free at each round's start (its last op began in an earlier round);
+    an op's inputs are looked up by precomputed flat indices into one array of end times; Op objects are shared
+    (one per kind, microbatch and chunk; they are frozen). tests/test_schedules_fast.py checks it op for op against
+    the straightforward version (a float clock, a heap of events, an Op per decision) kept in
+    tests/_schedules_reference.py."""
+    order = _interleaved_order(p, m, v, group)
+    n = p * v
+    size = n * m
+    never = 1 << 62
+    # end[k * m + mb]: when stage k's F of microbatch mb ended; end[size + k * m + mb]: its B; end[none] (always 0):
+    # the input of an op with none (the first stage's F, the last stage's B from downstream); end[stop] (never): see
+    # below
+    none, stop = 2 * size, 2 * size + 1
+    end = [never] * (2 * size) + [0, never]
+    ops_f = [Op("F", mb, c) for mb in range(m) for c in range(v)]  # index mb * v + c
+    ops_b = [Op("B", mb, c) for mb in range(m) for c in range(v)]
+    ops_w = [Op("W", mb, c) for mb in range(m) for c in range(v)]
+    # per rank, per op of its F/B order: (Op, end slot it writes, its two inputs' slots, its W or None for an F),
+    # then one that never becomes ready (both inputs at ``stop``), so that "the next op" always exists
+    plan = []
+    for r in range(p):
+        rank = []
+        for forward, mb, c in order[r]:
+            k = c * p + r  # stage_of(INTERLEAVED, p, r, c)
+            if forward:
+                rank.append((ops_f[mb * v + c], k * m + mb, (k - 1) * m + mb if k else none, none, None))
+            else:
+                rank.append((ops_b[mb * v + c], size + k * m + mb, k * m + mb,
+                             size + (k + 1) * m + mb if k < n - 1 else none, ops_w[mb * v + c]))
+        rank.append((None, stop, stop, stop, None))
+        plan.append(rank)
     out: list[list[Op]] = [[] for _ in range(p)]
-    free, pos = [0.0] * p, [0] * p
-    pending: list[list[tuple[int, int]]] = [[] for _ in range(p)]  # (microbatch, chunk) after B, before W
-    total, count, t = 3 * m * v * p, 0, 0.0
-    events: list = []
-
-    def ready(r: int, op: Op) -> bool:
-        k, mb = stage_of(Schedule.INTERLEAVED, p, r, op.chunk), op.microbatch
-        if op.kind == "F":
-            return k == 0 or f_end[k - 1][mb] <= t
-        return f_end[k][mb] <= t and (k == n - 1 or b_end[k + 1][mb] <= t)
-
+    pos = [0] * p
+    pending = [collections.deque() for _ in range(p)]  # the W's of B's run, oldest first
+    total, count, t = 3 * m * v * p, 0, 0
+    ranks = list(zip(range(p), plan, pending, out))
     while count < total:
-        for r in range(p):
-            if free[r] > t:
-                continue
-            if len(pending[r]) > r or (pending[r] and not (pos[r] < len(seq[r]) and ready(r, seq[r][pos[r]]))):
-                choice = Op("W", *pending[r].pop(0))
-            elif pos[r] < len(seq[r]) and ready(r, seq[r][pos[r]]):
-                choice, pos[r] = seq[r][pos[r]], pos[r] + 1
-                if choice.kind == "B":
-                    pending[r].append((choice.microbatch, choice.chunk))
+        ran = count
+        for r, steps, pend, ops in ranks:
+            op, slot, a, b, w = steps[pos[r]]
+            ready = end[a] <= t and end[b] <= t
+            if len(pend) > r or (pend and not ready):
+                ops.append(pend.popleft())
+            elif ready:
+                pos[r] += 1
+                end[slot] = t + 1  # > t: ranks after r in this round do not see it yet, as at equal end times
+                if w is not None:
+                    pend.append(w)
+                ops.append(op)
             else:
                 continue
-            out[r].append(choice)
-            free[r] = t + 1.0
-            k = stage_of(Schedule.INTERLEAVED, p, r, choice.chunk)
-            if choice.kind == "F":
-                f_end[k][choice.microbatch] = free[r]
-            elif choice.kind == "B":
-                b_end[k][choice.microbatch] = free[r]
-            heapq.heappush(events, free[r])
             count += 1
-        t = _next_event(events, t, count < total, f"zb_h1 over a virtual pipeline, p={p}, m={m}, v={v}")
+        if count == ran and count < total:  # nothing ran and nothing is running: no op's input can ever appear
+            raise RuntimeError(f"list scheduling is stuck: zb_h1 over a virtual pipeline, p={p}, m={m}, v={v}")
+        t += 1
     return tuple(tuple(ops) for ops in out)
+
+
+@functools.lru_cache(maxsize=256)
+def _interleaved_order(p: int, m: int, v: int, group: int) -> tuple:
+    """Per rank, Megatron's interleaved order as (forward, microbatch, chunk) triples (:func:`schedule_interleaved`,
+    which wraps them in Op's): rank r warms up with 2(p - r - 1) + (v - 1) * group chunk-forwards, then alternates
+    one forward and one backward. The k-th chunk-op of a rank is microbatch g * group + rem % group of chunk
+    rem // group (counted from the last chunk for backwards), where (g, rem) = divmod(k, group * v)."""
+    total = m * v
+    span = group * v
+    fwd = [(g * group + rem % group, rem // group) for g in range(-(-total // span)) for rem in range(span)][:total]
+    out = []
+    for r in range(p):
+        warm = min(2 * (p - r - 1) + (v - 1) * group, total)
+        ops = [(True, mb, c) for mb, c in fwd[:warm]]
+        f_k = warm
+        for mb, c in fwd:  # the b_k-th backward: the b_k-th forward's microbatch, its chunk mirrored
+            if f_k < total:
+                ops.append((True, *fwd[f_k]))
+                f_k += 1
+            ops.append((False, mb, v - 1 - c))
+        out.append(tuple(ops))
+    return tuple(out)
 
 
 def _next_event(events: list, t: float, more: bool, what: str) -> float:
@@ -142,35 +185,14 @@ def _next_event(events: list, t: float, more: bool, what: str) -> float:
 def schedule_interleaved(p: int, m: int, v: int, group: int | None = None) -> list[list[Op]]:
     """Megatron's interleaved 1F1B: microbatches run in groups of ``group`` (default p) per model chunk;
     rank r warms up with 2(p - r - 1) + (v - 1) * group chunk-forwards, then alternates 1F and 1BW."""
-    group = group or p
-    total = m * v
+    shared: dict = {}  # one (frozen) Op per kind, microbatch and chunk: every rank runs each of them
 
-    def chunk_of(k: int, forward: bool) -> tuple[int, int]:
-        """k-th chunk-op of a rank -> (microbatch, chunk), in Megatron's ordering."""
-        g, rem = divmod(k, group * v)
-        c = rem // group
-        mb = g * group + rem % group
-        return mb, (c if forward else v - 1 - c)
-
-    out = []
-    for r in range(p):
-        warm = min(2 * (p - r - 1) + (v - 1) * group, total)
-        ops = []
-        f_k = b_k = 0
-        for _ in range(warm):
-            mb, c = chunk_of(f_k, True)
-            ops.append(Op("F", mb, c))
-            f_k += 1
-        while b_k < total:
-            if f_k < total:
-                mb, c = chunk_of(f_k, True)
-                ops.append(Op("F", mb, c))
-                f_k += 1
-            mb, c = chunk_of(b_k, False)
-            ops.append(Op("BW", mb, c))
-            b_k += 1
-        out.append(ops)
-    return out
+    def op(forward: bool, mb: int, c: int) -> Op:
+        key = (forward, mb, c)
+        if key not in shared:
+            shared[key] = Op("F" if forward else "BW", mb, c)
+        return shared[key]
+    return [[op(*x) for x in ops] for ops in _interleaved_order(p, m, v, group or p)]
 
 
 def stage_of(kind: str, p: int, rank: int, chunk: int) -> int:

@@ -346,6 +346,9 @@ def search(job: JobConfig, top: int = 10, layout: Layout | None = None) -> list[
             continue
         peak = max(s.total for s in stages)
         exact = peak > cap and cand.schedule.kind in Schedule.ZERO_BUBBLE
+        if exact and cand.schedule.kind == Schedule.ZB_H1 and max(
+                s.total for s in memory_per_stage(cand, lay, static, zb_exact="reached")) > cap * (1 + REACHED_MARGIN):
+            continue  # states its op list certainly reaches already exceed the GPU: the exact peak would too
         if exact:
             peak = _exact_peak(cand, lay, static)
         if peak <= cap:
@@ -446,6 +449,13 @@ def _graph_twin(cand: JobConfig, lay: Layout, stages, st, graphs: _GraphChoice, 
 def _exact_peak(job: JobConfig, lay: Layout, static: dict) -> float:
     """The peak from the op list the ranks run (``memory_per_stage`` exact)."""
     return max(s.total for s in memory_per_stage(job, lay, static))
+
+
+REACHED_MARGIN = 1e-9
+"""How far (relative) the peak over ``memory.zb_h1_reached_states`` must exceed the GPU before the search drops a
+ZB-H1 candidate without its exact peak: the exact peak is a max over a superset of those states, so it is at least
+as large, up to float rounding of the per-part sums (relative 1e-16); the margin keeps the skip decision exactly
+the one the exact peak would make."""
 
 
 TIGHT_FIT = 0.95
