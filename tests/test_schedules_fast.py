@@ -28,7 +28,7 @@ def test_schedule_interleaved_matches_reference(p, m, v, g):
 
 
 def _front_pairwise(states) -> tuple:
-    """memory._front as it was: every state against every other."""
+    """zb_states._front as it was: every state against every other."""
     return tuple(s for s in states if not any(o != s and o[0] >= s[0] and o[1] >= s[1] for o in states))
 
 
@@ -37,7 +37,7 @@ def test_front_matches_pairwise():
     states' order, on the op lists' own states and on random ones (duplicates, ties in either count)."""
     import random
 
-    from launcher.plan.memory import _front, zb_h1_states, zb_v_states
+    from launcher.plan.zb_states import _front, zb_h1_states, zb_v_states
 
     cases = [st for args in ((8, 64, 4, 8), (16, 64, 6, 16), (4, 24, 3, 6), (8, 32)) for st in zb_h1_states(*args)]
     cases += list(zb_v_states(4, 16))
@@ -52,7 +52,7 @@ def test_distinct_held_matches_held_after_each_op():
     """The planner's integer-coded distinct states equal the distinct states of held_after_each_op, on ZB-H1 (with
     and without chunks), ZB-V and 1F1B op lists."""
     from launcher.core.schedules import schedule_1f1b, schedule_zb_v
-    from launcher.plan.memory import _distinct_held, held_after_each_op
+    from launcher.plan.zb_states import _distinct_held, held_after_each_op
 
     lists = [ops for args in ((8, 64, 4, 8), (4, 24, 3, 6), (8, 32), (1, 4)) for ops in schedule_zb_h1(*args)]
     lists += schedule_zb_v(4, 16) + schedule_1f1b(4, 8) + [[]]
@@ -65,7 +65,7 @@ def test_distinct_held_matches_held_after_each_op():
 def test_reached_states_are_reached(p, m, v, g):
     """The search drops a ZB-H1 candidate whose peak over zb_h1_reached_states exceeds the GPU without its exact
     peak: sound only if the op list reaches every one of those states on that rank."""
-    from launcher.plan.memory import zb_h1_reached_states, zb_h1_states
+    from launcher.plan.zb_states import zb_h1_reached_states, zb_h1_states
 
     for reached, states in zip(zb_h1_reached_states(p, m, v, g), zb_h1_states(p, m, v, g)):
         assert set(reached) <= set(states), (reached, states)

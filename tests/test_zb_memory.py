@@ -16,8 +16,8 @@ import pytest
 from _rank_harness import ROOT, TINY, layout, run_worker
 
 from launcher.core.schedules import Op, schedule_1f1b, schedule_zb_h1
-from launcher.plan.memory import (held_after_each_op, memory_per_stage, stage_wgrad_bytes, zb_h1_held_wgrad_bytes,
-                                  zb_h1_states, zb_peak_state)
+from launcher.plan.memory import memory_per_stage, stage_wgrad_bytes, zb_h1_held_wgrad_bytes
+from launcher.plan.zb_states import held_after_each_op, zb_h1_states, zb_peak_state
 
 TOLERANCE = 0.10
 """Planned vs held bytes. The held bytes are storage sizes of real tensors, so only a storage shared between
@@ -58,7 +58,7 @@ def test_zb_v_bound_states_dominate_every_state_of_every_variant(p):
     """The search's first pass prices ZB-V from ``zb_v_bound_states`` (no op list): every state any variant reaches,
     at any costs and microbatch count, must sit under one of them, or a layout that does not fit would be kept."""
     from launcher.core.schedules import _zb_v, zb_v_variants
-    from launcher.plan.memory import zb_v_bound_states
+    from launcher.plan.zb_states import zb_v_bound_states
 
     for m in (1, p - 1, p, 2 * p + 1, 4 * p):
         m = max(1, m)
@@ -77,7 +77,7 @@ def test_zb_h1_bound_states_dominate_the_op_lists(p, v):
     """``zb_h1_bound_states`` (the search's first pass for ZB-H1, over a virtual pipeline too) sits above every
     state of ``schedule_zb_h1`` on every rank: 1F1B's or interleaved's in-flight count, r + 1 pending W's, never
     both at once."""
-    from launcher.plan.memory import zb_h1_bound_states
+    from launcher.plan.zb_states import zb_h1_bound_states
 
     for group in ([None] if v == 1 else [p, p + 1, 2 * p]):
         for m in (1, p - 1, p, 2 * p, 3 * p + 2, 6 * p):

@@ -50,7 +50,7 @@ def test_zb_v_order_is_complete_causal_and_within_1f1b_memory(p, m, costs):
     chunk-microbatches hold activations (F until W) on any rank, i.e. 1F1B's p whole-stage microbatches; and
     the order runs (the simulator replays it with the V's dependencies without deadlock)."""
     from launcher.core.schedules import schedule_zb_v
-    from launcher.plan.memory import held_after_each_op
+    from launcher.plan.zb_states import held_after_each_op
     from launcher.plan.simulator import simulate
 
     sched = schedule_zb_v(p, m, costs)
@@ -74,7 +74,7 @@ def test_zb_v_keeps_the_best_of_its_variants_for_the_costs(p, m, costs, plain, b
     worse than the plain rule, and where W is cheaper than B or F is cheaper than B and W (CPU's measured chunk
     costs) clearly better, at the same memory."""
     from launcher.core.schedules import _zb_v, schedule_zb_v, zb_v_variants
-    from launcher.plan.memory import held_after_each_op
+    from launcher.plan.zb_states import held_after_each_op
     from launcher.plan.simulator import simulate
 
     def idle(order):
@@ -243,7 +243,7 @@ def test_zb_h1_over_a_virtual_pipeline_keeps_interleaveds_order_and_memory(p, v,
     pending on rank r, and at equal costs the simulated bubble at most 0.45x interleaved's (measured 0.33-0.41x:
     PP 8 VPP 4 m 64 0.9% vs 2.7%)."""
     from launcher.core.schedules import schedule_interleaved
-    from launcher.plan.memory import held_after_each_op
+    from launcher.plan.zb_states import held_after_each_op
     from launcher.plan.simulator import simulate
 
     zb, inter = schedule_zb_h1(p, m, v), schedule_interleaved(p, m, v)

@@ -337,7 +337,7 @@ def search(job: JobConfig, top: int = 10, layout: Layout | None = None) -> list[
         if layout_key in hopeless:
             continue
         static = statics.setdefault(layout_key, {})
-        # zero bubble: a bound on its op list's states first (memory.zb_v_bound_states, zb_h1_bound_states); the op
+        # zero bubble: a bound on its op list's states first (zb_states.zb_v_bound_states, zb_h1_bound_states); the op
         # list itself only where the bound does not fit, and for the candidates returned (their printed peak): the
         # same fits, a fraction of the time (generating the order at 512 microbatches took up to 0.9 s a candidate)
         stages = memory_per_stage(cand, lay, static, zb_exact=False)
@@ -452,7 +452,7 @@ def _exact_peak(job: JobConfig, lay: Layout, static: dict) -> float:
 
 
 REACHED_MARGIN = 1e-9
-"""How far (relative) the peak over ``memory.zb_h1_reached_states`` must exceed the GPU before the search drops a
+"""How far (relative) the peak over ``zb_states.zb_h1_reached_states`` must exceed the GPU before the search drops a
 ZB-H1 candidate without its exact peak: the exact peak is a max over a superset of those states, so it is at least
 as large, up to float rounding of the per-part sums (relative 1e-16); the margin keeps the skip decision exactly
 the one the exact peak would make."""
