@@ -1,6 +1,6 @@
 """torchrun worker of benchmarks/zb_bench.py: the same job built twice in the same ranks (Megatron's 1F1B and
 our ZB-H1, same weights and data), trained in alternating steps so both see the same machine load, each step
-recorded (launcher.rank.zero_bubble.Recorder: spans and their CPU seconds) and timed.
+recorded (launcher.rank.zb_executor.Recorder: spans and their CPU seconds) and timed.
 
 Usage: torchrun --nproc_per_node=2 benchmarks/_zb_bench_worker.py OUT.json STEPS override [override ...]
 """

@@ -19,7 +19,7 @@ from launcher.schema import Schedule  # noqa: E402
 
 def build(job, layout, kind: str, cache: str):
     from launcher.rank import training
-    from launcher.rank import zero_bubble as zb
+    from launcher.rank import zb_executor as zb
 
     job = dataclasses.replace(job, schedule=dataclasses.replace(job.schedule, kind=kind, overlap_p2p_comm=False,
                                                                 batch_p2p_comm=True, record_timeline=True))

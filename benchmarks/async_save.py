@@ -37,8 +37,9 @@ def _worker(out: Path, rounds: int, overrides: list) -> int:
 
     from launcher.config import compose_job
     from launcher.core import derive
-    from launcher.rank import checkpoint as ckpt, setup, training
-    from launcher.rank.async_save import AsyncSaves
+    from launcher.rank import setup, training
+    from launcher.rank.checkpoint import store as ckpt
+    from launcher.rank.checkpoint.async_save import AsyncSaves
 
     job = compose_job(overrides)
     layout = derive(job)
@@ -76,7 +77,7 @@ def _worker(out: Path, rounds: int, overrides: list) -> int:
     background.wait()
     background.close()
     if torch.distributed.get_rank() == 0:
-        from launcher.core.checkpoint_dir import latest_checkpoint
+        from launcher.core.checkpoint.directory import latest_checkpoint
 
         newest = latest_checkpoint(ckpt_dir)
         rec["checkpoint_mb"] = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file()) / 1e6

@@ -1,4 +1,4 @@
-"""Peak host memory per rank of the FSDP <-> DP checkpoint conversion (launcher/rank/checkpoint_convert.py, issue 42).
+"""Peak host memory per rank of the FSDP <-> DP checkpoint conversion (launcher/rank/checkpoint/convert.py, issue 42).
 
     .venv/bin/python benchmarks/convert_memory.py [--baseline GITREF] [--keep DIR] [override ...]
 
@@ -50,9 +50,10 @@ def _worker(bundle: Path) -> None:
 
     import launcher
     from launcher.core import derive, load_job
-    from launcher.core.checkpoint_format import checkpoint_format
+    from launcher.core.checkpoint.format import checkpoint_format
     from launcher.core.run_identity import run_identity
-    from launcher.rank import checkpoint as ckpt, setup, training
+    from launcher.rank import setup, training
+    from launcher.rank.checkpoint import store as ckpt
 
     job = load_job(bundle / "config.yaml")
     layout = derive(job)

@@ -9,7 +9,7 @@ machine slows both alike; every step is recorded (the ``schedule.record_timeline
 
 - step time: the median of the logged step times after the first (warm-up) step;
 - idle fraction: per recorded step (all after the first), 1 - compute / (ranks x makespan of the
-  forward-backward), communication and waiting counted as idle (launcher.core.timeline.idle_fraction); median;
+  forward-backward), communication and waiting counted as idle (launcher.core.pipeline.timeline.idle_fraction); median;
 - T_F, T_B, T_W: median span lengths in the ZB-H1 timelines (slowest stage); 1F1B's T_B+T_W is its BW span;
 - closed form (Qi et al. 2024): makespan m(T_F+T_B+T_W) + bubble, bubble (p-1)(T_F+T_B+T_W) for 1F1B and
   (p-1)(T_F+T_B-T_W) for ZB-H1; idle fraction = bubble / makespan.
@@ -83,7 +83,7 @@ def replayed(steps, cpu, planned, placement: str, labels: bool = True) -> list:
     time not counted. On a machine with fewer cores than ranks this is the schedule's idle fraction the wall
     clock cannot show (a descheduled rank's op looks long, the others' waits hide behind it); with a core per
     rank it tracks the wall-clock figure less the p2p time."""
-    from launcher.core import timeline
+    from launcher.core.pipeline import timeline
     from launcher.plan import simulator
 
     out = []
@@ -99,7 +99,7 @@ def replayed(steps, cpu, planned, placement: str, labels: bool = True) -> list:
 
 def wall_to_cpu(steps, cpu) -> float:
     """Median over compute ops of wall / CPU seconds: 1.0 when every rank had a core to itself."""
-    from launcher.core import timeline
+    from launcher.core.pipeline import timeline
 
     return statistics.median((s[4] - s[3]) / d for spans, sec in zip(steps, cpu) for tl, c in zip(spans, sec)
                              for s, d in zip(tl, c) if s[0] in timeline.COMPUTE and d > 0)
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="a toy shape (the test's smoke run; figures meaningless)")
     parser.add_argument("--figure", type=Path, help="also draw both executed timelines into this PNG")
     args = parser.parse_args(argv)
-    from launcher.core import timeline
+    from launcher.core.pipeline import timeline
 
     load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else "?"
     with tempfile.TemporaryDirectory() as tmp:
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
                                     for z, o in zip(b["steps"], a["steps"]))
     print(f"paired (alternating steps, median of per-pair ratios): step time {paired:.3f}, idle fraction "
           f"{paired_idle:.3f}")
-    from launcher.core.schedules import build_schedule
+    from launcher.core.pipeline.schedules import build_schedule
 
     for kind, r in res.items():
         r["replay"] = replayed(r["steps"], r["cpu"], build_schedule(kind, P, MICROBATCHES), kind)

@@ -5,7 +5,7 @@ them (no GPU involved: predictions, not measurements). The README's table is thi
 Variants: ZB-H1 at the recipe's own virtual pipeline (over its chunks when VPP > 1) and ZB-V (virtual_pipeline=2,
 its op order generated for the planner's own chunk costs, schedule.zb_v_costs). Settings a variant has to change are listed (moe_a2a_overlap is
 Megatron's combined-1F1B schedule); userbuffer TP overlap stays on, without the sub-overlaps TE forbids or that
-would hold W's operands (models/zero_bubble.py ZB_TP_OVERLAP), their loss priced; a variant that does not validate
+would hold W's operands (models/deferred_wgrad.py ZB_TP_OVERLAP), their loss priced; a variant that does not validate
 for running is left out, with why.
 
 Run: .venv/bin/python benchmarks/zb_recipes.py [--markdown]

@@ -99,7 +99,7 @@ def cpu_costs(res) -> str:
 def stage_costs(res) -> str:
     """ZB-V's measured costs per pipeline stage (rank r's chunk c is stage_of(zb_v, P, r, c)): one T_F,T_B,T_W per
     stage 0..2P-1, relative to the largest, as schedule.zb_v_costs takes them (6 x P numbers)."""
-    from launcher.core.schedules import stage_of
+    from launcher.core.pipeline.schedules import stage_of
 
     cost = stage_cpu(res)
     per = [None] * (2 * P)
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
                         "the same per pipeline stage (the default: the order a user would run, tuned to what they "
                         "profiled on their machine)")
     args = parser.parse_args(argv)
-    from launcher.core import timeline
+    from launcher.core.pipeline import timeline
 
     load = Path("/proc/loadavg").read_text().split()[:3]
     if args.costs in ("measured", "measured-stages"):
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     print(f"zb_v / interleaved: idle fraction {b['idle'] / a['idle']:.3f}, step time {b['step_ms'] / a['step_ms']:.3f}; "
           f"paired (median of per-pair ratios): idle {paired_idle:.3f}, step time {paired:.3f}")
 
-    from launcher.core.schedules import build_schedule
+    from launcher.core.pipeline.schedules import build_schedule
 
     costs = tuple(float(c) for c in args.costs.split(","))
     for kind, r in res.items():  # Megatron's interleaved spans are recorded from outside: kinds only, not labels

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from launcher.core import Layout, derive
-from launcher.core import checkpoint_dir as cdir
+from launcher.core.checkpoint import directory as cdir
 from launcher.core.paths import absolute
 from launcher.problems import Problem, errors
 from launcher.schema import JobConfig
@@ -307,7 +307,7 @@ def hf_start(job: JobConfig, *, import_weights: bool, layout: Layout | None = No
     import tempfile
 
     from launcher.core import job_to_yaml
-    from launcher.core.checkpoint_dir import read_manifest
+    from launcher.core.checkpoint.directory import read_manifest
 
     src, out = job.checkpoint.load_hf, hf_import_dir(job, layout)
     final = out / "iter_0000000"
@@ -434,7 +434,7 @@ def print_oom_details(ctx: Preflight) -> None:
 
 def checkpoint_preflight(job: JobConfig, bundle) -> str | None:
     """Before a local run, once its bundle exists: the checkpoint dir (or its nearest existing parent) takes a file
-    and has room for one checkpoint (the planner's parameter count, launcher/core/checkpoint_dir.py
+    and has room for one checkpoint (the planner's parameter count, launcher/core/checkpoint/directory.py
     estimated_bytes). Returns one problem line, or None. Rank 0 checks again before step 1 (a Slurm job's
     nodes may see other file systems)."""
     target = cdir.checkpoint_dir(job.checkpoint.dir, bundle.path)

@@ -35,7 +35,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from launcher import ROOT
 from launcher.config import job_to_yaml
 from launcher.core import Layout, derive
-from launcher.core.checkpoint_dir import checkpoint_dir
+from launcher.core.checkpoint.directory import checkpoint_dir
 from launcher.core.cuda_env import VAR as CUDA_MAX_CONNECTIONS, job_env
 from launcher.core.paths import absolute
 from launcher.core import timeouts as timeouts_mod

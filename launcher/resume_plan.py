@@ -9,10 +9,10 @@ torch.distributed.checkpoint entry): reading them needs torch, so ``checkpoint-i
 own (``launcher/checkpoint_state.py``); the resume plan, which validate and plan print in about a second, derives
 them from the manifest (``consumed_of``) and says so.
 
-The verdict walks the ranks' own resume (``launcher/rank/checkpoint.py`` resume) over the same functions:
+The verdict walks the ranks' own resume (``launcher/rank/checkpoint/store.py`` resume) over the same functions:
 ``plan_resume`` (which checkpoints, this run's or ``checkpoint.load``'s; another run's or another model's in
 ``checkpoint.dir`` stop the run), ``verify_files`` (a damaged candidate is skipped: the ranks fall back to the
-previous one), ``weights_mismatch``, ``conversion_refusal`` and ``dp_refusal`` (``launcher/core/resume_rules.py``).
+previous one), ``weights_mismatch``, ``conversion_refusal`` and ``dp_refusal`` (``launcher/core/checkpoint/resume_rules.py``).
 Login-node module: no torch, no megatron.
 """
 from __future__ import annotations
@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import List, Optional
 
 from launcher.core import Layout
-from launcher.core import checkpoint_dir as cdir
-from launcher.core import resume_rules as rules
-from launcher.core.checkpoint_format import checkpoint_format
+from launcher.core.checkpoint import directory as cdir
+from launcher.core.checkpoint import resume_rules as rules
+from launcher.core.checkpoint.format import checkpoint_format
 from launcher.core.paths import absolute
 from launcher.core.run_identity import identity_diff, run_hash, run_identity
-from launcher.core.weights import continue_hint, weights_diff, weights_of
+from launcher.core.checkpoint.weights import continue_hint, weights_diff, weights_of
 from launcher.problems import Problem
 from launcher.schema import JobConfig
 
@@ -265,7 +265,7 @@ def resume_plan(job: JobConfig, lay: Layout) -> Optional[ResumePlan]:
 
 
 def _fresh_start(ckpt_dir: Path, identity: dict) -> ResumePlan:
-    """checkpoint.resume=false (``launcher/rank/checkpoint.py`` start_fresh): refused over another run's
+    """checkpoint.resume=false (``launcher/rank/checkpoint/store.py`` start_fresh): refused over another run's
     checkpoints, else this run's are moved aside."""
     run = run_hash(identity)
     found = cdir.complete_checkpoints(ckpt_dir)
@@ -392,7 +392,7 @@ def _loads(job, lay, path: Path, manifest: dict, plan: ResumePlan, saved: str, f
         plan.changes = [f"{d} {theirs[d]} -> {ours[d]}" for d in DIMS if theirs[d] != ours[d]]
     if saved != fmt:
         plan.changes.append(f"{saved} -> {fmt} ({theirs['sharding'] if theirs else '?'} -> {ours['sharding']}), "
-                            "converted in memory on the ranks (launcher/rank/checkpoint_convert.py), then saved as "
+                            "converted in memory on the ranks (launcher/rank/checkpoint/convert.py), then saved as "
                             f"{fmt}")
         plan.verdict = "convert"
     else:

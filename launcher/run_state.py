@@ -139,7 +139,7 @@ def read_run(bundle: Path, live: Optional[dict] = None) -> RunInfo:
         info.helpers = [p for p in everything if p not in info.pids]
         _local_state(bundle, info)
     if job is not None:
-        from launcher.core.checkpoint_dir import checkpoint_dir, latest_checkpoint
+        from launcher.core.checkpoint.directory import checkpoint_dir, latest_checkpoint
 
         newest = latest_checkpoint(checkpoint_dir(job.checkpoint.dir, bundle))
         info.checkpoint = str(newest) if newest is not None else None
@@ -274,7 +274,7 @@ def _slurm_state(bundle: Path, info: RunInfo) -> None:
 def _post(bundle: Path, job, info: RunInfo) -> None:
     """The post steps' state (BUNDLE/post.json, written by launcher/hf/post.py; post_submission.json, by job.sbatch
     when it submits them) and every kept checkpoint's eval.json."""
-    from launcher.core.checkpoint_dir import checkpoint_dir, complete_checkpoints
+    from launcher.core.checkpoint.directory import checkpoint_dir, complete_checkpoints
 
     for path, manifest in reversed(complete_checkpoints(checkpoint_dir(job.checkpoint.dir, bundle))):
         result = _json(path / "eval.json")

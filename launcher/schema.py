@@ -289,7 +289,7 @@ class ScheduleConfig:
     """Record what each rank executed in the last training step (wall-clock start/end of every F, B, W, send
     and recv) into the bundle's timeline/ as a Chrome/Perfetto trace JSON and a PNG (1f1b, zb_h1, zb_v)."""
     zb_v_costs: Optional[List[float]] = None
-    """zb_v: the relative per-chunk [T_F, T_B, T_W] its op order is generated for (launcher/core/schedules.py
+    """zb_v: the relative per-chunk [T_F, T_B, T_W] its op order is generated for (launcher/core/pipeline/schedules.py
     schedule_zb_v; ranks and planner use the same order): three numbers for every stage, or 6 x parallel.pipeline
     (one triple per pipeline stage 0..2PP-1 in model order; stage s runs on rank s, or 2PP-1-s for s >= PP, so
     rank 0 holds the first and the last); null means equal costs. ``action=plan`` prints the

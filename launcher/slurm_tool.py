@@ -23,7 +23,7 @@ model entry) run on the compute node before a tensor is read, as they do by hand
 ``logs`` show such a bundle (launcher/runs.py).
 
 The FSDP <-> DP conversion has no command of its own: a job whose ``parallel.megatron_fsdp`` differs from its
-checkpoint's format converts it on its own ranks while loading (launcher/rank/checkpoint_convert.py), so it runs as a
+checkpoint's format converts it on its own ranks while loading (launcher/rank/checkpoint/convert.py), so it runs as a
 Slurm job with ``action=submit`` like any training job.
 
 Login-node code: no torch, no megatron, no rank wing, no ``launcher.hf``.
@@ -164,7 +164,7 @@ def safetensors_itemsize(hf_dir: Path) -> int:
 
 def _writable_new(flag: str, output: Path, exists: Callable[[Path], Optional[str]]) -> None:
     """``output`` is new (``exists`` says why not, or None) and its nearest existing directory takes a file."""
-    from launcher.core.checkpoint_dir import nearest_existing, write_probe
+    from launcher.core.checkpoint.directory import nearest_existing, write_probe
 
     taken = exists(output)
     if taken:
@@ -175,7 +175,7 @@ def _writable_new(flag: str, output: Path, exists: Callable[[Path], Optional[str
 
 
 def _import_paths(flags: dict) -> Tuple[Path, Path]:
-    from launcher.core.checkpoint_dir import checkpoint_name
+    from launcher.core.checkpoint.directory import checkpoint_name
 
     hf, out = Path(_abs(flags["--hf"])), Path(_abs(flags["--output"]))
     if not (hf / "config.json").is_file():
@@ -191,7 +191,7 @@ def _import_paths(flags: dict) -> Tuple[Path, Path]:
 
 def _export_checkpoint(flags: dict) -> Path:
     """export-hf's --checkpoint as the step will resolve it: an iter_N, or a checkpoint dir's newest."""
-    from launcher.core.checkpoint_dir import latest_checkpoint
+    from launcher.core.checkpoint.directory import latest_checkpoint
 
     path = Path(_abs(flags["--checkpoint"]))
     if (path / "metadata.json").is_file():
@@ -379,7 +379,7 @@ def _checkpoint_model(ckpt: Path, flags: dict) -> Tuple[ModelConfig, int, int]:
     else its launcher.json (an import records its dtype and padding; otherwise fp32 and TP 8's padding, the larger)."""
     from dataclasses import fields
 
-    from launcher.core.checkpoint_dir import read_manifest
+    from launcher.core.checkpoint.directory import read_manifest
     from launcher.core.layout import padded_vocab
 
     manifest = read_manifest(ckpt) or {}

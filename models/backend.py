@@ -106,7 +106,7 @@ def fp8_fields(precision: PrecisionConfig, te: bool) -> Dict[str, Any]:
 
 ZB_UB_CFGS = {"qkv_dgrad": {"method": "pipeline"}, "fc1_dgrad": {"method": "pipeline"}}
 """``initialize_ub``'s ub_cfgs under a zero-bubble schedule, whose column-parallel layers overlap the input
-gradient's reduce-scatter with the dgrad GEMM (``tp_comm_overlap_rs_dgrad``, models/zero_bubble.py
+gradient's reduce-scatter with the dgrad GEMM (``tp_comm_overlap_rs_dgrad``, models/deferred_wgrad.py
 ``ZB_TP_OVERLAP``): TE makes a dgrad buffer a reduce-scatter one (and drops the bulk ``*_wgrad`` buffer) only when
 its method is not "bulk" (transformer_engine/pytorch/module/base.py ``initialize_ub``,
 ``dgrad_reduce_scatter_overlap``); "pipeline" is TE's default method for the forward reduce-scatters."""

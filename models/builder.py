@@ -22,7 +22,7 @@ from launcher.core import Layout, derive
 from launcher.schema import JobConfig, ModelConfig, ParallelConfig, PrecisionConfig, Recompute, Schedule, ScheduleConfig
 from models import backend
 from models.seeds import layer_seed
-from models.zero_bubble import zb_tp_overlap
+from models.deferred_wgrad import zb_tp_overlap
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """schema.DTYPES -> torch dtype (a test checks the keys are exactly the schema's)."""
@@ -291,7 +291,7 @@ def build_model(*, model: ModelConfig, parallel: ParallelConfig, precision: Prec
     from megatron.core.models.gpt import GPTModel
 
     from models.mtp import mtp_block_spec
-    from models import zero_bubble as zb
+    from models import deferred_wgrad as zb
 
     layout = layout or layout_of(model=model, parallel=parallel, precision=precision, schedule=schedule)
     te = backend.use_transformer_engine(precision)
@@ -311,7 +311,7 @@ def build_model(*, model: ModelConfig, parallel: ParallelConfig, precision: Prec
         layer_rank = zb.v_layer_rank(kind, layout.pp, pp_rank, vp_stage)
         spec = _seed_layers(backend.decoder_block_spec(config, te, vp_stage=vp, pp_rank=layer_rank), seed)
         zero_bubble = kind in Schedule.ZERO_BUBBLE
-        if zero_bubble:  # split backward: weight gradients deferred into W slots (models/zero_bubble.py)
+        if zero_bubble:  # split backward: weight gradients deferred into W slots (models/deferred_wgrad.py)
             spec = zb.defer_wgrad_spec(spec, te)
         extra = {"pg_collection": zb.v_chunk_pg_collection(layer_rank)} if layer_rank != pp_rank else {}
         chunk = GPTModel(**gpt_model_kwargs(

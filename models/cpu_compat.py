@@ -33,7 +33,7 @@ turns that fusion off on CPU (launcher/rank/optim.py).
 
 Applied only when ``torch.cuda.is_available()`` is False; idempotent. Nothing happens at import time.
 (Not CUDA-related and therefore elsewhere: the distributed optimizer's Adam-step restore bug is handled in
-launcher/rank/checkpoint.py; the interleaved PP=2 batch_p2p guard in models/builder.py.)
+launcher/rank/checkpoint/store.py; the interleaved PP=2 batch_p2p guard in models/builder.py.)
 """
 from __future__ import annotations
 

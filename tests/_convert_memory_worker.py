@@ -6,7 +6,7 @@ process so that none of its buffers is still held by the allocator of the proces
 
 ``convert DIR``: a DDP rank's torch_dist load template (stacked per-layer ShardedTensors over live, touched tensors
 for the model, the fp32 main weights and both moments), filled by ``checkpoint_convert.read`` +
-``torch_dist_state`` as ``launcher/rank/checkpoint.py`` does; prints JSON: the peak RSS growth during the
+``torch_dist_state`` as ``launcher/rank/checkpoint/store.py`` does; prints JSON: the peak RSS growth during the
 conversion (VmHWM reset through /proc/self/clear_refs), the checkpoint's size, and the elements checked equal.
 """
 from __future__ import annotations
@@ -59,7 +59,7 @@ def convert(path: Path) -> None:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     from _rank_harness import single_process_group
-    from launcher.rank import checkpoint_convert
+    from launcher.rank.checkpoint import convert as checkpoint_convert
 
     single_process_group()  # the ranks' parallel state (TP = PP = DP = 1): whose RNG streams the template takes
     prefixes = {"model": "", "main": "optimizer.state.param.", "exp_avg": "optimizer.state.exp_avg.",

@@ -1,7 +1,7 @@
 """Rank worker for tests/test_fsdp.py's exact-conversion check: build a job's model, optimizer and scheduler through
 the rank's own ``launcher.rank.training.build``, resume it from ``checkpoint.load`` (a
-checkpoint of the other format: launcher/rank/checkpoint.py ``resume`` converts it on the ranks,
-launcher/rank/checkpoint_convert.py) and save it again, in this job's own format, at the step it was loaded at: no step in between, so every weight,
+checkpoint of the other format: launcher/rank/checkpoint/store.py ``resume`` converts it on the ranks,
+launcher/rank/checkpoint/convert.py) and save it again, in this job's own format, at the step it was loaded at: no step in between, so every weight,
 Adam moment, counter and RNG stream written is what the conversion put into the live model and optimizer. Rank 0
 writes the model's layer-spec key map (torch_dist's stored names) to OUT/keys_map.json.
 ``torchrun ... _convert_worker.py BUNDLE OUT``."""
@@ -16,9 +16,11 @@ def convert(bundle: Path, out: Path) -> None:
     import torch
 
     from launcher.core import derive, load_job
-    from launcher.core.checkpoint_format import checkpoint_format
+    from launcher.core.checkpoint.format import checkpoint_format
     from launcher.core.run_identity import run_identity
-    from launcher.rank import checkpoint as ckpt, checkpoint_convert, setup, training
+    from launcher.rank import setup, training
+    from launcher.rank.checkpoint import store as ckpt
+    from launcher.rank.checkpoint import convert as checkpoint_convert
 
     job = load_job(bundle / "config.yaml")
     layout = derive(job)

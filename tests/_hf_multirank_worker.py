@@ -6,11 +6,11 @@ Per architecture, the job's own rank code (``launcher.rank``):
 1. builds the model as a job does (``launcher.rank.training.build``: the backend checks,
    ``models.build_model``, Megatron DDP, the Megatron optimizer and scheduler, the model config's hooks) and
    loads the ``import-hf`` checkpoint (written at TP=1) through ``checkpoint.load``'s path
-   (``launcher.rank.checkpoint.resume``): torch_dist reshards it to the job's layout;
+   (``launcher.rank.checkpoint.store.resume``): torch_dist reshards it to the job's layout;
 2. computes the logits of a batch (Megatron-Core's forward-only pipeline schedule, the last stage's
    vocab-parallel logits gathered over TP);
 3. trains one step (``launcher.rank.loop.Loop.train_step``: the pipeline schedule forward and backward, gradient
-   finalisation, Adam) and saves with ``launcher.rank.checkpoint.save`` (a checkpoint written at that layout, its
+   finalisation, Adam) and saves with ``launcher.rank.checkpoint.store.save`` (a checkpoint written at that layout, its
    ``launcher.json`` naming the run's model), then computes the logits again.
 
 Rank 0 of the last stage writes ``OUT/NAME/logits.pt`` ({"import", "trained"}). DeepSeek-V3's MLA needs
@@ -95,7 +95,8 @@ def run_one(name: str, bundle: Path, imported: Path, out: Path) -> None:
 
     from launcher.core import derive, load_job
     from launcher.core.run_identity import run_identity
-    from launcher.rank import checkpoint as ckpt, setup
+    from launcher.rank import setup
+    from launcher.rank.checkpoint import store as ckpt
 
     job = load_job(bundle / "config.yaml")
     layout = derive(job)

@@ -13,8 +13,8 @@ torchrun starts when ``LAUNCHER_NCCL_EMULATION`` is set):
   the check catches a factory tensor that reaches a collective directly, the way ``checkpoint_bytes`` did;
   the static scan in tests/test_nccl_semantics.py covers the rank wing's factory calls.
 * **P2P trace.** Every isend/irecv/send/recv/batch_isend_irecv, every wait on their requests and every
-  collective on a group of more than one rank is recorded as a ``launcher.core.p2p`` event; a rank writes
-  ``rank-<r>.json`` into ``LAUNCHER_P2P_TRACE`` at exit, for ``launcher.core.p2p.replay``.
+  collective on a group of more than one rank is recorded as a ``launcher.core.pipeline.p2p`` event; a rank writes
+  ``rank-<r>.json`` into ``LAUNCHER_P2P_TRACE`` at exit, for ``launcher.core.pipeline.p2p.replay``.
 """
 from __future__ import annotations
 

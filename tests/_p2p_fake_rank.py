@@ -105,9 +105,9 @@ def record(kind: str, p: int, m: int, v: int) -> list:
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     import _nccl_emulation as emu
-    from launcher.core.schedules import stage_of
-    from launcher.rank import zero_bubble
-    from launcher.rank.zero_bubble import forward_backward_zb_h1, forward_backward_zb_v
+    from launcher.core.pipeline.schedules import stage_of
+    from launcher.rank import zb_executor as zero_bubble
+    from launcher.rank.zb_executor import forward_backward_zb_h1, forward_backward_zb_v
 
     layout, fields = job_config(kind, p, m, v)
     Stage = _stage_class()
@@ -152,7 +152,7 @@ def record(kind: str, p: int, m: int, v: int) -> list:
 
 
 def _renumber(events: list, r: int) -> list:
-    """Item ids as (rank, n) in post order: what launcher.core.p2p.replay keys items by."""
+    """Item ids as (rank, n) in post order: what launcher.core.pipeline.p2p.replay keys items by."""
     ids, out = {}, []
     for ev in events:
         if ev[0] == "post":

@@ -36,9 +36,9 @@ WARM_MODULES = (
     "megatron.core.tensor_parallel", "megatron.core.models.gpt", "megatron.core.pipeline_parallel",
     "megatron.core.distributed", "megatron.core.optimizer", "megatron.core.dist_checkpointing",
     "megatron.core.datasets.gpt_dataset", "megatron.core.datasets.blended_megatron_dataset_builder",
-    "launcher.core", "launcher.core.flops", "launcher.rank.entry", "launcher.rank.checkpoint",
+    "launcher.core", "launcher.core.flops", "launcher.rank.entry", "launcher.rank.checkpoint.store",
     "launcher.rank.data", "launcher.rank.loop", "launcher.rank.metrics", "launcher.rank.optim",
-    "launcher.rank.setup", "launcher.rank.console", "launcher.rank.zero_bubble", "models.backend",
+    "launcher.rank.setup", "launcher.rank.console", "launcher.rank.zb_executor", "models.backend",
     "models.builder", "models.cpu_compat", "torch.utils.tensorboard", "matplotlib", "matplotlib.pyplot",
     "torch._dynamo",  # imported by torch.optim.AdamW.__init__ (torch._compile): 1.7 CPU s per rank per run
 

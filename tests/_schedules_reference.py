@@ -1,11 +1,11 @@
-"""The list-scheduling implementations of ``launcher.core.schedules`` as they were before they were rewritten for
+"""The list-scheduling implementations of ``launcher.core.pipeline.schedules`` as they were before they were rewritten for
 speed (float clock, a heap of events, an Op per decision): kept here, unchanged, as the straightforward reference
 that tests/test_schedules_fast.py compares the fast versions with, op for op."""
 from __future__ import annotations
 
 import heapq
 
-from launcher.core.schedules import Op, stage_of
+from launcher.core.pipeline.schedules import Op, stage_of
 from launcher.schema import Schedule
 
 

@@ -31,7 +31,7 @@ def _overlap_on_cpu(parallel) -> None:
     from megatron.core.distributed import param_and_grad_buffer as pgb
 
     from launcher.rank import optim
-    from models import zero_bubble as zb
+    from models import deferred_wgrad as zb
 
     shipped = optim.ddp_config
 
@@ -87,7 +87,7 @@ def one_step(job, layout, kind: str, bundle: Path, steps: int = 1):
     w_total = sum(e[0] == "w" for e in schedule_events)
     started = [sum(e[0] == "w" for e in schedule_events[:i]) for i, e in enumerate(schedule_events)
                if e[0] == "reduce"]
-    from models.zero_bubble import ZB_ATTR
+    from models.deferred_wgrad import ZB_ATTR
 
     deferred = [m for m in model[0].modules() if getattr(type(m), ZB_ATTR, False)]
     return ([float(x["lm loss"]) for x in losses], grads, float(grad_norm), params,

@@ -1,5 +1,5 @@
 """torchrun worker for tests/test_zb_memory.py: one ZB-H1 training step on the real executor; what the W store
-(models/zero_bubble.py) held at most, per rank.
+(models/deferred_wgrad.py) held at most, per rank.
 
 Usage: torchrun --nproc_per_node=N tests/_zb_memory_worker.py OUT_DIR override [override ...]
 Writes OUT_DIR/rank-<r>.json: pipeline and TP rank, the store's peak bytes and peak pending microbatches over
@@ -24,7 +24,7 @@ def main() -> int:
     from launcher.config import compose_job
     from launcher.core import derive
     from launcher.rank import loop, setup, training
-    from models.zero_bubble import STORE
+    from models.deferred_wgrad import STORE
 
     job = compose_job(overrides)
     layout = derive(job)

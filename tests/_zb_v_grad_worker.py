@@ -38,7 +38,7 @@ def main() -> int:
     from launcher.config import compose_job
     from launcher.core import derive
     from launcher.rank import loop, setup, training
-    from launcher.rank.zero_bubble import Recorder
+    from launcher.rank.zb_executor import Recorder
     from launcher.schema import Schedule
 
     job = compose_job(overrides)

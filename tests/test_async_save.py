@@ -1,4 +1,4 @@
-"""checkpoint.async_save (launcher/rank/async_save.py): a stop signal during an asynchronous write, and the login
+"""checkpoint.async_save (launcher/rank/checkpoint/async_save.py): a stop signal during an asynchronous write, and the login
 side's view of it (the stop lead, the plan). The kill -9 during a write, the losses against a synchronous run and
 pruning with keep_last=1 are the async case of tests/test_train_resume.py."""
 from __future__ import annotations

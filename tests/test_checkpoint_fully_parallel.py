@@ -1,4 +1,4 @@
-"""Fully parallel checkpoint saves (Megatron-LM's default ``fully_parallel_save``, launcher/rank/checkpoint.py
+"""Fully parallel checkpoint saves (Megatron-LM's default ``fully_parallel_save``, launcher/rank/checkpoint/store.py
 ``save_strategy``): every data-parallel replica writes an even share of the replicated weights, instead of DP
 rank 0 writing all of them; and the ranks' first save-time estimate is the busiest node's bytes over one node's
 write bandwidth."""
@@ -12,7 +12,7 @@ import torch
 
 from _rank_harness import TINY, layout
 from launcher.config import compose_job
-from launcher.rank import checkpoint
+from launcher.rank.checkpoint import store as checkpoint
 
 
 def _bytes_by_rank(ckpt: Path) -> dict:

@@ -1,7 +1,7 @@
 """The checkpoint directory's LOCK never has two holders (issue 27 item 1).
 
 Eight contender processes start together (a barrier), round after round, each calling the production
-``launcher.core.dirlock.take`` with the production staleness rule; every round must end with exactly one holder,
+``launcher.core.checkpoint.dirlock.take`` with the production staleness rule; every round must end with exactly one holder,
 and the LOCK on disk must be that holder's. Rounds cycle through a free directory, a LOCK whose owner is dead (a
 crashed run on this host: every contender wants to replace it at once) and an old torn (empty) LOCK. Before the
 fix (O_EXCL create, then the owner written; a reader of the empty file called it stale and replaced it) the same
@@ -18,7 +18,7 @@ import sys
 import time
 import uuid
 
-from launcher.core import dirlock
+from launcher.core.checkpoint import dirlock
 
 CONTENDERS = 8
 ROUNDS = 300

@@ -1,7 +1,7 @@
 """Checkpoint bookkeeping without training (one process, no process group): what counts as a checkpoint,
 newest-first listing, pruning, verification, run identity and the resume decision (the torch-free
-``launcher/core/checkpoint_dir.py`` and ``run_identity.py``), the directory lock and the ranks' refusals
-(``launcher/rank/checkpoint.py``)."""
+``launcher/core/checkpoint/directory.py`` and ``run_identity.py``), the directory lock and the ranks' refusals
+(``launcher/rank/checkpoint/store.py``)."""
 from __future__ import annotations
 
 import json
@@ -13,10 +13,10 @@ import sys
 import pytest
 
 from launcher.config import compose_job
-from launcher.core import checkpoint_dir as cd
+from launcher.core.checkpoint import directory as cd
 from launcher.core.run_identity import identity_diff, run_hash, run_identity
-from launcher.core.weights import weights_mismatch
-from launcher.rank import checkpoint as ckpt
+from launcher.core.checkpoint.weights import weights_mismatch
+from launcher.rank.checkpoint import store as ckpt
 from launcher.rank.loop import straggler_report
 
 

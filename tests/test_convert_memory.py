@@ -1,4 +1,4 @@
-"""The FSDP <-> DP converter streams (launcher/rank/checkpoint_convert.py): a rank's peak host memory while it fills
+"""The FSDP <-> DP converter streams (launcher/rank/checkpoint/convert.py): a rank's peak host memory while it fills
 its load template from a checkpoint of the other format grows by one stored chunk and one box at a time, not by the
 checkpoint. tests/_convert_memory_worker.py writes a 302 MB fsdp_dtensor-shaped checkpoint (8 layers, fp32, gated
 fc1 stored as halves) in one process and converts it into a DDP rank's torch_dist template (model, fp32 main

@@ -1,4 +1,4 @@
-"""launcher.core.dirlock.pid_alive: a killed process that its parent has not reaped yet (a zombie) is gone, so a run
+"""launcher.core.checkpoint.dirlock.pid_alive: a killed process that its parent has not reaped yet (a zombie) is gone, so a run
 started again at once may take the lock of a run that was just killed."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import socket
 import subprocess
 import time
 
-from launcher.core import dirlock
+from launcher.core.checkpoint import dirlock
 
 
 def test_a_zombie_is_not_alive_and_a_running_process_is():

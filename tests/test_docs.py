@@ -208,3 +208,15 @@ def test_the_fields_page_is_generated_from_the_schema_and_current():
 
     assert (ROOT / "docs" / "fields.md").read_text() == fields_markdown(), \
         "docs/fields.md is stale: python -m launcher.help --fields-md > docs/fields.md"
+
+
+def test_the_tests_map_is_current():
+    """tests/README.md (the product's rooms and the test modules of each) is what tests/_test_map.py reads from the
+    tests as they are: a moved product file or a new test module regenerates it."""
+    import subprocess
+    import sys
+
+    printed = subprocess.run([sys.executable, str(ROOT / "tests" / "_test_map.py")], capture_output=True, text=True,
+                             check=True).stdout
+    assert (ROOT / "tests" / "README.md").read_text() == printed, \
+        "tests/README.md is stale: python tests/_test_map.py > tests/README.md"

@@ -1,6 +1,6 @@
 """Megatron-FSDP (parallel.megatron_fsdp): the real Megatron-Core FSDP wrapper and distributed optimizer train on CPU
 ranks (gloo, models/cpu_compat.py's bridges) with the losses of the same job under Megatron DDP, and checkpoint in
-Megatron-FSDP's fsdp_dtensor format (launcher/rank/fsdp_checkpoint.py): a run killed after its step-K checkpoint
+Megatron-FSDP's fsdp_dtensor format (launcher/rank/checkpoint/fsdp.py): a run killed after its step-K checkpoint
 resumes with the uninterrupted run's losses.
 
 Why equality holds: FSDP all-gathers the same weights, reduce-scatters the same gradient sums (scaled by 1/DP
@@ -70,7 +70,7 @@ only guard (it was 100 steps: 140 s of a 30-minute CI budget)."""
 
 def test_fsdp_tp2_dp2_prefetch_runs_long_without_corrupting_the_heap(tmp_path):
     """Megatron-FSDP's parameter prefetch at TP2 x DP2, 8 layers (16 buckets), both overlaps on, 30 steps saving
-    every 10 (the save syncs parameters, launcher/rank/checkpoint.py sync_params_before_save). Before
+    every 10 (the save syncs parameters, launcher/rank/checkpoint/store.py sync_params_before_save). Before
     models/cpu_compat.py ran its coalesced collectives to completion, several asynchronous coalesced all-gathers
     of one gloo group ran at once on its worker threads and corrupted the heap ("malloc(): unaligned tcache chunk
     detected", or a segmentation fault at a save): measured on 2 cores, 4 of 6 such 150-step runs died, and the
@@ -106,7 +106,7 @@ def test_fsdp_killed_after_checkpoint_resumes_with_the_same_losses(tmp_path, fsd
 
 def test_a_checkpoint_moves_from_fsdp_to_ddp_and_back_with_the_same_losses(tmp_path, ddp_dp2, fsdp_dp2):
     """FSDP's step-3 fsdp_dtensor checkpoint continues without FSDP (the DDP job converts it in memory on its ranks,
-    launcher/rank/checkpoint_convert.py) and saves torch_dist every step; its step-4 checkpoint continues with FSDP
+    launcher/rank/checkpoint/convert.py) and saves torch_dist every step; its step-4 checkpoint continues with FSDP
     again. Every continued loss and learning rate is the uninterrupted runs' (1e-6), so weights, Adam moments and
     steps, LR schedule and counters all crossed both ways; that the crossing itself is exact, bit for bit, is
     test_conversion_copies_every_value_bit_for_bit_both_ways.
@@ -157,7 +157,7 @@ def _same_bits(a, b, where: str) -> int:
 
 
 def _canonical(path, keys_map=None):
-    from launcher.rank.checkpoint_convert import FSDP as FSDP_FMT, from_fsdp, from_torch_dist, read_all
+    from launcher.rank.checkpoint.convert import FSDP as FSDP_FMT, from_fsdp, from_torch_dist, read_all
 
     fmt = json.loads((path / "launcher.json").read_text())["format"]
     flat = read_all(path)
@@ -257,7 +257,7 @@ CONVERT_REFUSED = [  # (saved format, manifest identity/fields, this job, the pa
 
 @pytest.mark.parametrize("saved,theirs,ours,rule", CONVERT_REFUSED)
 def test_conversion_refuses_what_it_does_not_convert_with_one_line(saved, theirs, ours, rule):
-    from launcher.rank.checkpoint_convert import refusal
+    from launcher.rank.checkpoint.convert import refusal
 
     base = {"precision.dtype": "fp32", "model.num_experts": None, "parallel.tensor": 1,
             "parallel.distributed_optimizer": True}

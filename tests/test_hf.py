@@ -212,7 +212,7 @@ def test_streamed_shards_read_back_as_safetensors_writes_them(tmp_path):
 def test_a_weights_only_checkpoint_of_another_model_is_named_field_by_field():
     """checkpoint.load= of an import whose weight-shaping fields differ from the job's: each differing field named
     (a longer context or other dropout is no difference: those fields are not recorded)."""
-    from launcher.core.weights import weights_mismatch
+    from launcher.core.checkpoint.weights import weights_mismatch
 
     manifest = {"weights_of": {"model.hidden_size": 64, "model.num_layers": 2, "model.tie_embeddings": False}}
     same = {"model.hidden_size": 64, "model.num_layers": 2, "model.tie_embeddings": False, "model.seq_length": 8192}

@@ -36,7 +36,7 @@ SHARED_DEPENDS = {
     "omegaconf": (("launcher.schema", "launcher.core.jobfile"),
                   "the schema's structured config and the bundle's config.yaml"),
     "hydra": (("launcher.schema",), "the schema registers in Hydra's ConfigStore at import"),
-    "matplotlib": (("launcher.core.timeline",), "drawing a timeline (draw only, imported inside it)"),
+    "matplotlib": (("launcher.core.pipeline.timeline",), "drawing a timeline (draw only, imported inside it)"),
     "numpy": (("launcher.core.indexed_files",), "the .idx header and a .bin's token ids, memory-mapped"),
 }
 """The shared core's third-party dependencies: package -> (the core modules that may import it, why); everything

@@ -1,5 +1,5 @@
 """What NCCL does not forgive, checked on CPU: device discipline of collectives, and p2p orders under NCCL's
-blocking-send rules for every pipeline schedule the ranks execute (launcher/core/p2p.py,
+blocking-send rules for every pipeline schedule the ranks execute (launcher/core/pipeline/p2p.py,
 tests/_nccl_emulation.py, tests/_p2p_fake_rank.py)."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from _rank_harness import TINY, communicate_on_progress, layout, run_train, write_bundle
-from launcher.core import p2p
-from launcher.core.schedules import build_schedule
+from launcher.core.pipeline import p2p
+from launcher.core.pipeline.schedules import build_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 PPS = range(2, 17)
@@ -181,7 +181,7 @@ def _emulated_run(tmp_path: Path, name: str, nproc: int, overrides: list) -> dic
     assert proc.returncode == 0, \
         f"{name} failed under the NCCL emulation:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
     traces = {r: json.loads((trace / f"rank-{r}.json").read_text())["events"] for r in range(nproc)}
-    # request ids count per process: make them (rank, id), as launcher.core.p2p.replay keys groups
+    # request ids count per process: make them (rank, id), as launcher.core.pipeline.p2p.replay keys groups
     return {r: [(ev[0], (r, ev[1]), *ev[2:]) if ev[0] in ("post", "wait") else tuple(ev) for ev in events]
             for r, events in traces.items()}
 
@@ -302,10 +302,10 @@ EXPLICIT_HOST_ALLOWED = {
     ("models/builder.py", 'device="cpu"'): "the routed experts' seed drawn from a CPU generator (a Python int; on "
                                            "the meta device of import-hf a default-device draw has no value), no "
                                            "tensor leaves",
-    ("launcher/rank/checkpoint_convert.py", 'device="cpu"'): "read_all's and Source's buffers are filled from files "
+    ("launcher/rank/checkpoint/convert.py", 'device="cpu"'): "read_all's and Source's buffers are filled from files "
                                                              "and sliced on the host, then copied onto each live "
                                                              "tensor's device",
-    ("launcher/rank/checkpoint.py", ".cpu()"): "the gathered byte counts become Python ints (tolist) after the "
+    ("launcher/rank/checkpoint/store.py", ".cpu()"): "the gathered byte counts become Python ints (tolist) after the "
                                                "collective, never before one",
     ("models/backend.py", 'torch.device("cpu")'): "compute_device() itself, without CUDA",
     ("models/cpu_compat.py", 'torch.device("cpu")'): "the CPU bridge's stand-in for a CUDA device (no CUDA: the "
@@ -420,7 +420,7 @@ def test_every_zb_v_variant_replays_without_deadlock():
     """schedule_zb_v picks one of several list-scheduling variants by the costs it is given, so every variant's
     order (at costs that select each: equal, W cheap, F cheap, F cheaper than B and W) must replay under NCCL's rules, with and without
     overlapped receives."""
-    from launcher.core.schedules import _zb_v, zb_v_variants
+    from launcher.core.pipeline.schedules import _zb_v, zb_v_variants
 
     for p in (2, 3, 4, 8):
         for m in (1, p, 2 * p + 1):

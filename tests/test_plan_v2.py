@@ -390,7 +390,7 @@ def test_expert_tensor_parallelism_without_expert_parallelism_still_moves_tokens
 def test_zero_bubble_keeps_userbuffer_overlap_but_the_row_parallel_gradient_gathers():
     """Under ZB-H1 the forward and W keep 1F1B's TP cost and the backward half of its userbuffer overlap: the
     column-parallel input-gradient reduce-scatters stay pipelined (tp_comm_overlap_rs_dgrad), the row-parallel
-    output-gradient all-gathers (proj, fc2) run on NCCL, exposed (models/zero_bubble.py ZB_TP_OVERLAP,
+    output-gradient all-gathers (proj, fc2) run on NCCL, exposed (models/deferred_wgrad.py ZB_TP_OVERLAP,
     ZB_ROW_TP_OVERLAP). Llama3-70B at TP8: the GEMMs are longer than the collectives (1F1B exposes latency only),
     so ZB's backward pays exactly half the pass's collectives, less the two latencies already counted."""
     base = ["recipe=llama3_70b", "parallel.virtual_pipeline=null", "schedule.overlap_p2p_comm=false"]

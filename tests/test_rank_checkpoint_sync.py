@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from launcher.rank import checkpoint
+from launcher.rank.checkpoint import store as checkpoint
 
 
 class _Chunk:

@@ -158,7 +158,7 @@ def test_fsdp_and_ddp_convert_or_are_refused_by_optimizer_format(capsys, dp2, dp
     plan = _plan(DIST + ["parallel.megatron_fsdp=true", f"checkpoint.load={fully}"], 2)
     assert plan.verdict == "convert", plan
     assert plan.changes == ["torch_dist -> fsdp_dtensor (DDP + distributed optimizer -> Megatron-FSDP), converted in "
-                            "memory on the ranks (launcher/rank/checkpoint_convert.py), then saved as fsdp_dtensor"]
+                            "memory on the ranks (launcher/rank/checkpoint/convert.py), then saved as fsdp_dtensor"]
     _, dp_resh = dp2
     code, _, err = _verdict(DIST + ["parallel.megatron_fsdp=true", f"checkpoint.load={dp_resh}"], 2, capsys)
     assert code == 2

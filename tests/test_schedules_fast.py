@@ -1,5 +1,5 @@
 """The fast list scheduling of ZB-H1 over a virtual pipeline and Megatron's interleaved order
-(``launcher.core.schedules``) against the straightforward versions they replaced (tests/_schedules_reference.py):
+(``launcher.core.pipeline.schedules``) against the straightforward versions they replaced (tests/_schedules_reference.py):
 the rank executor runs these op lists literally and the planner's memory and timing read them, so they must be
 equal op for op, over a grid of pipeline sizes, microbatch counts (up to 512), chunks and microbatch groups."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from _schedules_reference import schedule_interleaved as ref_interleaved
 from _schedules_reference import zb_h1_interleaved as ref_zb_h1
 
-from launcher.core.schedules import _zb_h1_interleaved, schedule_interleaved, schedule_zb_h1
+from launcher.core.pipeline.schedules import _zb_h1_interleaved, schedule_interleaved, schedule_zb_h1
 
 GRID = [(p, m, v, g) for p in (2, 3, 4, 8) for v in (2, 3, 4) for g in sorted({p, 2 * p, p + 1} - {0})
         for m in (g, 2 * g, 5 * g)] + [(8, 128, 4, 8), (16, 512, 2, 16), (4, 512, 6, 4), (16, 64, 6, 16),
@@ -51,7 +51,7 @@ def test_front_matches_pairwise():
 def test_distinct_held_matches_held_after_each_op():
     """The planner's integer-coded distinct states equal the distinct states of held_after_each_op, on ZB-H1 (with
     and without chunks), ZB-V and 1F1B op lists."""
-    from launcher.core.schedules import schedule_1f1b, schedule_zb_v
+    from launcher.core.pipeline.schedules import schedule_1f1b, schedule_zb_v
     from launcher.plan.zb_states import _distinct_held, held_after_each_op
 
     lists = [ops for args in ((8, 64, 4, 8), (4, 24, 3, 6), (8, 32), (1, 4)) for ops in schedule_zb_h1(*args)]

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from launcher.config import compose_job
-from launcher.core import checkpoint_dir as cd, signal_lead as sl
+from launcher.core import signal_lead as sl
+from launcher.core.checkpoint import directory as cd
 from launcher.render import RenderError, signal_lead_of, write_bundle
 
 

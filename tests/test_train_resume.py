@@ -86,6 +86,6 @@ def test_tp2pp2_killed_after_checkpoint_resumes_with_same_losses(tmp_path, refer
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_distributed_optimizer_dp2_resume_same_losses(tmp_path, reference_run, async_save):
     """Distributed optimizer (Adam state sharded over DP=2) round-trips through dist_checkpointing; this
-    failed before the step-tensor fix in launcher/rank/checkpoint.py (losses diverged after resume). Async: a kill
+    failed before the step-tensor fix in launcher/rank/checkpoint/store.py (losses diverged after resume). Async: a kill
     during an asynchronous write (``_async_killed_during_write_resumes``)."""
     _resume_case(tmp_path, 2, layout() + ["parallel.distributed_optimizer=true"], reference_run, async_save)

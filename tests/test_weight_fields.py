@@ -1,4 +1,4 @@
-"""``launcher.core.weights.MODEL_FIELDS`` is total and honest: every ``model.*`` schema field is classified, and
+"""``launcher.core.checkpoint.weights.MODEL_FIELDS`` is total and honest: every ``model.*`` schema field is classified, and
 for each one a tiny model (CPU GPTModel, one gloo rank, the same seed) built with one field changed shows what the
 class says: ``SHAPES``/``POSITION_TABLE``/``PADDED_ROWS`` change the state dict's keys or shapes, ``INIT_VALUES``
 only its initial values, ``NOT_WEIGHTS`` nothing at all. Fields that cannot be varied alone on CPU say why."""
@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from launcher.core import weights
-from launcher.core.weights import (COMPARED_WHEN, INIT_VALUES, MLA_SHAPES, MODEL_FIELDS, NOT_WEIGHTS, PADDED_ROWS,
+from launcher.core.checkpoint import weights
+from launcher.core.checkpoint.weights import (COMPARED_WHEN, INIT_VALUES, MLA_SHAPES, MODEL_FIELDS, NOT_WEIGHTS, PADDED_ROWS,
                                    POSITION_TABLE, SHAPES, weights_mismatch, weights_of)
 from launcher.schema import ModelConfig, ParallelConfig, PrecisionConfig
 

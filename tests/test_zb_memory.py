@@ -1,10 +1,10 @@
 """ZB-H1 memory as it is held: the planner's pending weight-gradient bytes per stage (launcher/plan/memory.py)
-against what the executor's W store (models/zero_bubble.py) actually keeps on CPU ranks.
+against what the executor's W store (models/deferred_wgrad.py) actually keeps on CPU ranks.
 
 With the weight-gradient GEMMs deferred, stage r of ZB-H1 keeps, besides 1F1B's in-flight activations, the
 GEMM inputs and output gradients of every deferred linear of up to r + 1 microbatches (r between W slots, one
 more from the end of a B to the W after it), and the last stage also the output layer's logits gradient. The
-planner reads those counts off ``launcher.core.schedules.schedule_zb_h1``, the list the executor runs.
+planner reads those counts off ``launcher.core.pipeline.schedules.schedule_zb_h1``, the list the executor runs.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from _rank_harness import ROOT, TINY, layout, run_worker
 
-from launcher.core.schedules import Op, schedule_1f1b, schedule_zb_h1
+from launcher.core.pipeline.schedules import Op, schedule_1f1b, schedule_zb_h1
 from launcher.plan.memory import memory_per_stage, stage_wgrad_bytes, zb_h1_held_wgrad_bytes
 from launcher.plan.zb_states import held_after_each_op, zb_h1_states, zb_peak_state
 
@@ -57,7 +57,7 @@ def test_peak_state_weighs_activations_against_pending_w():
 def test_zb_v_bound_states_dominate_every_state_of_every_variant(p):
     """The search's first pass prices ZB-V from ``zb_v_bound_states`` (no op list): every state any variant reaches,
     at any costs and microbatch count, must sit under one of them, or a layout that does not fit would be kept."""
-    from launcher.core.schedules import _zb_v, zb_v_variants
+    from launcher.core.pipeline.schedules import _zb_v, zb_v_variants
     from launcher.plan.zb_states import zb_v_bound_states
 
     for m in (1, p - 1, p, 2 * p + 1, 4 * p):

@@ -1,4 +1,4 @@
-"""ZB-H1 on Megatron-Core (launcher/rank/zero_bubble.py, models/zero_bubble.py) against Megatron's own 1F1B.
+"""ZB-H1 on Megatron-Core (launcher/rank/zb_executor.py, models/deferred_wgrad.py) against Megatron's own 1F1B.
 
 Tolerance. ZB-H1 changes *when* each weight-gradient GEMM runs, not what it computes: the deferred W runs the
 same GEMM (``grad_output^T @ input``, Megatron's 2-D reshape) on the same tensors and adds it into the same
@@ -22,8 +22,8 @@ import pytest
 
 from _rank_harness import ROOT, TINY, layout, run_worker, train
 
-from launcher.core.schedules import build_schedule, schedule_1f1b, schedule_zb_h1
-from launcher.core import timeline
+from launcher.core.pipeline.schedules import build_schedule, schedule_1f1b, schedule_zb_h1
+from launcher.core.pipeline import timeline
 
 RTOL = 1e-6
 GRAD_TINY = [o for o in TINY if not o.startswith("train.")] + [
@@ -49,7 +49,7 @@ def test_zb_v_order_is_complete_causal_and_within_1f1b_memory(p, m, costs):
     """Every (microbatch, chunk) gets one F, B and W per rank, W after its B, B after its F; at most 2p
     chunk-microbatches hold activations (F until W) on any rank, i.e. 1F1B's p whole-stage microbatches; and
     the order runs (the simulator replays it with the V's dependencies without deadlock)."""
-    from launcher.core.schedules import schedule_zb_v
+    from launcher.core.pipeline.schedules import schedule_zb_v
     from launcher.plan.zb_states import held_after_each_op
     from launcher.plan.simulator import simulate
 
@@ -73,7 +73,7 @@ def test_zb_v_keeps_the_best_of_its_variants_for_the_costs(p, m, costs, plain, b
     when few are, a filler that ends before the next B arrives) and keeps the shortest at the given costs: never
     worse than the plain rule, and where W is cheaper than B or F is cheaper than B and W (CPU's measured chunk
     costs) clearly better, at the same memory."""
-    from launcher.core.schedules import _zb_v, schedule_zb_v, zb_v_variants
+    from launcher.core.pipeline.schedules import _zb_v, schedule_zb_v, zb_v_variants
     from launcher.plan.zb_states import held_after_each_op
     from launcher.plan.simulator import simulate
 
@@ -90,7 +90,7 @@ def test_zb_v_keeps_the_best_of_its_variants_for_the_costs(p, m, costs, plain, b
 
 def _stage_durations(order, per_stage, p):
     """Each op's cost in ``order`` from one (T_F, T_B, T_W) per pipeline stage of the V."""
-    from launcher.core.schedules import stage_of
+    from launcher.core.pipeline.schedules import stage_of
 
     return [[per_stage[stage_of("zb_v", p, r, op.chunk)]["FBW".index(op.kind)] for op in ops]
             for r, ops in enumerate(order)]
@@ -103,7 +103,7 @@ def test_zb_v_per_stage_costs_give_the_makespan_the_simulator_replays(p, m, seed
     stage's cost); three numbers are the same order as those three repeated for every stage."""
     import random
 
-    from launcher.core.schedules import _zb_v, schedule_zb_v, zb_v_makespan, zb_v_variants
+    from launcher.core.pipeline.schedules import _zb_v, schedule_zb_v, zb_v_makespan, zb_v_variants
     from launcher.plan.simulator import simulate
 
     rng = random.Random(seed)
@@ -128,7 +128,7 @@ def test_zb_v_order_for_per_stage_costs_is_never_longer_than_the_order_for_their
     random per-stage costs it is never the longer one."""
     import random
 
-    from launcher.core.schedules import schedule_zb_v, stage_of, zb_v_makespan
+    from launcher.core.pipeline.schedules import schedule_zb_v, stage_of, zb_v_makespan
 
     def both(p, m, per_stage):
         flat = tuple(c for t in per_stage for c in t)
@@ -178,7 +178,7 @@ def test_zb_v_simulated_idle_is_at_most_0_4_of_interleaved(p, m):
 def test_zb_v_places_the_layers_in_a_v_and_the_loss_on_rank_0():
     from launcher.config import compose_job
     from launcher.core import derive
-    from launcher.core.schedules import loss_rank, place, stage_of
+    from launcher.core.pipeline.schedules import loss_rank, place, stage_of
     from launcher.plan.memory import stage_memory
 
     assert [stage_of("zb_v", 4, r, c) for c in (0, 1) for r in range(4)] == [0, 1, 2, 3, 7, 6, 5, 4]
@@ -242,7 +242,7 @@ def test_zb_h1_over_a_virtual_pipeline_keeps_interleaveds_order_and_memory(p, v,
     activations: the same peak in flight), every chunk-microbatch's W once and after its B, at most r + 1 W's
     pending on rank r, and at equal costs the simulated bubble at most 0.45x interleaved's (measured 0.33-0.41x:
     PP 8 VPP 4 m 64 0.9% vs 2.7%)."""
-    from launcher.core.schedules import schedule_interleaved
+    from launcher.core.pipeline.schedules import schedule_interleaved
     from launcher.plan.zb_states import held_after_each_op
     from launcher.plan.simulator import simulate
 
@@ -282,7 +282,7 @@ def test_zb_h1_over_a_virtual_pipeline_validates_with_the_recipes_own_settings(c
 
 def test_search_ranks_zero_bubble_with_the_jobs_tp_overlap():
     """Llama3-70B overlaps TP communication with userbuffers: its ZB-H1 and ZB-V candidates keep that (the rank
-    drops only the sub-overlaps delayed wgrad cannot have, models/zero_bubble.py ZB_TP_OVERLAP) and are priced
+    drops only the sub-overlaps delayed wgrad cannot have, models/deferred_wgrad.py ZB_TP_OVERLAP) and are priced
     and ranked beside 1F1B and interleaved (tests/golden/search_llama3_70b.json holds where they rank)."""
     from launcher.config import compose_job
     from launcher.plan.search import candidates
@@ -315,7 +315,7 @@ def test_timeline_helpers_and_trace_format(tmp_path):
 def test_recorder_times_gpu_ops_with_events_resolved_once_per_step():
     """On a GPU the recorder stamps CUDA events (a host clock would time kernel launches) and turns them into
     seconds with one synchronize per step, when the spans are read; here a fake event stands in for CUDA's."""
-    from launcher.rank.zero_bubble import Recorder
+    from launcher.rank.zb_executor import Recorder
 
     clock = {"t": 0.0, "syncs": 0}
 
@@ -355,7 +355,7 @@ def test_recorder_keeps_each_spans_cpu_seconds_apart_from_its_wall_time():
     needs; on GPU there is none (events time the device)."""
     import time
 
-    from launcher.rank.zero_bubble import Recorder
+    from launcher.rank.zb_executor import Recorder
 
     rec = Recorder()
     rec.start_step()
@@ -382,7 +382,7 @@ def test_recorded_forward_keeps_the_f_spans_of_every_chunk_on_the_last_rank():
     loss that never comes (deciding by the rank, ``is_pipeline_last_stage``, lost them)."""
     import torch
 
-    from launcher.rank.zero_bubble import Recorder, recorded_forward
+    from launcher.rank.zb_executor import Recorder, recorded_forward
 
     class Chunk(torch.nn.Module):
         def __init__(self, post_process):
@@ -407,7 +407,7 @@ def test_replay_runs_measured_op_costs_through_the_planned_order():
     """launcher.plan.simulator.replay: per-op durations through the planned order's dependencies give the
     simulation at those costs when they are the costs; a slow op delays what depends on it; an executed order
     that differs from the planned one is refused (kinds always, labels when the recorder knows them)."""
-    from launcher.core.schedules import build_schedule
+    from launcher.core.pipeline.schedules import build_schedule
     from launcher.plan.simulator import replay, simulate
 
     p, m = 4, 8
@@ -444,7 +444,7 @@ def test_unsupported_zb_h1_combinations_are_refused_with_one_line(cli, override,
 def test_tp_comm_overlap_validates_with_zero_bubble(cli):
     """llama405b (PP8, TP8 with userbuffer overlap, selective recompute, overlapped grad reduce and param gather)
     validates with zb_h1 as published: the rank keeps the TP overlaps TE allows with delayed wgrad
-    (models/zero_bubble.py ZB_TP_OVERLAP; tests/test_wiring.py checks they reach TransformerConfig)."""
+    (models/deferred_wgrad.py ZB_TP_OVERLAP; tests/test_wiring.py checks they reach TransformerConfig)."""
     # force=true: the job validates; its ZB-H1 peak (124.9 GB on the last stage, FP8 W operands) does not fit an H100,
     # which validate now says as render does (tests/test_bad_input_round4.py)
     code, _, err = cli("recipe=llama405b", "schedule.kind=zb_h1", "force=true", "action=validate")
@@ -518,7 +518,7 @@ def test_deferred_linear_queues_w_and_accumulates_like_1f1b():
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     from _rank_harness import single_process_group
-    from models import zero_bubble as zb
+    from models import deferred_wgrad as zb
     from models.builder import transformer_config
     from launcher.schema import ModelConfig, ParallelConfig, PrecisionConfig
 
@@ -596,7 +596,7 @@ def test_deferred_bf16_weight_gradient_is_megatrons_1f1b_arithmetic_bitwise(monk
 
     from _rank_harness import single_process_group
     from launcher.schema import ModelConfig, ParallelConfig, PrecisionConfig
-    from models import zero_bubble as zb
+    from models import deferred_wgrad as zb
     from models.builder import transformer_config
 
     single_process_group()
@@ -651,7 +651,7 @@ def test_te_spec_passes_delay_wgrad_compute_and_w_calls_backward_dw(monkeypatch)
     from megatron.core.extensions import transformer_engine as mte
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from models import zero_bubble as zb
+    from models import deferred_wgrad as zb
 
     built = []
 
@@ -800,7 +800,7 @@ def test_zb_v_gives_1f1b_losses_and_gradients(tmp_path, name):
     without gradient clipping, whose norm is summed per bucket, a grouping the two layouts do not share), the
     forward-only V's (evaluation) losses equal the training ones, and each rank ran exactly schedule_zb_v's
     op order."""
-    from launcher.core.schedules import schedule_zb_v
+    from launcher.core.pipeline.schedules import schedule_zb_v
 
     nproc, lay = ZB_V_GRADS[name]
     v = _zb_v_worker(tmp_path / "v", nproc, lay + ["parallel.virtual_pipeline=2", "schedule.kind=zb_v"])
@@ -881,7 +881,7 @@ def zb_v_and_1f1b_runs(tmp_path_factory):
     evaluations at 3 and 6)."""
     tmp = tmp_path_factory.mktemp("zbv")
     ref = train(tmp, "1f1b", 2, ZB_V_TRAIN + ["schedule.kind=1f1b"])
-    # overlap_p2p_comm: every receive posted one op early (launcher.core.p2p.plan), what the search sets for ZB-V
+    # overlap_p2p_comm: every receive posted one op early (launcher.core.pipeline.p2p.plan), what the search sets for ZB-V
     v = train(tmp, "zb_v", 2, ZB_V_TRAIN + ["schedule.kind=zb_v", "parallel.virtual_pipeline=2",
                                              "schedule.record_timeline=true", f"schedule.zb_v_costs={list(ZB_V_COSTS)}",
                                              "schedule.overlap_p2p_comm=true"])
@@ -892,7 +892,7 @@ def test_zb_v_trains_with_1f1b_losses_and_runs_the_simulated_order(zb_v_and_1f1b
     """Six steps (bitwise parity holds or fails from step 1; 1e-6 relative allowed: the clip norm's grouping),
     evaluation through the forward-only V, and the executed order is the planner's: schedule_zb_v generated
     for the job's schedule.zb_v_costs, which both read."""
-    from launcher.core.schedules import build_schedule
+    from launcher.core.pipeline.schedules import build_schedule
 
     _, ref, v = zb_v_and_1f1b_runs
     assert sorted(v.losses()) == list(range(1, 7))

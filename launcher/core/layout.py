@@ -9,7 +9,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import List, Optional, Tuple
 
-from launcher.core.schedules import place
+from launcher.core.pipeline.schedules import place
 from launcher.schema import ClusterConfig, JobConfig, ModelConfig, ParallelConfig, PrecisionConfig, Schedule
 
 
@@ -240,7 +240,7 @@ def _stage_counts(parallel: ParallelConfig, num_layers: int, p: int) -> list[int
 def _chunk_layers(sizes: list[list[int]], kind: str = Schedule.INTERLEAVED) -> tuple:
     """Global decoder-layer indices per [stage][chunk]: with VPP the model is cut into PP x VPP chunks,
     stage r holding chunks r, r + PP, r + 2 PP, ... (Megatron's interleaved assignment, layer ids in
-    virtual-stage order); under zb_v, chunks r and 2 PP - 1 - r (the V, launcher.core.schedules.stage_of)."""
+    virtual-stage order); under zb_v, chunks r and 2 PP - 1 - r (the V, launcher.core.pipeline.schedules.stage_of)."""
     p, v = len(sizes), len(sizes[0]) if sizes else 1
     chunks: list[list] = [[()] * v for _ in range(p)]
     nxt = 0

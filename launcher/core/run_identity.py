@@ -1,8 +1,8 @@
 """Which runs are the same run: the config values a checkpoint records as its run's identity, and its hash.
 
 A run continues only from its own checkpoints (same hash) unless ``checkpoint.load`` names another; the ranks
-write both into every manifest (``launcher/core/checkpoint_dir.py`` publish) and name the run that holds a
-checkpoint directory's lock by the hash (``launcher/rank/checkpoint.py`` DirLock). Torch-free, standard library
+write both into every manifest (``launcher/core/checkpoint/directory.py`` publish) and name the run that holds a
+checkpoint directory's lock by the hash (``launcher/rank/checkpoint/store.py`` DirLock). Torch-free, standard library
 only: the tests and tools compute the same identity as the ranks.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ IDENTITY = {
             "moe_router_enable_expert_bias moe_expert_capacity_factor moe_pad_expert_input_to_capacity "
             "multi_latent_attention q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim "
             "mtp_num_layers cross_entropy_loss_fusion",
-            "the model: its weights (launcher/core/weights.py) and what it computes from them"),
+            "the model: its weights (launcher/core/checkpoint/weights.py) and what it computes from them"),
     **_each("parallel", "tensor pipeline virtual_pipeline context expert expert_tensor data sequence_parallel "
             "distributed_optimizer megatron_fsdp overlap_grad_reduce overlap_param_gather tp_comm_overlap "
             "first_stage_layers last_stage_layers account_for_embedding_in_pipeline_split "

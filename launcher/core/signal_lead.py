@@ -25,7 +25,7 @@ rendered once and a requeue reruns the same script:
   slower since render, or no checkpoint had been measured yet) without waiting for the signal.
 
 The checkpoint's size and save-time estimates and the measured save live with the checkpoint directory
-(``launcher/core/checkpoint_dir.py``). Torch-free: imported by the login node (render) and the rank wing.
+(``launcher/core/checkpoint/directory.py``). Torch-free: imported by the login node (render) and the rank wing.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from collections import deque
 from pathlib import Path
 from typing import Optional
 
-from launcher.core.checkpoint_dir import estimated_save_s, measured_save_s
+from launcher.core.checkpoint.directory import estimated_save_s, measured_save_s
 
 FLOOR_S = 300
 """The derived lead is at least this (capped at a quarter of the time limit): the fixed default it replaces."""

@@ -125,7 +125,7 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
     "parallel.pipeline_model_parallel_layout": _tc("pipeline_model_parallel_layout", same=False),
     "parallel.moe_a2a_overlap": _tc("overlap_moe_expert_parallel_comm"),
     # ---- schedule
-    # zero bubble with userbuffer TP overlap: the overlaps TE allows with deferred W (models/zero_bubble.py)
+    # zero bubble with userbuffer TP overlap: the overlaps TE allows with deferred W (models/deferred_wgrad.py)
     "schedule.kind": _w(LOOP, "forward_backward_func")
     + _tc("tp_comm_bulk_wgrad", "tp_comm_bulk_dgrad", "tp_comm_overlap_rs_dgrad", same=False)
     + _w(UB, "ub_cfgs", same=False),
@@ -133,7 +133,7 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
     "schedule.batch_p2p_comm": _tc("batch_p2p_comm", same=False),
     "schedule.overlap_p2p_comm": _tc("overlap_p2p_comm"),
     "schedule.record_timeline": _w(LOOP, "timeline recorder"),
-    "schedule.zb_v_costs": _w(LOOP, "zb_v op order (launcher.core.schedules.schedule_zb_v costs)"),
+    "schedule.zb_v_costs": _w(LOOP, "zb_v op order (launcher.core.pipeline.schedules.schedule_zb_v costs)"),
     # ---- precision
     "precision.dtype": _tc("params_dtype", "bf16", "fp16", same=False) + _w(OPT, "params_dtype", "bf16", "fp16", same=False),
     "precision.fp8": _tc("fp8_recipe", same=False) + _w(UB, "use_fp8", same=False) + _w(OPT, "fp8_recipe"),

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from launcher.core.checkpoint_dir import latest_checkpoint, read_manifest
+from launcher.core.checkpoint.directory import latest_checkpoint, read_manifest
 from launcher.hf import arch, mapping
 from launcher.hf.safetensors_out import ShardWriter, nbytes, plan_shards, shard_name, write_index
 from launcher.schema import ModelConfig

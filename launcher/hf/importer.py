@@ -30,9 +30,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from launcher.core.checkpoint_dir import MANIFEST, checkpoint_name
+from launcher.core.checkpoint.directory import MANIFEST, checkpoint_name
 from launcher.core.layout import uses_transformer_engine
-from launcher.core.weights import weights_of  # one home: the model fields that shape a checkpoint's tensors
+from launcher.core.checkpoint.weights import weights_of  # one home: the model fields that shape a checkpoint's tensors
 from launcher.hf import arch, mapping
 from launcher.schema import JobConfig, ParallelConfig, PrecisionConfig
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Optional
 
 from launcher.core.blend import parse_blend
-from launcher.core.checkpoint_dir import checkpoint_dir, complete_checkpoints
+from launcher.core.checkpoint.directory import checkpoint_dir, complete_checkpoints
 
 USAGE = "python -m launcher post RUN"
 STATE_FILE = "post.json"

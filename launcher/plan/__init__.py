@@ -106,7 +106,7 @@ class Plan:
     """The collective and heartbeat timeouts render will write (launcher/core/timeouts.py ``derive``)."""
     checkpoint: dict = field(default_factory=dict)
     """checkpoint.async_save only: the save time hidden and the host memory a save in flight holds
-    (launcher/core/checkpoint_dir.py ``async_save_costs``); empty otherwise."""
+    (launcher/core/checkpoint/directory.py ``async_save_costs``); empty otherwise."""
 
     @property
     def peak_stage(self) -> StageMemory:
@@ -275,7 +275,7 @@ def _async_save(job: JobConfig, counts: dict) -> dict:
     """checkpoint.async_save's costs for the whole model's checkpoint, else {}."""
     if not job.checkpoint.async_save:
         return {}
-    from launcher.core.checkpoint_dir import async_save_costs
+    from launcher.core.checkpoint.directory import async_save_costs
 
     return async_save_costs(counts["total"], job.precision.dtype, nodes=job.nodes,
                             gpus_per_node=job.cluster.gpus_per_node, write_gbps=job.cluster.checkpoint_write_gbps)
@@ -287,7 +287,7 @@ def _timeouts(job: JobConfig, counts: dict, st: StepTime) -> dict:
     from pathlib import Path
 
     from launcher.core import timeouts
-    from launcher.core.checkpoint_dir import checkpoint_dir
+    from launcher.core.checkpoint.directory import checkpoint_dir
     from launcher.core.signal_lead import step_and_save_s
 
     ckpt_dir = checkpoint_dir(job.checkpoint.dir, Path()) if job.checkpoint.dir else None

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from launcher.core import Layout, derive, moe_layer_pattern
 from launcher.core.flops import kv_channels, query_groups
-from launcher.core.schedules import loss_rank
+from launcher.core.pipeline.schedules import loss_rank
 from launcher.plan.zb_states import (zb_h1_bound_states, zb_h1_front, zb_h1_reached_states, zb_h1_states, zb_peak_state,
                                      zb_v_bound_states, zb_v_front)
 from launcher.schema import JobConfig, ModelConfig, Recompute, Schedule
@@ -404,7 +404,7 @@ def wgrad_operand_bytes(job: JobConfig, gathered_input: bool) -> tuple[float, fl
       ``update_usage(columnwise_usage=True)`` (distributed.py ``_all_gather_fp8``), both kept on Hopper; MXFP8
       and blockwise gather the columnwise copy alone (``set_quantizer_usage_for_wgrad_all_gather``);
     - each copy is 1 byte an element plus its scales (``FP8_SCALE_BYTES``).
-    Zero bubble here turns off ``ub_overlap_ag`` on row-parallel layers (``models.zero_bubble``), the one
+    Zero bubble here turns off ``ub_overlap_ag`` on row-parallel layers (``models.deferred_wgrad``), the one
     setting under which TE quantises the output gradient rowwise only."""
     pr = job.precision
     if not pr.fp8:
@@ -430,7 +430,7 @@ def layer_wgrad_bytes_per_token(job: JobConfig, lay: Layout, moe: bool) -> float
 def output_wgrad_bytes_per_token(job: JobConfig, lay: Layout) -> float:
     """Bytes the last stage's pending output-layer W holds per token: its input (h, full width) and the logits
     gradient (padded vocabulary / TP), in the activation dtype (GPTModel's output layer is Megatron's own
-    ColumnParallelLinear on every backend, deferred by ``models.zero_bubble.defer_output_layer``)."""
+    ColumnParallelLinear on every backend, deferred by ``models.deferred_wgrad.defer_output_layer``)."""
     return DTYPE_BYTES.get(job.precision.dtype, 2) * (job.model.hidden_size + lay.padded_vocab / lay.tp)
 
 

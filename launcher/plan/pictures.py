@@ -1,8 +1,8 @@
 """``action=plan`` pictures: the chosen layout's pipeline under 1F1B, interleaved and ZB-H1, side by side.
 
-Each schedule is the core's op order (``launcher.core.schedules``) replayed by the simulator with the
+Each schedule is the core's op order (``launcher.core.pipeline.schedules``) replayed by the simulator with the
 planner's own per-stage F/B/W times for this job (``timing.step_time``), drawn and traced with the same
-code that draws a real run's recorded timeline (``launcher.core.timeline``). Interleaved uses the job's
+code that draws a real run's recorded timeline (``launcher.core.pipeline.timeline``). Interleaved uses the job's
 virtual stages, or 2 when the job has none (and is left out when the microbatches do not divide into
 groups of PP). Long runs are drawn with at most ``MAX_MICROBATCHES`` microbatches (said in the title).
 """
@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List, Tuple
 
-from launcher.core import Layout, derive, timeline
+from launcher.core import Layout, derive
+from launcher.core.pipeline import timeline
 from launcher.schema import JobConfig, Schedule
 
 MAX_MICROBATCHES = 16

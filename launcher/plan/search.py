@@ -227,11 +227,11 @@ CHOSEN_FOR_ZB_H1 = {"schedule.kind", "parallel.moe_a2a_overlap"}
 """Fields of launcher.validate.zb_h1_rules the search sets itself for a zero-bubble candidate (PP > 1; no
 combined-1F1B MoE overlap). Recompute, overlap_grad_reduce and tp_comm_overlap stay the job's (or the search's
 own choice): under zero bubble the rank keeps the userbuffer overlaps TE allows with deferred weight gradients
-(models/zero_bubble.py zb_tp_overlap) and the planner prices the rest (timing._overlapped_tp)."""
+(models/deferred_wgrad.py zb_tp_overlap) and the planner prices the rest (timing._overlapped_tp)."""
 
 
 def _zb_h1_allowed(job: JobConfig) -> bool:
-    """What launcher/rank/zero_bubble.py trains, on the fields the search keeps from the job (validation skips
+    """What launcher/rank/zb_executor.py trains, on the fields the search keeps from the job (validation skips
     the ZB-H1 rules for action=search, so this is the search's own check)."""
     return all(ok for ok, field, *_ in zb_h1_rules(job) if field not in CHOSEN_FOR_ZB_H1)
 
@@ -363,9 +363,14 @@ def search(job: JobConfig, top: int = 10, layout: Layout | None = None) -> list[
                                 saved if twin_job.train.cuda_graph_impl != "none" else None))
     fitting.sort(key=lambda x: x[4])
     results: list[Candidate] = []
+    tied_twin_shown = False
     for overrides, cand, lay, peak, _, static, exact, host_saved in fitting:
         if len(results) >= max(2 * top, 12):
             break
+        if host_saved is not None and host_saved <= 0:  # graphs that save no host time here: memory for nothing
+            if tied_twin_shown:  # shown once (what they would cost), not beside every layout, crowding the others out
+                continue
+            tied_twin_shown = True
         if layout_errors(validate(cand)):
             continue
         st = step_time(cand, lay)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from launcher.core.schedules import (  # noqa: F401  (re-exported: the planner's names)
+from launcher.core.pipeline.schedules import (  # noqa: F401  (re-exported: the planner's names)
     Op, build_schedule, schedule_1f1b, schedule_interleaved, schedule_zb_h1, schedule_zb_v, stage_of)
 from launcher.schema import Schedule
 
@@ -67,7 +67,7 @@ def simulate(schedule: list[list[Op]], t_f: float | Sequence[float], t_b: float 
              t_w: float | Sequence[float], t_comm: float = 0.0, placement: str = Schedule.INTERLEAVED,
              durations: Sequence[Sequence[float]] | None = None) -> SimResult:
     """Replay per-rank op lists; costs are per model chunk, scalars or one value per rank. ``placement``: how
-    chunks map to pipeline stages (``launcher.core.schedules.stage_of``: interleaved, or zb_v's V).
+    chunks map to pipeline stages (``launcher.core.pipeline.schedules.stage_of``: interleaved, or zb_v's V).
     ``durations[r][i]``, when given, is the cost of rank r's i-th op instead (measured ops replayed through the
     same dependencies: :func:`replay`)."""
     p = len(schedule)
@@ -119,7 +119,7 @@ def simulate(schedule: list[list[Op]], t_f: float | Sequence[float], t_b: float 
 def replay(planned: list[list[Op]], executed: Sequence[Sequence[tuple]], durations: Sequence[Sequence[float]],
            placement: str = Schedule.INTERLEAVED, t_comm: float = 0.0, labels: bool = True) -> SimResult:
     """An executed step replayed with one core per rank: each rank's measured op costs (``durations``, e.g. the
-    thread CPU seconds ``launcher.rank.zero_bubble.Recorder.cpu_seconds`` gives) through the planned order and its
+    thread CPU seconds ``launcher.rank.zb_executor.Recorder.cpu_seconds`` gives) through the planned order and its
     dependencies (``simulate``). What a wall clock measures only when every rank has a core of its own; with ranks
     sharing cores, a descheduled rank's op looks long and the others' waits hide behind it.
 

@@ -19,7 +19,7 @@ from launcher.core import Layout, derive
 from launcher.core.flops import FMA, flops_per_step, kv_channels, layer_flops, query_groups
 from launcher.plan.memory import (DTYPE_BYTES, GRAD_BYTES_FP32, fsdp_layer_params, grad_groups, optimizer_shards,
                                   recompute_fraction, recomputed_modules, sp_shards, stage_layers, stage_params)
-from launcher.core.schedules import loss_rank
+from launcher.core.pipeline.schedules import loss_rank
 from launcher.plan.host import host_seconds, overlap_host_seconds
 from launcher.plan.measured import op_overhead, shared_units_s
 from launcher.plan.simulator import simulate_kind
@@ -252,7 +252,7 @@ def _overlapped_tp(comm: float, n: int, hide: float, zero_bubble: bool = False) 
     (``tp_comm_overlap_rs_dgrad``) instead of the bulk overlap with the wgrad GEMM that W now runs later, and the
     row-parallel output-gradient all-gathers (proj, fc2) are NCCL, exposed: with ``ub_overlap_ag`` TE leaves the
     gathered gradient, the deferred wgrad GEMM's operand, in the shared userbuffer that the next layer's backward
-    overwrites (models/zero_bubble.py ``zb_tp_overlap``; launcher/plan/NOTES.md)."""
+    overwrites (models/deferred_wgrad.py ``zb_tp_overlap``; launcher/plan/NOTES.md)."""
     if not zero_bubble:
         return max(0.0, comm - hide) + n * COLLECTIVE_LATENCY_S
     half = comm / 2
@@ -586,7 +586,7 @@ def step_time(job: JobConfig, lay: Layout | None = None, exact: bool = True) -> 
     c = costs[worst]
     hide_rs = 0.0
     if par.overlap_grad_reduce:  # behind the last microbatch's backward; under zero bubble its W only (a
-        # bucket's reduce starts after the last W of its weights, launcher/rank/zero_bubble.py _grad_sync)
+        # bucket's reduce starts after the last W of its weights, launcher/rank/zb_executor.py _grad_sync)
         hide_rs = c.w if job.schedule.kind in Schedule.ZERO_BUBBLE and p > 1 else c.b + c.w
     hide_ag = c.f if (par.overlap_param_gather and par.distributed_optimizer) else 0.0  # first forward
     dp_exposed = max(0.0, rs - hide_rs) + max(0.0, ag - hide_ag)

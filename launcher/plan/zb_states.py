@@ -10,14 +10,14 @@ from __future__ import annotations
 import functools
 import itertools
 
-from launcher.core.schedules import Op, schedule_zb_h1, schedule_zb_v
+from launcher.core.pipeline.schedules import Op, schedule_zb_h1, schedule_zb_v
 
 
 def held_after_each_op(ops: list[Op]) -> list[tuple[int, int]]:
     """(microbatches in flight, microbatches whose W is pending) after each op of one rank's op list.
 
     F puts a microbatch in flight (all its activations). B frees them except what its deferred weight-gradient
-    GEMMs keep (``models/zero_bubble.py``: the W store holds each deferred linear's input and output gradient
+    GEMMs keep (``models/deferred_wgrad.py``: the W store holds each deferred linear's input and output gradient
     until that microbatch's W), so the microbatch moves from in flight to pending; W frees the oldest pending
     one; BW (1F1B) frees an in-flight one, nothing left pending. The state after a B is the one before the W
     that may follow it: the store then holds that B's W work too, its most."""
@@ -60,7 +60,7 @@ def _distinct_held(ops) -> tuple[tuple[int, int], ...]:
 
 @functools.lru_cache(maxsize=256)
 def zb_h1_states(p: int, m: int, v: int = 1, group: int | None = None) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Per stage, the distinct (in flight, pending W) states of ``launcher.core.schedules.schedule_zb_h1(p, m, v,
+    """Per stage, the distinct (in flight, pending W) states of ``launcher.core.pipeline.schedules.schedule_zb_h1(p, m, v,
     group)``, the op list the rank executor runs literally (so planner and executor read one schedule); with
     ``v`` > 1 both count chunk-microbatches."""
     return tuple(_distinct_held(ops) for ops in schedule_zb_h1(p, m, v, group))

@@ -90,7 +90,7 @@ def _batches(dataset, *, start: int, train: TrainConfig, dp_rank: int, dp_size: 
 def chunks_reading_data(num_chunks: int, kind: str = Schedule.ONE_F_ONE_B) -> List[bool]:
     """Per model chunk of this rank: does it read batches (first or last pipeline stage of the whole
     pipeline: tokens/position ids for the embedding, labels/loss mask for the loss and MTP)? Under zb_v both
-    are rank 0's (launcher.core.schedules.stage_of). Only tensor-parallel rank 0 reads: it broadcasts each
+    are rank 0's (launcher.core.pipeline.schedules.stage_of). Only tensor-parallel rank 0 reads: it broadcasts each
     micro-batch to the other TP ranks (launcher.rank.batch.batch_on_this_tp_rank), which build no loader, as
     in Megatron-LM (training.py ``build_train_valid_test_data_loaders``: loaders on TP rank 0 only)."""
     from megatron.core import parallel_state as ps
@@ -98,7 +98,7 @@ def chunks_reading_data(num_chunks: int, kind: str = Schedule.ONE_F_ONE_B) -> Li
     if ps.get_tensor_model_parallel_rank() != 0:
         return [False] * num_chunks
     if kind == Schedule.ZB_V:
-        from launcher.core.schedules import stage_of
+        from launcher.core.pipeline.schedules import stage_of
 
         p, r = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
         return [stage_of(kind, p, r, c) in (0, p * num_chunks - 1) for c in range(num_chunks)]

@@ -86,10 +86,11 @@ class RunRefused(Exception):
 
 def train(bundle: Path, console) -> int:
     from launcher.core import derive, load_job
-    from launcher.core.checkpoint_dir import checkpoint_dir
+    from launcher.core.checkpoint.directory import checkpoint_dir
     from launcher.core.run_identity import run_hash, run_identity
     from launcher.rank.datasets import DataFilesChanged
-    from launcher.rank import checkpoint as ckpt, elastic, profiling, progress, setup
+    from launcher.rank import elastic, profiling, progress, setup
+    from launcher.rank.checkpoint import store as ckpt
 
     import torch
 
@@ -116,7 +117,7 @@ def train(bundle: Path, console) -> int:
             console.line(line)
     # The checkpoint dir's lock before anything expensive: a second run on the same dir stops in seconds, not
     # after building its model.
-    from launcher.core.checkpoint_format import checkpoint_format
+    from launcher.core.checkpoint.format import checkpoint_format
 
     ckpt.check_options(job.checkpoint, checkpoint_format(job))
     ckpt_dir = checkpoint_dir(job.checkpoint.dir, bundle)
@@ -227,14 +228,15 @@ def _hooks(run: _RankRun, lp, ckpts, log):
 
 def _finish(run: _RankRun, lp, ckpts, log, why: str) -> int:
     """After the last step: the timeline, the checkpoint in flight, the end save, the summary, DONE or STOPPED."""
-    from launcher.rank import checkpoint as ckpt, metrics, setup
+    from launcher.rank import metrics, setup
+    from launcher.rank.checkpoint import store as ckpt
     from megatron.core import parallel_state as ps
 
     import torch
 
     job, layout, console, bundle = run.job, run.layout, run.console, run.bundle
     if lp.recorder is not None and lp.recorder.spans:  # schedule.record_timeline: the last step, drawn
-        from launcher.rank.zero_bubble import write_timeline
+        from launcher.rank.zb_executor import write_timeline
 
         drawn = write_timeline(lp.recorder, bundle / "timeline", job.schedule.kind)
         if drawn is not None:

@@ -66,7 +66,7 @@ def schedule_func(kind: str, zb_v_costs=None) -> Callable:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if kind in Schedule.ZERO_BUBBLE:  # no upstream zero-bubble schedule: ours, on Megatron's p2p and step functions
-        from launcher.rank import zero_bubble
+        from launcher.rank import zb_executor as zero_bubble
 
         if kind == Schedule.ZB_V and zb_v_costs:  # schedule.zb_v_costs: the order generated for those chunk costs
             return partial(zero_bubble.forward_backward_zb_v, costs=tuple(zb_v_costs))
@@ -139,7 +139,7 @@ def reduce_report(local_loss: float, why: Optional[str], kind: str = Schedule.ON
     from this rank's ``why``. One small collective per step."""
     from megatron.core import parallel_state
 
-    from launcher.core.schedules import loss_rank
+    from launcher.core.pipeline.schedules import loss_rank
 
     holder = (parallel_state.get_pipeline_model_parallel_rank()
               == loss_rank(kind, parallel_state.get_pipeline_model_parallel_world_size())
@@ -373,7 +373,7 @@ class Loop:
         self.forward_step = forward_step_for(micro_batch_size=train.micro_batch_size, seq_length=seq_length)
         self.recorder = None  # schedule.record_timeline: spans of the last training step (zero_bubble.Recorder)
         if record_timeline:
-            from launcher.rank.zero_bubble import Recorder
+            from launcher.rank.zb_executor import Recorder
 
             self.recorder = Recorder()
         self.step, self.consumed = 0, 0
@@ -443,7 +443,7 @@ class Loop:
         if self.recorder is None:
             yield self.fwd_bwd, self.forward_step
             return
-        from launcher.rank import zero_bubble as zb
+        from launcher.rank import zb_executor as zb
 
         self.recorder.start_step()
         if self.kind in Schedule.ZERO_BUBBLE:

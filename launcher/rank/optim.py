@@ -69,7 +69,7 @@ def wrap_ddp(chunks: List[torch.nn.Module], *, parallel: ParallelConfig,
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.utils import get_model_config
 
-    from models.zero_bubble import mark_deferred_weights, te_modules
+    from models.deferred_wgrad import mark_deferred_weights, te_modules
 
     config = ddp_config(parallel=parallel, precision=precision, on_gpu=torch.cuda.is_available())
     # zero bubble: weights with a deferred W get DDP's grad hook through their module (TE's backward_dw, or our

@@ -159,7 +159,7 @@ def _rank_losses(local_loss: float, kind: str) -> list:
     import torch
     from megatron.core import parallel_state
 
-    from launcher.core.schedules import loss_rank
+    from launcher.core.pipeline.schedules import loss_rank
 
     holder = (parallel_state.get_pipeline_model_parallel_rank()
               == loss_rank(kind, parallel_state.get_pipeline_model_parallel_world_size())

@@ -95,8 +95,8 @@ class Checkpointer:
     ``on_saved(step)``: the caller's note that a checkpoint of ``step`` is published (every rank)."""
 
     def __init__(self, job, training: Training, ckpt_dir: Path, identity: dict, line: Callable[..., None]):
-        from launcher.core.checkpoint_format import checkpoint_format
-        from launcher.rank import checkpoint as ckpt
+        from launcher.core.checkpoint.format import checkpoint_format
+        from launcher.rank.checkpoint import store as ckpt
 
         self.job, self.training, self.dir, self.identity, self.line = job, training, ckpt_dir, identity, line
         self.checksum = job.checkpoint.verify == "checksum"
@@ -113,7 +113,7 @@ class Checkpointer:
         return self.training.loop.spikes
 
     def _resume(self) -> None:
-        from launcher.rank import checkpoint as ckpt
+        from launcher.rank.checkpoint import store as ckpt
 
         t, lp = self.training, self.training.loop
         lp.step, lp.consumed, self.latest = ckpt.resume(
@@ -124,7 +124,7 @@ class Checkpointer:
     def open(self) -> None:
         """checkpoint.resume=false: this run's earlier checkpoints moved aside; else resume from the newest (or
         checkpoint.load); then the loss-spike rule with the window and skips of the checkpoint resumed from."""
-        from launcher.rank import checkpoint as ckpt
+        from launcher.rank.checkpoint import store as ckpt
 
         lp = self.training.loop
         if not self.job.checkpoint.resume:
@@ -145,7 +145,7 @@ class Checkpointer:
 
     def rollback(self) -> None:
         """After a loss spike: the newest checkpoint (all before the spike) loaded again, to replay from it."""
-        from launcher.rank import checkpoint as ckpt
+        from launcher.rank.checkpoint import store as ckpt
 
         self.finish_in_flight()  # a checkpoint still being written is the newest one to roll back to
         self._resume()  # this run's own newest, else the one it started from
@@ -155,7 +155,7 @@ class Checkpointer:
 
     def preflight(self) -> None:
         """Room for a checkpoint in the directory before the first step, and the stop guard's save time."""
-        from launcher.rank import checkpoint as ckpt
+        from launcher.rank.checkpoint import store as ckpt
 
         need = ckpt.checkpoint_shares(self.training.model,
                                       distributed_optimizer=self.job.parallel.distributed_optimizer)
@@ -163,9 +163,9 @@ class Checkpointer:
         self.guard = stop_guard(self.job, self.latest, need["busiest_node"], self.line)
 
     def open_background(self) -> None:
-        """checkpoint.async_save: torch_dist files written in the background (launcher/rank/checkpoint.py
+        """checkpoint.async_save: torch_dist files written in the background (launcher/rank/checkpoint/store.py
         AsyncSaves), published when every rank's writer is done; None: every save blocks until published."""
-        from launcher.rank.async_save import AsyncSaves
+        from launcher.rank.checkpoint.async_save import AsyncSaves
 
         self.background = AsyncSaves() if self.job.checkpoint.async_save else None
 
@@ -201,8 +201,8 @@ class Checkpointer:
             self.guard.in_flight = False
 
     def save(self, in_background: bool = False) -> None:
-        from launcher.core.checkpoint_dir import checkpoint_name
-        from launcher.rank import checkpoint as ckpt
+        from launcher.core.checkpoint.directory import checkpoint_name
+        from launcher.rank.checkpoint import store as ckpt
 
         self.finish_in_flight()  # a stop/end save after an async one: that one first (Megatron: one save at a time)
         t, lp, cp, spikes = self.training, self.training.loop, self.job.checkpoint, self.spikes
@@ -233,7 +233,8 @@ def stop_guard(job, resumed, node_bytes: int, line: Callable[..., None]):
     """Stop in time for the Slurm time limit on every attempt (launcher/core/signal_lead.py): the job's end
     time from job.sbatch, this run's save time (the resumed checkpoint's measured one, else the estimate: the
     bytes the busiest node writes under fully parallel save over one node's write bandwidth)."""
-    from launcher.core import checkpoint_dir as cdir, signal_lead
+    from launcher.core import signal_lead
+    from launcher.core.checkpoint import directory as cdir
 
     measured = (cdir.read_manifest(Path(resumed)) or {}).get("save_seconds") if resumed is not None else None
     save_s = (float(measured) if isinstance(measured, (int, float)) else

@@ -373,8 +373,8 @@ def validate_cuda_graphs(job: JobConfig, lay: Layout) -> list[Problem]:
     c.need(impl != "transformer_engine" or lay.transformer_engine, where, impl, "the transformer_engine "
            "implementation is TE's make_graphed_callables, and this job plans no Transformer Engine layers",
            "train.cuda_graph_impl=local or precision.transformer_engine=auto")
-    # stricter (no upstream schedule to assert): the zero-bubble executor (launcher/rank/zero_bubble.py) splits
-    # each backward and defers the weight-gradient GEMMs as Python closures queued in models/zero_bubble.py's
+    # stricter (no upstream schedule to assert): the zero-bubble executor (launcher/rank/zb_executor.py) splits
+    # each backward and defers the weight-gradient GEMMs as Python closures queued in models/deferred_wgrad.py's
     # WeightGradStore while an autograd function's backward runs; a replayed backward graph runs its kernels
     # without that Python, so no W work would be queued (weights silently not trained), and Megatron-Core builds
     # local graphs (create_cudagraphs) and TE's per-microbatch capture order only for its own 1F1B/interleaved

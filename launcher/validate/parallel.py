@@ -170,7 +170,7 @@ def _validate_fsdp(c: Checks, job: JobConfig, lay: Layout) -> None:
             return
     # The ranks write fsdp_dtensor with torch.distributed.checkpoint.save, synchronously (launcher/rank/
     # fsdp_checkpoint.py); checkpoint.async_save goes through Megatron-Core's torch_dist async writer only (the rank
-    # wing refuses the combination too: launcher/rank/checkpoint.py check_options).
+    # wing refuses the combination too: launcher/rank/checkpoint/store.py check_options).
     c.need(not job.checkpoint.async_save, "checkpoint.async_save", True,
            "asynchronous saves write torch_dist only; under parallel.megatron_fsdp the ranks write the fsdp_dtensor "
            "format synchronously", "checkpoint.async_save=false")
@@ -250,7 +250,7 @@ def _validate_moe_overlap(c: Checks, job: JobConfig, lay: Layout) -> None:
             return
     # The ranks write fsdp_dtensor with torch.distributed.checkpoint.save, synchronously (launcher/rank/
     # fsdp_checkpoint.py); checkpoint.async_save goes through Megatron-Core's torch_dist async writer only (the rank
-    # wing refuses the combination too: launcher/rank/checkpoint.py check_options).
+    # wing refuses the combination too: launcher/rank/checkpoint/store.py check_options).
     c.need(not job.checkpoint.async_save, "checkpoint.async_save", True,
            "asynchronous saves write torch_dist only; under parallel.megatron_fsdp the ranks write the fsdp_dtensor "
            "format synchronously", "checkpoint.async_save=false")

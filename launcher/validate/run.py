@@ -81,10 +81,10 @@ def validate_checkpoint(ckpt: CheckpointConfig) -> list[Problem]:
 
 def validate_loaded_weights(job: JobConfig) -> list[Problem]:
     """checkpoint.load of an ``import-hf`` checkpoint (weights only): its launcher.json records the model fields that
-    shape its tensors (launcher/core/weights.py weights_of); each one this job's model sets differently is one
-    problem here, before any rank starts (the ranks check the same, launcher/rank/checkpoint.py weights_mismatch).
+    shape its tensors (launcher/core/checkpoint/weights.py weights_of); each one this job's model sets differently is one
+    problem here, before any rank starts (the ranks check the same, launcher/rank/checkpoint/store.py weights_mismatch).
     A path this node cannot read is left to the ranks."""
-    from launcher.core.checkpoint_dir import read_manifest
+    from launcher.core.checkpoint.directory import read_manifest
 
     if not job.checkpoint.load:
         return []

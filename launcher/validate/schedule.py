@@ -12,13 +12,13 @@ from launcher.validate.generic import Checks, round_up
 
 
 def zb_h1_rules(job: JobConfig) -> list[tuple]:
-    """What the zero-bubble executor (launcher/rank/zero_bubble.py) trains, as (holds, field, value, rule, hint);
+    """What the zero-bubble executor (launcher/rank/zb_executor.py) trains, as (holds, field, value, rule, hint);
     validate_schedule checks them all, the layout search those on fields it does not choose itself. Recompute,
     MoE experts (with router and shared experts), MTP, overlap_grad_reduce and the distributed optimizer are
     supported (tests/test_zero_bubble.py: 1F1B's gradients, bitwise); what is refused here, upstream forbids.
     tp_comm_overlap is kept without the userbuffer overlaps TE forbids with delayed wgrad or that would hold W's
-    operands (the rank sets them off: models/zero_bubble.py ZB_TP_OVERLAP, quoting TE)."""
-    p, zb = job.parallel, f"{job.schedule.kind} (launcher/rank/zero_bubble.py)"
+    operands (the rank sets them off: models/deferred_wgrad.py ZB_TP_OVERLAP, quoting TE)."""
+    p, zb = job.parallel, f"{job.schedule.kind} (launcher/rank/zb_executor.py)"
     return [
         (p.pipeline > 1, "schedule.kind", job.schedule.kind, f"{job.schedule.kind} needs parallel.pipeline > 1",
          "parallel.pipeline=2 (or schedule.kind=1f1b)"),
@@ -41,7 +41,7 @@ def zb_h1_rules(job: JobConfig) -> list[tuple]:
 
 
 ZB_V_COST_MIN, ZB_V_COST_MAX, ZB_V_COST_SPREAD = 1e-6, 1e6, 1e3
-"""schedule.zb_v_costs' range: the list scheduler (launcher.core.schedules._zb_v) adds costs into clocks and sums
+"""schedule.zb_v_costs' range: the list scheduler (launcher.core.pipeline.schedules._zb_v) adds costs into clocks and sums
 6pm of them; inf, nan, or 1e308 (whose sum overflows to inf) leave it no finite makespan, and the planner and
 render then have no order at all. Relative costs a thousand times apart, microseconds up to a second, all order."""
 
@@ -57,7 +57,7 @@ def zb_v_costs_in_range(costs) -> bool:
 
 
 def zb_v_rules(job: JobConfig, lay: Layout) -> list[tuple]:
-    """ZB-V's own layout rules (launcher.core.schedules.schedule_zb_v: two chunks per rank in a V, so rank 0
+    """ZB-V's own layout rules (launcher.core.pipeline.schedules.schedule_zb_v: two chunks per rank in a V, so rank 0
     holds both the first and the last stage)."""
     p = job.parallel
     uneven = next((name for name in ("first_stage_layers", "last_stage_layers", "pipeline_model_parallel_layout",
@@ -76,7 +76,7 @@ def zb_v_rules(job: JobConfig, lay: Layout) -> list[tuple]:
          "zb_v splits the layers evenly over its 2 x parallel.pipeline stages (uneven splits assume the "
          "interleaved placement, with the last stage on the last rank; in the V it is on rank 0)",
          f"parallel.{uneven}={'false' if uneven and uneven.startswith('account') else 'null'}"),
-        # launcher.core.schedules.zb_v_stage_costs: one triple for every stage, or one per stage (2 x PP of them)
+        # launcher.core.pipeline.schedules.zb_v_stage_costs: one triple for every stage, or one per stage (2 x PP of them)
         (job.schedule.zb_v_costs is None or (len(job.schedule.zb_v_costs) in (3, 6 * lay.pp)
                                               and zb_v_costs_in_range(job.schedule.zb_v_costs)),
          "schedule.zb_v_costs", job.schedule.zb_v_costs, f"relative chunk costs, each finite, in [{ZB_V_COST_MIN:g}, "
@@ -93,7 +93,7 @@ def zb_v_rules(job: JobConfig, lay: Layout) -> list[tuple]:
         # ours, not upstream's: Megatron ties the two copies with an all-reduce over the embedding group (first
         # and last pipeline rank); in the V both are on rank 0, in two chunks, and that sync is not built
         (not job.model.tie_embeddings, "model.tie_embeddings", True, "zb_v puts the embedding and the output "
-         "layer on rank 0 in two model chunks; tying them there is not implemented (launcher/rank/zero_bubble.py)",
+         "layer on rank 0 in two model chunks; tying them there is not implemented (launcher/rank/zb_executor.py)",
          "model.tie_embeddings=false (or schedule.kind=interleaved)"),
     ]
 
@@ -134,11 +134,11 @@ def validate_schedule(job: JobConfig, lay: Layout) -> list[Problem]:
         c.need(vp == 1, "parallel.virtual_pipeline", p.virtual_pipeline,
                f"virtual pipeline stages need schedule.kind=interleaved (got {s.kind})", "schedule.kind=interleaved")
         # megatron/training/arguments.py: "Setting args.overlap_p2p_comm ... to False" without a virtual pipeline;
-        # our zero-bubble executor overlaps receives only over several chunks (launcher.core.p2p.plan)
+        # our zero-bubble executor overlaps receives only over several chunks (launcher.core.pipeline.p2p.plan)
         c.need(not s.overlap_p2p_comm, "schedule.overlap_p2p_comm", True,
                "p2p overlap needs a virtual pipeline (interleaved, or zb_h1/zb_v with parallel.virtual_pipeline)",
                "schedule.overlap_p2p_comm=false")
-    # the costs order zb_v's list scheduler only (launcher.core.schedules.schedule_zb_v): any other kind ignores them
+    # the costs order zb_v's list scheduler only (launcher.core.pipeline.schedules.schedule_zb_v): any other kind ignores them
     c.need(s.zb_v_costs is None or s.kind == Schedule.ZB_V, "schedule.zb_v_costs", s.zb_v_costs,
            f"orders schedule.kind=zb_v only; {s.kind} ignores it", "schedule.zb_v_costs=null", severity="warning")
     if s.microbatch_group_size is not None:

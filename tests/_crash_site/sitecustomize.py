@@ -98,4 +98,4 @@ class _Hook(importlib.abc.MetaPathFinder):
 if (_STEP or _NAN or _SPIKE) and os.environ.get("RANK") is not None:
     sys.meta_path.insert(0, _Hook("launcher.rank.loop", _patch))
 if _SLOW_WRITE and os.environ.get("RANK") is not None:
-    sys.meta_path.insert(0, _Hook("launcher.rank.async_save", _patch_writer))
+    sys.meta_path.insert(0, _Hook("launcher.rank.checkpoint.async_save", _patch_writer))

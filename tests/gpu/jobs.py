@@ -47,8 +47,8 @@ ZB_TP_KINDS = ("1f1b", "interleaved", "zb_h1", "zb_h1_vpp", "zb_v")
 
 def zero_bubble_tp(kind: str, n: int = 8, steps: int = 8) -> List[str]:
     """TP2 x PP n/2 (2..4) on n GPUs, FP8 (tensorwise) and the userbuffer TP overlap (the sub-overlaps zero bubble
-    keeps, models/zero_bubble.py ZB_TP_OVERLAP): TP > 1 derives CUDA_DEVICE_MAX_CONNECTIONS=1, the one hardware
-    queue per GPU under which a p2p program that needs independent queues hangs (launcher/core/p2p.py). 1F1B (the
+    keeps, models/deferred_wgrad.py ZB_TP_OVERLAP): TP > 1 derives CUDA_DEVICE_MAX_CONNECTIONS=1, the one hardware
+    queue per GPU under which a p2p program that needs independent queues hangs (launcher/core/pipeline/p2p.py). 1F1B (the
     reference), interleaved, ZB-H1, ZB-H1 over VPP 2 and ZB-V over the same model, data and 8 microbatches."""
     pp = max(2, min(4, n // 2))
     vpp = 2 if kind in ("interleaved", "zb_h1_vpp", "zb_v") else 0

@@ -1,12 +1,12 @@
 """What the ranks refuse when they resume from a checkpoint saved at another layout or in another format, as plain
 functions of the checkpoint's manifest (``launcher.json``) and the job's run identity: the ranks' resume
-(``launcher/rank/checkpoint.py`` resume, ``launcher/rank/checkpoint_convert.py``) and the login node's resume plan
+(``launcher/rank/checkpoint/store.py`` resume, ``launcher/rank/checkpoint/convert.py``) and the login node's resume plan
 (``launcher/resume_plan.py``, printed by ``action=validate`` and ``action=plan``) read the same rules, so the plan
 says what the ranks then do. Standard library only.
 
 The rules and where they come from:
 
-- Weights: a checkpoint of other model fields (``launcher/core/weights.py``) does not load.
+- Weights: a checkpoint of other model fields (``launcher/core/checkpoint/weights.py``) does not load.
 - The distributed optimizer's ``checkpoint.optimizer_format=dp_reshardable`` state is each DP rank's flat slice of
   its gradient buckets (Megatron-Core ``optimizer/distrib_optimizer.py`` ``sharded_param_state_dp_reshardable``);
   with torch Adam it did not load back at another DP size here, so the ranks refuse a DP change
@@ -18,7 +18,7 @@ The rules and where they come from:
   with and without the distributed optimizer: every one failed in dist_checkpointing's load, after the model was
   built, with "CheckpointException ranks:dict_keys([0])" or "Could not find parameter group").
 - torch_dist <-> fsdp_dtensor (``parallel.megatron_fsdp`` switched) converts on the ranks
-  (``launcher/rank/checkpoint_convert.py``) except what ``conversion_refusal`` names.
+  (``launcher/rank/checkpoint/convert.py``) except what ``conversion_refusal`` names.
 - Everything else in the layout (TP, PP, VPP, EP, CP, DP) is resharded by dist_checkpointing: the tensors are
   stored with their global shapes and each rank reads its slice.
 """
@@ -31,7 +31,7 @@ TORCH_DIST = "torch_dist"
 DP_RESHARDABLE = "dp_reshardable"
 FULLY_RESHARDABLE = "fully_reshardable"
 DEFAULT_OPTIMIZER_FORMAT = DP_RESHARDABLE
-"""The format the ranks assume for a manifest that names none (``launcher/rank/checkpoint.py``)."""
+"""The format the ranks assume for a manifest that names none (``launcher/rank/checkpoint/store.py``)."""
 
 
 def saved_format(manifest: dict, dcp_only: bool) -> str:
@@ -54,7 +54,7 @@ def optimizer_format_to_load(manifest: dict, converted: bool) -> str:
 def dp_refusal(manifest: dict, *, distributed_optimizer: bool, fmt: str, dp_here: int,
                converted: bool = False) -> Optional[str]:
     """Why a distributed optimizer's dp_reshardable state cannot load at this DP size (``dp_here``, with CP), or
-    None; the ranks' words (``launcher/rank/checkpoint.py`` resume)."""
+    None; the ranks' words (``launcher/rank/checkpoint/store.py`` resume)."""
     there = saved_dp(manifest)
     if (distributed_optimizer and fmt == TORCH_DIST and optimizer_format_to_load(manifest, converted) == DP_RESHARDABLE
             and there not in (None, dp_here)):
@@ -66,7 +66,7 @@ def dp_refusal(manifest: dict, *, distributed_optimizer: bool, fmt: str, dp_here
 
 def conversion_refusal(path, manifest: dict, saved: str, identity: dict) -> Optional[str]:
     """One line when a checkpoint in format ``saved`` cannot be converted for this job (identity: its flattened
-    config), else None (``launcher/rank/checkpoint_convert.py`` says why each case is refused)."""
+    config), else None (``launcher/rank/checkpoint/convert.py`` says why each case is refused)."""
     theirs = manifest.get("identity") or {}
     back = "parallel.megatron_fsdp=true" if saved == FSDP else "parallel.megatron_fsdp=false"
     head = f"checkpoint {path} is in the {saved} format"

@@ -12,7 +12,7 @@ Both formats are torch.distributed.checkpoint directories of *global* tensors, n
   parameter as ``optimizer.state.{exp_avg,exp_avg_sq,param}.<key>`` (``checkpoint.optimizer_format=
   fully_reshardable``, and Megatron's non-distributed optimizer); step, scheduler and parameter groups in
   ``common_state``; the RNG streams per (PP, TP, DP) rank in ``rng_state/shard_<pp>.<tp>.<dp>_...``.
-- fsdp_dtensor (``launcher/rank/fsdp_checkpoint.py``): one key per parameter of the module tree
+- fsdp_dtensor (``launcher/rank/checkpoint/fsdp.py``): one key per parameter of the module tree
   (``model.module.decoder.layers.0.input_layernorm.weight``), gated fc1 split into ``weight_w``/``weight_v``;
   Adam's moments as ``optimizer.state.module.module.<name>.{exp_avg,exp_avg_sq,step}``; the RNG streams under
   ``rng_state/pp<pp>_tp<tp>_dp<dp>``.
@@ -49,8 +49,8 @@ from typing import Dict, Optional
 
 import torch
 
-from launcher.core.resume_rules import conversion_refusal as refusal  # noqa: F401 (the ranks' and the
-# login node's resume plan's one rule of what converts: launcher/core/resume_rules.py)
+from launcher.core.checkpoint.resume_rules import conversion_refusal as refusal  # noqa: F401 (the ranks' and the
+# login node's resume plan's one rule of what converts: launcher/core/checkpoint/resume_rules.py)
 
 FSDP = "fsdp_dtensor"
 TORCH_DIST = "torch_dist"

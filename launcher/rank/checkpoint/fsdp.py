@@ -9,7 +9,7 @@ writes it). Loading is the same state dict as a template that DCP fills in place
 optimizer load the un-split dicts (``_load_base_checkpoint``, ``ckpt_format == 'fsdp_dtensor'``). This module does
 the same with Megatron-Core's own helpers (``megatron.core.transformer.fsdp_dtensor_checkpoint``,
 ``megatron_fsdp.uneven_dtensor``). Publishing, the manifest, the lock, fallback and pruning stay in
-``launcher/rank/checkpoint.py``, as for torch_dist.
+``launcher/rank/checkpoint/store.py``, as for torch_dist.
 
 What DCP keeps per rank (the RNG streams) is stored under a key of its own per (PP, TP, DP) rank, so every rank
 reads back exactly its own; everything else (step, consumed samples, LR schedule) is replicated and written once.
@@ -134,7 +134,7 @@ def load(path: Path, *, model, optimizer, scheduler, with_rng: bool, converted=N
     if converted is None:
         dcp.load(state_dict=template, storage_reader=dcp.FileSystemReader(str(path)))
     else:
-        from launcher.rank.checkpoint_convert import fill_fsdp
+        from launcher.rank.checkpoint.convert import fill_fsdp
 
         fill_fsdp(template, converted, _rng_key() if with_rng else None)
     model[0].load_state_dict(raw["model"], strict=False)  # the adapter loosens it for gated models itself

@@ -18,7 +18,7 @@ So the split is ours, behind this module:
   config copy with the flag set (the job's TransformerConfig stays valid for Megatron's checks); a W slot
   calls ``backward_dw()`` on every such module, each popping its oldest queued microbatch (FIFO).
 
-The schedule (``launcher/rank/zero_bubble.py``) calls :meth:`WeightGradStore.flush` after each B and
+The schedule (``launcher/rank/zb_executor.py``) calls :meth:`WeightGradStore.flush` after each B and
 :meth:`WeightGradStore.pop` in each W slot.
 """
 from __future__ import annotations
@@ -450,8 +450,8 @@ def v_layer_rank(kind: str, p: int, rank: int, chunk: int) -> int:
 
 def holds_stage(kind: str, p: int, rank: int, chunk: int, chunks: int, first: bool) -> bool:
     """Whether this rank's ``chunk`` is the first (embedding) or the last (output layer, loss) pipeline stage
-    (``launcher.core.schedules.stage_of``; ZB-V: both on rank 0)."""
-    from launcher.core.schedules import stage_of
+    (``launcher.core.pipeline.schedules.stage_of``; ZB-V: both on rank 0)."""
+    from launcher.core.pipeline.schedules import stage_of
 
     stage = stage_of(kind if kind == Schedule.ZB_V else Schedule.INTERLEAVED, p, rank, chunk)
     return stage == 0 if first else stage == p * chunks - 1

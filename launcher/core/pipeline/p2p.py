@@ -11,8 +11,8 @@ communication overlap before Blackwell) a GPU runs every kernel, whatever its st
 launch order: a p2p op that cannot complete yet holds up everything the rank launched after it. A schedule that
 runs on gloo can therefore hang on the first GPU cluster; the replay below finds that on CPU, under either rule.
 
-``plan`` turns one rank's op list (``launcher.core.schedules``) into its p2p program; the rank wing's zero-bubble
-executor (``launcher/rank/zero_bubble.py``) executes exactly that program. Over one chunk the rule mirrors Megatron-Core's
+``plan`` turns one rank's op list (``launcher.core.pipeline.schedules``) into its p2p program; the rank wing's zero-bubble
+executor (``launcher/rank/zb_executor.py``) executes exactly that program. Over one chunk the rule mirrors Megatron-Core's
 1F1B, which fuses a send with the receive that follows it from the same peer (``send_forward_recv_backward``,
 ``send_backward_recv_forward``): here a send is posted in one group with the next receive from the same peer
 when that receive is the next p2p op on that pair, so neither side ever waits on a lone send whose peer is
@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from launcher.core.schedules import Op, place, stage_of, timed_run
+from launcher.core.pipeline.schedules import Op, place, stage_of, timed_run
 from launcher.schema import Schedule
 
 Event = tuple
@@ -231,7 +231,7 @@ def _plan_in_time_order(r: int, p: int, channel: str, placement: str, schedule: 
 
 def plan_all(schedule: Sequence[Sequence[Op]], channel: str = "pp",
              placement: str = Schedule.ONE_F_ONE_B, overlap: bool = False) -> List[List[Event]]:
-    """``plan`` for every rank of a schedule (``launcher.core.schedules.build_schedule``)."""
+    """``plan`` for every rank of a schedule (``launcher.core.pipeline.schedules.build_schedule``)."""
     p = len(schedule)
     if any(op.chunk for ops in schedule for op in ops):  # the timed run once for every rank
         timed = _messages_in_time(schedule, placement)

@@ -1,7 +1,7 @@
 """The checkpoint directory, as both wings see it: where it is, whether it takes a file, how big and how slow one
 checkpoint is, and which checkpoints in it are complete.
 
-Layout (written by the ranks, ``launcher/rank/checkpoint.py``)::
+Layout (written by the ranks, ``launcher/rank/checkpoint/store.py``)::
 
     iter_0000010/        a complete checkpoint: the checkpoint's files + launcher.json (written last)
     iter_0000012.tmp/    a save in progress (ignored)
@@ -11,7 +11,7 @@ Only a directory with ``launcher.json`` (holding ``step`` and ``files``) counts.
 and validate checks in ``launcher/executor.py``, render's signal lead in ``launcher/render.py`` and
 ``launcher/core/signal_lead.py``) and the ranks read every fact here from this one module. What rank 0 does to
 the directory's files (publish a save, verify, prune, set aside, choose what to resume from) is here too, as
-plain file operations; the ranks' ``launcher/rank/checkpoint.py`` keeps only what needs torch: Megatron's save
+plain file operations; the ranks' ``launcher/rank/checkpoint/store.py`` keeps only what needs torch: Megatron's save
 and load, the collectives that make every rank agree, and the lock.
 
 Standard library only (``launcher.core``).
@@ -31,7 +31,7 @@ from typing import List, Optional, Tuple
 
 from launcher.core.paths import absolute
 from launcher.core.run_identity import identity_diff, run_hash
-from launcher.core.weights import continue_hint, weights_diff, weights_mismatch
+from launcher.core.checkpoint.weights import continue_hint, weights_diff, weights_mismatch
 
 MANIFEST = "launcher.json"
 """Written last into a checkpoint: step, run identity and hash, every file's size (and CRC32), save time."""
@@ -125,7 +125,7 @@ def estimated_bytes(params: float, dtype: str) -> float:
 
 def estimated_save_s(params: float, dtype: str, *, nodes: int, write_gbps: float) -> float:
     """The planner's save time: checkpoint bytes over the nodes' aggregate write bandwidth. Saves are fully
-    parallel over DP (launcher/rank/checkpoint.py save_strategy, Megatron-LM's default), so every node writes
+    parallel over DP (launcher/rank/checkpoint/store.py save_strategy, Megatron-LM's default), so every node writes
     about an even share; the ranks refine this with the busiest node's bytes (``node_save_s``)."""
     return estimated_bytes(params, dtype) / (max(nodes, 1) * write_gbps * 1e9)
 

@@ -3,7 +3,7 @@
 A checkpoint saved with other values of these cannot be loaded into the model (its tensors have other shapes, or
 other tensors exist); any other field (dropout, routing, sequence length with RoPE, the parallel layout, training
 settings) leaves the weights loadable, resharded where the layout changed. The ranks' resume
-(``launcher/core/checkpoint_dir.py`` plan_resume, ``launcher/rank/checkpoint.py`` resume) refuses a checkpoint of
+(``launcher/core/checkpoint/directory.py`` plan_resume, ``launcher/rank/checkpoint/store.py`` resume) refuses a checkpoint of
 other weights with ``weights_mismatch`` and names the override that continues it (``continue_hint``).
 
 ``MODEL_FIELDS`` classifies every ``model.*`` field of the schema (tests/test_weight_fields.py checks it is total,

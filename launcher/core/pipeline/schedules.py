@@ -3,7 +3,7 @@
 A schedule is, for every pipeline rank, an ordered list of ``Op(kind, microbatch, chunk)``: F (forward),
 B (backward: input gradient only), W (weight gradient) or BW (both gradients in one backward, as 1F1B and
 interleaved run it). ``launcher.plan.simulator`` replays these lists with costs; the rank wing's ZB-H1
-executor (``launcher/rank/zero_bubble.py``) runs exactly the list ``schedule_zb_h1`` returns, and the
+executor (``launcher/rank/zb_executor.py``) runs exactly the list ``schedule_zb_h1`` returns, and the
 executed-timeline test checks that what ran is this order. One definition, read by both wings.
 """
 from __future__ import annotations
@@ -232,7 +232,7 @@ def schedule_zb_v(p: int, m: int, costs: tuple = (1.0, 1.0, 1.0)) -> list[list[O
     chunk costs (0.75, 1, 0.97) as measured on CPU, idle 6.6% against 9.0% for the plain rule, and at
     (1, 1, 0.5) 9.1% against 14.0% (interleaved: 15.8%). Ties keep the plain rule. The order is deterministic for
     given costs; a fixed order tuned to other costs leaves W-sized holes (the planner generates it from its own
-    stage costs). The rank executor runs it literally, its p2p program from ``launcher.core.p2p.plan``."""
+    stage costs). The rank executor runs it literally, its p2p program from ``launcher.core.pipeline.p2p.plan``."""
     return [list(ops) for ops in _zb_v_best(p, m, tuple(float(c) for c in costs))]
 
 
@@ -291,7 +291,7 @@ def timed_run(schedule, placement: str, cost) -> list:
     is free and its inputs exist (F after the previous stage's F, B/BW after the next stage's B/BW and its own F, W
     after its own B), each taking ``cost(stage, op)``; no communication time. Raises ValueError when the lists
     cannot all run (an op waits for one that never comes). What the p2p planner orders messages by
-    (``launcher.core.p2p``) and what :func:`zb_v_makespan` times."""
+    (``launcher.core.pipeline.p2p``) and what :func:`zb_v_makespan` times."""
     p = len(schedule)
     chunks = 1 + max((op.chunk for ops in schedule for op in ops), default=0)
     last = p * chunks - 1

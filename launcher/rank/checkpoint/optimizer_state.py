@@ -1,4 +1,4 @@
-"""Megatron's distributed-optimizer state through a checkpoint (``launcher/rank/checkpoint.py`` save and load):
+"""Megatron's distributed-optimizer state through a checkpoint (``launcher/rank/checkpoint/store.py`` save and load):
 what its load template needs, and the upstream bugs of Megatron-Core 0.19.2 with torch Adam (no Apex/TE) that a
 resume would otherwise carry into training, each worked around where it bites.
 """

@@ -1,6 +1,6 @@
 """checkpoint.async_save: torch_dist checkpoints written in the background through Megatron-Core's asynchronous
 save (``dist_checkpointing.save(..., async_sharded_save=True)`` + ``AsyncCallsQueue``), published with every guarantee
-of a synchronous save (``launcher/rank/checkpoint.py``: the manifest last, the lock, pruning after publishing only).
+of a synchronous save (``launcher/rank/checkpoint/store.py``: the manifest last, the lock, pruning after publishing only).
 
 Megatron-LM's pattern mirrored (megatron/training/checkpointing.py ``save_checkpoint`` -> ``schedule_async_save``;
 training.py calls ``maybe_finalize_async_save(blocking=False)`` every iteration and ``blocking=True`` before it
@@ -17,8 +17,8 @@ from typing import Callable, Optional
 
 import torch
 
-from launcher.core.checkpoint_dir import own_crcs
-from launcher.rank.checkpoint import (_failed_save, _publish_agreed, _rank, _sharded_state, agree_or_raise,
+from launcher.core.checkpoint.directory import own_crcs
+from launcher.rank.checkpoint.store import (_failed_save, _publish_agreed, _rank, _sharded_state, agree_or_raise,
                                       save_strategy)
 
 

@@ -27,7 +27,7 @@ Failure modes, by file system:
   guard node-local: contenders on different nodes are then protected only by the ``LOCK`` file's own atomicity.
 
 Standard library only (both wings may read it); rank 0 of a run holds the checkpoint directory's lock
-(``launcher.rank.checkpoint.DirLock``), taken before the model is built.
+(``launcher.rank.checkpoint.store.DirLock``), taken before the model is built.
 """
 from __future__ import annotations
 

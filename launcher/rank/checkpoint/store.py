@@ -5,7 +5,7 @@ This module is what needs torch: Megatron's save and load (torch_dist here, fsdp
 state through ``optimizer_state.py``), the RNG states, the collectives that make every rank agree, and the
 directory lock. The directory's files (where it is, what counts as complete, how big a checkpoint is, publishing,
 verifying, pruning, choosing what to resume from) are plain file operations in the torch-free
-``launcher/core/checkpoint_dir.py``, which the login node reads too; the run's identity is
+``launcher/core/checkpoint/directory.py``, which the login node reads too; the run's identity is
 ``launcher/core/run_identity.py``. Layout under the checkpoint dir::
 
     iter_0000010/        a complete checkpoint: dist_checkpointing files + launcher.json (written last)
@@ -37,14 +37,15 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from launcher.core import dirlock
-from launcher.core.checkpoint_dir import (bytes_per_param, checkpoint_name, complete_checkpoints, dir_error,
+from launcher.core.checkpoint import dirlock
+from launcher.core.checkpoint.directory import (bytes_per_param, checkpoint_name, complete_checkpoints, dir_error,
                                           is_dcp_only, mentions_enospc, own_crcs, plan_resume, prune, publish,
                                           read_manifest, set_aside, space_problem, verify_files, write_probe)
 from launcher.core.run_identity import identity_diff, run_hash
-from launcher.core.weights import continue_hint, weights_mismatch
-from launcher.rank import checkpoint_convert, fsdp_checkpoint
-from launcher.rank.optimizer_state import (cpu_tensors_stay, materialize_optimizer_state, restore_adam_steps,
+from launcher.core.checkpoint.weights import continue_hint, weights_mismatch
+from launcher.rank.checkpoint import convert as checkpoint_convert
+from launcher.rank.checkpoint import fsdp as fsdp_checkpoint
+from launcher.rank.checkpoint.optimizer_state import (cpu_tensors_stay, materialize_optimizer_state, restore_adam_steps,
                                            tolerate_missing_adam_step)
 from models.backend import compute_device
 
@@ -144,14 +145,14 @@ def _lock_owner(bundle: Path, run: str) -> dict:
 
 
 def lock_is_stale(owner: dict, age_s: float) -> bool:
-    """Ours to take (``launcher.core.dirlock.owner_gone``): its process is gone (same host), it is this Slurm job
+    """Ours to take (``launcher.core.checkpoint.dirlock.owner_gone``): its process is gone (same host), it is this Slurm job
     (a requeue or torchrun restart), or it was not refreshed for LOCK_STALE_S (its node is gone)."""
     return dirlock.owner_gone(owner, age_s, stale_s=LOCK_STALE_S)
 
 
 class DirLock:
     """Exclusive use of a checkpoint dir by one run (rank 0 holds it; ``acquire`` is collective). The file
-    protocol (atomic create-with-owner, guarded takeover of a stale lock) is ``launcher.core.dirlock``."""
+    protocol (atomic create-with-owner, guarded takeover of a stale lock) is ``launcher.core.checkpoint.dirlock``."""
 
     def __init__(self, ckpt_dir: Path, *, bundle: Path, run: str):
         self.path, self.owner = Path(ckpt_dir) / LOCK, _lock_owner(bundle, run)
@@ -195,7 +196,7 @@ class DirLock:
 # ---- space -------------------------------------------------------------------------------------------------
 
 def _param_bytes(param) -> int:
-    """One parameter's bytes in a checkpoint (launcher/core/checkpoint_dir.py bytes_per_param)."""
+    """One parameter's bytes in a checkpoint (launcher/core/checkpoint/directory.py bytes_per_param)."""
     return param.numel() * bytes_per_param(param.element_size(), fp32=param.dtype == torch.float32)
 
 
@@ -355,10 +356,10 @@ def save(ckpt_dir: Path, *, model, optimizer, scheduler, step: int, consumed: in
          background=None, on_published: Optional[Callable[[Path, float], None]] = None
          ) -> Optional[Path]:
     """Save collectively (every rank calls), then publish atomically from rank 0; returns the checkpoint.
-    ``fmt``: torch_dist (dist_checkpointing) or fsdp_dtensor (Megatron-FSDP: launcher/rank/fsdp_checkpoint.py).
+    ``fmt``: torch_dist (dist_checkpointing) or fsdp_dtensor (Megatron-FSDP: launcher/rank/checkpoint/fsdp.py).
     ``extra``: more run state for the manifest (``publish``).
 
-    ``background`` (checkpoint.async_save, torch_dist: a ``launcher.rank.async_save.AsyncSaves``): the files are
+    ``background`` (checkpoint.async_save, torch_dist: a ``launcher.rank.checkpoint.async_save.AsyncSaves``): the files are
     written by its writer process
     while training goes on, and this returns None once the write has started; the checkpoint is published later,
     when ``AsyncSaves.poll``/``wait`` finalizes it, which then calls ``on_published(path, seconds)``.

@@ -3,15 +3,15 @@
 Megatron-Core has no zero-bubble schedule, so this module runs one with Megatron's own pieces: its
 ``forward_step`` / ``backward_step`` (loss scaling, CP factor, MoE/MTP loss hooks, input-grad retention),
 its ``P2PCommunicator`` for every pipeline send/recv, and its ``finalize_model_grads`` at the end. The op
-order is ``launcher.core.schedules.schedule_zb_h1`` — the list the planner simulates — executed literally:
+order is ``launcher.core.pipeline.schedules.schedule_zb_h1`` — the list the planner simulates — executed literally:
 
 * F: forward on the received activation; its output is sent to the next stage;
 * B: backward on the received output gradient, with the weight-gradient GEMMs of the parallel linear layers
-  deferred (``models/zero_bubble.py``); the input gradient is sent upstream at once;
+  deferred (``models/deferred_wgrad.py``); the input gradient is sent upstream at once;
 * W: run one microbatch's deferred weight-gradient GEMMs (oldest first), accumulating into DDP's
   ``main_grad`` buffers.
 
-The sends and receives around them are the p2p program ``launcher.core.p2p.plan`` derives from the op list,
+The sends and receives around them are the p2p program ``launcher.core.pipeline.p2p.plan`` derives from the op list,
 executed literally. Over one chunk each group is posted as one ``batch_isend_irecv``, a send fused with the next
 receive from the same peer (Megatron's ``send_forward_recv_backward`` rule, so two stages never both wait on a lone
 send under NCCL's blocking sends). Over several chunks (ZB-V, ZB-H1 over a virtual pipeline) every rank posts
@@ -22,7 +22,7 @@ NCCL's rules (one queue per communicator, and one per GPU) for PP 2..16.
 
 Gradient reduction: a parameter's gradient is complete only after its last W. Without ``overlap_grad_reduce``
 the DP reduce (and the embedding/SP all-reduces) run once, in ``finalize_model_grads`` after the last W, as
-with 1F1B. With it, Megatron DDP's hook of a deferred weight runs in its W (``models/zero_bubble.py``), so in
+with 1F1B. With it, Megatron DDP's hook of a deferred weight runs in its W (``models/deferred_wgrad.py``), so in
 the last microbatch a bucket's reduce starts as soon as the last W of its weights has run (``_grad_sync``);
 ``finalize_model_grads`` waits for them. The optimizer, clipping and the grad norm see 1F1B's gradients.
 """
@@ -38,8 +38,8 @@ from typing import Callable, List, Optional
 
 import torch
 
-from launcher.core import p2p
-from launcher.core.schedules import schedule_1f1b, schedule_zb_h1, schedule_zb_v
+from launcher.core.pipeline import p2p
+from launcher.core.pipeline.schedules import schedule_1f1b, schedule_zb_h1, schedule_zb_v
 from launcher.schema import Schedule
 from models.backend import compute_device
 
@@ -185,7 +185,7 @@ def forward_backward_zb_v(*, forward_step_func, data_iterator, model, num_microb
                           forward_only: bool = False, collect_non_loss_data: bool = False,
                           first_val_step: Optional[bool] = None, recorder: Optional[Recorder] = None,
                           p2p_communicator=None, pg_collection=None, costs: tuple = (1.0, 1.0, 1.0)):
-    """The same interface, running ZB-V (``launcher.core.schedules.schedule_zb_v`` for chunk ``costs``,
+    """The same interface, running ZB-V (``launcher.core.pipeline.schedules.schedule_zb_v`` for chunk ``costs``,
     schedule.zb_v_costs) over this rank's two model chunks (chunk 0: stage r, chunk 1: stage 2p - 1 - r;
     ``models.builder`` builds them so). ``forward_only`` runs the F ops of the same order under no_grad
     (Megatron has no schedule for a V)."""
@@ -199,7 +199,7 @@ _UP_GROUPS: dict = {}
 
 
 def up_group(pp_group):
-    """A second process group over the pipeline group's ranks (``launcher.core.p2p.UP``), created once, by every
+    """A second process group over the pipeline group's ranks (``launcher.core.pipeline.p2p.UP``), created once, by every
     rank of the world for every pipeline group in the same order (new_group is collective)."""
     ranks = tuple(torch.distributed.get_process_group_ranks(pp_group))
     if ranks not in _UP_GROUPS:
@@ -214,15 +214,15 @@ def up_group(pp_group):
 def _run(placement: str, order: Callable, forward_step_func, data_iterator, model, num_microbatches: int,
          seq_length: int, micro_batch_size: int, decoder_seq_length, forward_only: bool, collect_non_loss_data: bool,
          first_val_step, recorder, p2p_communicator, pg_collection):
-    """Execute ``order``'s op list for this rank literally, with the p2p program ``launcher.core.p2p.plan``
+    """Execute ``order``'s op list for this rank literally, with the p2p program ``launcher.core.pipeline.p2p.plan``
     derives from it (``placement``: how chunks map to stages)."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import schedules as S
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
     from megatron.core.utils import get_model_config
 
-    from launcher.core.schedules import place, stage_of
-    from models.zero_bubble import STORE, te_modules
+    from launcher.core.pipeline.schedules import place, stage_of
+    from models.deferred_wgrad import STORE, te_modules
 
     models = list(model) if isinstance(model, list) else [model]
     iters = list(data_iterator) if isinstance(data_iterator, list) else [data_iterator]
@@ -238,7 +238,7 @@ def _run(placement: str, order: Callable, forward_step_func, data_iterator, mode
     schedule = order(p, num_microbatches)
     if forward_only:  # evaluation: the F ops of the same order (a valid order of the forwards alone)
         schedule = [[op for op in ops if op.kind == "F"] for ops in schedule]
-    # overlap_p2p_comm: over several chunks each receive is posted one op early (launcher.core.p2p.plan)
+    # overlap_p2p_comm: over several chunks each receive is posted one op early (launcher.core.pipeline.p2p.plan)
     program = p2p.plan(schedule[rank], rank, p, placement=placement, schedule=schedule,
                        overlap=bool(getattr(config, "overlap_p2p_comm", False)))
     # pipeline ranks as the program names them; the interleaved placement wraps (stage p - 1 -> p: rank p - 1 -> 0)
@@ -328,7 +328,7 @@ def _backward_op(op, key, grad, inputs: dict, outputs: dict, config, recorder, t
     the input gradient of a B/BW (None on the first stage, and for W)."""
     from megatron.core.pipeline_parallel import schedules as S
 
-    from models.zero_bubble import STORE
+    from models.deferred_wgrad import STORE
 
     if op.kind == "W":
         with _span(recorder, "W", op.microbatch, op.chunk):
@@ -458,7 +458,7 @@ def write_timeline(recorder: Recorder, out_dir, kind: str):
 
     from megatron.core import parallel_state as ps
 
-    from launcher.core import timeline
+    from launcher.core.pipeline import timeline
 
     mine = {"rank": torch.distributed.get_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
             "tp": ps.get_tensor_model_parallel_rank(), "dp": ps.get_data_parallel_rank(),
