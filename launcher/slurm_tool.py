@@ -377,8 +377,6 @@ def prepare(command: str, flags: dict, overrides: List[str], *, which=None, run=
 def _checkpoint_model(ckpt: Path, flags: dict) -> Tuple[ModelConfig, int, int]:
     """(model entry, padded vocabulary, bytes per element) of a checkpoint, as export-hf reads them: --config's job,
     else its launcher.json (an import records its dtype and padding; otherwise fp32 and TP 8's padding, the larger)."""
-    from dataclasses import fields
-
     from launcher.core.checkpoint.directory import read_manifest
     from launcher.core.layout import padded_vocab
 
@@ -396,9 +394,9 @@ def _checkpoint_model(ckpt: Path, flags: dict) -> Tuple[ModelConfig, int, int]:
         if not isinstance(identity, dict):
             raise Refused(f"--checkpoint {ckpt}: no launcher.json with the run's config (a checkpoint written by "
                           "another tool?); pass --config BUNDLE/config.yaml of the run that wrote it")
-        names = {f.name for f in fields(ModelConfig)}
-        model = ModelConfig(**{k[len("model."):]: v for k, v in identity.items()
-                               if k.startswith("model.") and k[len("model."):] in names})
+        from launcher.core.run_identity import model_of
+
+        model = model_of(identity)
     padded = manifest.get("padded_vocab")
     return model, padded if isinstance(padded, int) else padded_vocab(model, 8), ITEMSIZE.get(manifest.get("dtype"), 4)
 

@@ -69,7 +69,7 @@ NOT_IDENTITY = {
     **_each("logging", "log_interval tensorboard wandb_project wandb_entity wandb_mode", "metrics and logs"),
     **_each("cluster", "name launcher gpu gpu_memory_gb peak_tflops_bf16 peak_tflops_fp8 hbm_bandwidth_gbps "
             "nvlink_bandwidth_gbps network_bandwidth_gbps checkpoint_write_gbps gemm_efficiency fp8_gemm_efficiency "
-            "comm_efficiency network_efficiency memory_reserve_gb profile",
+            "comm_efficiency network_efficiency memory_reserve_gb profile op_overhead_us compute_units_per_node",
             "hardware facts and planner constants: the plan, not the run"),
     **_each("cluster", "partition account container_image container_mounts workdir python max_restarts "
             "health_check env secret_env", "where and how the ranks are started"),
@@ -112,3 +112,15 @@ def identity_diff(theirs: dict, ours: dict, limit: int = 3) -> str:
     keys = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
     shown = ", ".join(f"{k}={theirs.get(k)!r} there, {ours.get(k)!r} here" for k in keys[:limit])
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def model_of(identity: dict):
+    """The ``ModelConfig`` a run identity records (a checkpoint's ``launcher.json`` ``identity``): its ``model.*``
+    entries that are fields of today's schema. export-hf and its ``--slurm`` bound read a checkpoint's model here."""
+    from dataclasses import fields
+
+    from launcher.schema import ModelConfig
+
+    names = {f.name for f in fields(ModelConfig)}
+    return ModelConfig(**{k[len("model."):]: v for k, v in identity.items()
+                          if k.startswith("model.") and k[len("model."):] in names})

@@ -12,7 +12,6 @@ import os
 import resource
 import shutil
 import time
-from dataclasses import fields
 from pathlib import Path
 from typing import Optional
 
@@ -57,10 +56,9 @@ def job_of_checkpoint(ckpt: Path, config: Optional[Path]) -> tuple:
     if not isinstance(identity, dict):
         raise ExportError(f"--checkpoint {ckpt}: no launcher.json with the run's config (a checkpoint written by "
                           "another tool?); pass --config BUNDLE/config.yaml of the run that wrote it")
-    names = {f.name for f in fields(ModelConfig)}
-    model = ModelConfig(**{k[len("model."):]: v for k, v in identity.items()
-                           if k.startswith("model.") and k[len("model."):] in names})
-    return model, identity.get("data.tokenizer")
+    from launcher.core.run_identity import model_of
+
+    return model_of(identity), identity.get("data.tokenizer")
 
 
 def resolve_checkpoint(path: Path) -> Path:
