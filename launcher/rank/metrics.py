@@ -25,8 +25,7 @@ def static_bytes(model, optimizer) -> dict:
     check where its peak (RSS: the interpreter and libraries included) cannot. Chained optimizers' state counts
     once it exists (after the first step)."""
     weights = sum(p.numel() * p.element_size() for ddp in model for p in ddp.module.parameters())
-    grads = sum(b.grad_data.numel() * b.grad_data.element_size()
-                for ddp in model for b in list(getattr(ddp, "buffers", [])) + list(getattr(ddp, "expert_parallel_buffers", [])))
+    grads = sum(_grad_bytes(ddp) for ddp in model)
     opt = 0
     for o in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(o, "optimizer", None)
@@ -36,6 +35,20 @@ def static_bytes(model, optimizer) -> dict:
             for group in getattr(o, name, None) or []:
                 opt += sum(p.numel() * p.element_size() for p in group)
     return {"weights": weights, "grads": grads, "optimizer": opt}
+
+
+def _grad_bytes(ddp) -> int:
+    """The gradient buffers of one model chunk: Megatron-Core DDP's ``buffers`` and ``expert_parallel_buffers``
+    (lists of _ParamAndGradBuffer, distributed_data_parallel.py), or Megatron-FSDP's sharded ``main_grad_buffer``
+    per parameter group (its ``param_and_grad_buffer``; FSDP has no ``buffers`` list, and ``nn.Module.buffers`` is
+    a method there)."""
+    fsdp = getattr(ddp, "param_and_grad_buffer", None)
+    if fsdp is not None:
+        bufs = [g.main_grad_buffer for g in fsdp.parameter_groups if g.main_grad_buffer is not None]
+        return sum(b.data.numel() * b.data.element_size() for b in bufs if b.data is not None)
+    lists = [getattr(ddp, name, None) for name in ("buffers", "expert_parallel_buffers")]
+    held = [b for bufs in lists if isinstance(bufs, (list, tuple)) for b in bufs]
+    return sum(b.grad_data.numel() * b.grad_data.element_size() for b in held)
 
 
 def memory_by_stage(pp_rank: int, model=None, optimizer=None) -> List[dict]:
