@@ -125,7 +125,10 @@ ROWS = [
     Row("25.09", "qwen3_235b", 256, 2048, 1, tp=2, pp=8, vp=4, ep=32, split="account", tokens_per_gpu=1204,
         note="tokendrop", tp_overlap=True),
     # The 25.09 table's parenthesised DeepSeek-V3 figure: the same run with blockwise FP8 (128x128 weights, 1x128
-    # activations), 330 TFLOP/s against 338; tokens/s derived from that ratio (1,297 x 330 / 338).
+    # activations), 330 TFLOP/s against 338; tokens/s derived from that ratio (1,297 x 330 / 338). Its recipe is 25.09's
+    # fp8_ss preset (bf16_with_fp8_subchannel_scaling_mixed at fa0315ae2: fp8_recipe blockwise, fp8_param_gather False;
+    # the yaml's h100 fp8_ss entry is empty, so layout and settings are the tensorwise run's). The planner prices its
+    # GEMMs + casts at TE's measured blockwise / per-tensor ratio (timing.BLOCKWISE_FP8_TIME), not fitted on this pair.
     Row("25.09", "deepseek_v3", 1024, 8192, 1, tp=2, pp=8, vp=4, ep=64, split=DSV3_LAYOUT, tokens_per_gpu=1297 * 330 / 338,
         note="dropless; flex DeepEP, a2a overlap; blockwise FP8", a2a_overlap=True, tp_overlap=False,
         dispatcher="deepep", fp8="blockwise", extra=["train.recompute_modules=[mla_up_proj,mlp]"]),

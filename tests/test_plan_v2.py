@@ -12,7 +12,7 @@ from launcher.core import derive
 from launcher.plan import plan_job
 from launcher.plan.memory import memory_per_stage, stage_layers, stage_params
 from launcher.plan.search import search
-from launcher.plan.timing import (A2A_SM_SHARE, COLLECTIVE_LATENCY_S, NCCL_A2A_SM_SHARE, a2a_sm_share, _a2a_time, _bandwidth, _grouped_gemm_efficiency,
+from launcher.plan.timing import (A2A_SM_SHARE, BLOCKWISE_FP8_TIME, COLLECTIVE_LATENCY_S, NCCL_A2A_SM_SHARE, a2a_sm_share, _a2a_time, _bandwidth, _grouped_gemm_efficiency,
                                   _overlapped_a2a, stage_costs, step_time)
 from launcher.validate import validate
 
@@ -290,6 +290,21 @@ def test_context_parallel_costs_time():
     f1, f2 = stage_costs(cp1, derive(cp1), 0), stage_costs(cp2, derive(cp2), 0)
     # half the tokens per rank, but attention runs on shorter blocks and every ring step has a fixed cost
     assert f2.parts["attention"] > 0.5 * f1.parts["attention"] * 1.05
+
+
+def test_blockwise_fp8_prices_its_gemms_and_casts_by_te_s_measured_ratio():
+    """Blockwise FP8 (TE Float8BlockScaling) runs a layer's GEMMs with their quantisation at BLOCKWISE_FP8_TIME x
+    the per-tensor (tensorwise) time, TE's own H200 measurement; attention, element-wise work and communication stay
+    as they are. Stage 0 of Llama3-70B PP8 x VP5 has no output layer (whose GEMM is BF16 under any recipe)."""
+    row = pa.ROWS[3]
+    costs = {fp8: stage_costs(j, derive(j), 0) for fp8 in ("tensorwise", "blockwise")
+             for j in [_job(row, f"precision.fp8={fp8}", "precision.fp8_param=false")]}
+    tw, bw = costs["tensorwise"].parts, costs["blockwise"].parts
+    assert BLOCKWISE_FP8_TIME == pytest.approx(1.128, abs=1e-3)
+    for part in ("gemm", "fp8_cast"):
+        assert bw[part] == pytest.approx(BLOCKWISE_FP8_TIME * tw[part], rel=1e-9)
+    for part in ("attention", "elementwise"):
+        assert bw[part] == tw[part]
 
 
 def test_last_stage_pays_for_output_layer_and_loss():

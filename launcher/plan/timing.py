@@ -47,6 +47,12 @@ GROUPED_GEMM_HALF_TOKENS = 4096
 """Tokens per local expert at which the grouped expert GEMMs run at half the dense GEMM efficiency (they
 reach it as n / (n + GROUPED_GEMM_HALF_TOKENS) for n tokens per expert); fitted, see NOTES.md (weakly
 identified: every published MoE row has 4,096 tokens per local expert)."""
+BLOCKWISE_FP8_TIME = 22.882 / 20.285
+"""Layer FP8 GEMMs + their casts under blockwise FP8 (TE ``Float8BlockScaling``: 1x128 / 128x128 blocks, scales
+applied in cuBLAS's main loop) over per-tensor current scaling. Not fitted: TE's GEMM profiling guide
+(NVIDIA/TransformerEngine ``docs/examples/gemm_profiling/gemm_profiling.rst``, #2863, "Worked Example: 5B Model on
+H200", autocast = GEMM + quantisation): 22.882 ms per layer FP8Block vs 20.285 ms FP8Current, H200 NVL. Every
+blockwise job (validation allows it on Hopper only, where TE runs it natively)."""
 H100_SMS = 132
 """Streaming multiprocessors of an H100 / H200 SXM (the profiles' GPUs)."""
 A2A_SM_SHARE = 20 / H100_SMS
@@ -130,6 +136,8 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
     eff = cl.gemm_efficiency
     bf16 = cl.peak_tflops_bf16 * 1e12 * eff
     gemm_peak = cl.peak_tflops_fp8 * 1e12 * cl.fp8_gemm_efficiency if pr.fp8 else bf16
+    block = BLOCKWISE_FP8_TIME if pr.fp8 == "blockwise" else 1.0  # its GEMMs and casts, relative to tensorwise
+    gemm_peak /= block
     hbm = cl.hbm_bandwidth_gbps * 1e9 * HBM_EFFICIENCY
     lf = layer_flops(model)
     pattern = lay.moe_pattern
@@ -172,7 +180,7 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
             att += cp * CP_STEP_OVERHEAD_S
         elem = _elementwise_bytes(job, lay, is_moe) * tokens / cp / hbm + moe_fixed
         cast_f, cast_b = _fp8_cast_bytes(job, lay, is_moe)
-        cast_f, cast_b = cast_f * tokens / cp / hbm, cast_b * tokens / cp / hbm
+        cast_f, cast_b = block * cast_f * tokens / cp / hbm, block * cast_b * tokens / cp / hbm
         # AG + RS (or an AR without SP) around attention and around a TP-sharded MLP, per pass. A routed-expert
         # MLP has none: its tokens move with the dispatcher (and ETP's own exchange); shared experts are TP MLPs.
         tp_mlp = not is_moe or bool(model.moe_shared_expert_intermediate_size)
