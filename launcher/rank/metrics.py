@@ -32,8 +32,9 @@ def static_bytes(model, optimizer) -> dict:
         for state in (inner.state.values() if inner is not None else []):
             opt += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
         for name in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups"):
-            for group in getattr(o, name, None) or []:
-                opt += sum(p.numel() * p.element_size() for p in group)
+            for group in getattr(o, name, None) or []:  # None entries: a shard the CPU offload's
+                # HybridDeviceOptimizer holds itself (train.optimizer_cpu_offload; its state counts above)
+                opt += sum(p.numel() * p.element_size() for p in group if p is not None)
     return {"weights": weights, "grads": grads, "optimizer": opt}
 
 
