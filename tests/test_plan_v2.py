@@ -10,7 +10,7 @@ import pytest
 from launcher.config import compose_job
 from launcher.core import derive
 from launcher.plan import plan_job
-from launcher.plan.memory import memory_per_stage, stage_layers, stage_params
+from launcher.plan.memory import grad_groups, memory_per_stage, stage_layers, stage_params, static_bytes
 from launcher.plan.search import search
 from launcher.plan.timing import (A2A_SM_SHARE, BLOCKWISE_FP8_TIME, COLLECTIVE_LATENCY_S, NCCL_A2A_SM_SHARE, a2a_sm_share, _a2a_time, _bandwidth, _grouped_gemm_efficiency,
                                   _overlapped_a2a, stage_costs, step_time)
@@ -290,6 +290,28 @@ def test_context_parallel_costs_time():
     f1, f2 = stage_costs(cp1, derive(cp1), 0), stage_costs(cp2, derive(cp2), 0)
     # half the tokens per rank, but attention runs on shorter blocks and every ring step has a fixed cost
     assert f2.parts["attention"] > 0.5 * f1.parts["attention"] * 1.05
+
+
+@pytest.mark.parametrize("recipe", ["llama3_8b", "mixtral"])
+def test_dp_param_all_gather_moves_one_byte_per_fp8_layer_weight(recipe):
+    """Under precision.fp8_param the distributed optimizer's parameter all-gather moves each buffer's storage:
+    Megatron-Core keeps the FP8 layer GEMM weights in a uint8 buffer (1 byte), the embedding, output layer, norms and
+    router in bf16 (2). So turning fp8_param on saves, per gather group, exactly the bytes the memory model saves on
+    the weights (rp.gemm: 1 byte each), dense weights over DP x CP, routed experts over expert DP (mixtral: EP8 DP16,
+    expert DP 2). Priced at 2 bytes for every parameter (before issue 41's fix) the two gathers took equal time."""
+    off = ["parallel.overlap_grad_reduce=false", "parallel.overlap_param_gather=false"]  # the gathers fully exposed
+    jobs = {p: compose_job([f"recipe={recipe}", f"precision.fp8_param={p}"] + off) for p in ("false", "true")}
+    lay = derive(jobs["true"])
+    saved = step_time(jobs["false"]).dp_exposed_s - step_time(jobs["true"]).dp_exposed_s  # reduce-scatters equal
+    rp = max((stage_params(jobs["true"], r, lay) for r in range(lay.pp)), key=lambda rp: rp.total)
+    weights = {p: static_bytes(j, rp, lay)["weights"] for p, j in jobs.items()}
+    assert weights["false"] - weights["true"] == pytest.approx(rp.gemm)  # 1 byte fewer per layer GEMM weight
+    dp, edp = grad_groups(lay)
+    bw = _bandwidth(jobs["true"], lay.tp * lay.cp * lay.dp)
+    want = ((dp - 1) / dp * (rp.gemm - rp.expert_gemm) + (edp - 1) / edp * rp.expert_gemm) / bw
+    assert rp.gemm > 0.9 * (rp.dense + rp.expert - rp.embedding)  # nearly every non-embedding weight is a GEMM's
+    assert (rp.expert_gemm > 0 and edp > 1) == (recipe == "mixtral")
+    assert saved == pytest.approx(want, rel=1e-9) and saved > 0
 
 
 def test_blockwise_fp8_prices_its_gemms_and_casts_by_te_s_measured_ratio():

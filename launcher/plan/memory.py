@@ -160,6 +160,8 @@ class RankParams:
     """Routed-expert parameters (optimizer sharded over expert-DP)."""
     gemm: float = 0.0
     """GEMM weights among them (dense and expert), which get FP8 copies."""
+    expert_gemm: float = 0.0
+    """Of ``gemm``: the routed experts' GEMM weights (in ``expert``)."""
     embedding: float = 0.0
     """Of ``dense``: input embedding, output layer and position embedding on this rank."""
 
@@ -212,6 +214,7 @@ def stage_params(job: JobConfig, stage: int, lay: Layout | None = None) -> RankP
         out.dense += n * (lp.tp_sharded / tp + lp.replicated)
         out.expert += n * lp.expert / (ep * etp)
         out.gemm += n * (lp.gemm / tp + lp.gemm_expert / (ep * etp))
+        out.expert_gemm += n * lp.gemm_expert / (ep * etp)
     h = model.hidden_size
     norm = _norm_params(model)
     emb = lay.padded_vocab * h / tp
@@ -497,6 +500,30 @@ def optimizer_shards(job: JobConfig, lay: Layout) -> tuple[int, int]:
     return grad_groups(lay) if job.parallel.distributed_optimizer else (1, 1)
 
 
+def param_bytes(job: JobConfig, rp: RankParams) -> tuple[float, float]:
+    """Bytes of one rank's (dense, expert) parameters as the model holds them, which is also what the distributed
+    optimizer's parameter all-gather moves: the activation dtype's, except the layer GEMM weights under
+    ``precision.fp8_param`` (FP8 primary weights, 1 byte; ``rp.gemm`` leaves out the embedding, output layer,
+    norms and router, which stay in their dtype).
+
+    Megatron-Core 0.19.2: the transformer block builds each layer under TE's ``fp8_model_init``
+    (``transformer/transformer_block.py`` ``build_layer``: ``get_fp8_context(layer_config, global_layer_number - 1,
+    is_init=True)``; ``fp8_utils.py``: ``need_fp8_context = config.fp8 if not is_init else config.fp8_param``), so
+    only its TE linear / grouped-linear weights are Float8Tensors. The DDP buffers are grouped by storage dtype
+    (``distributed/param_and_grad_buffer.py`` ``group_params_for_buffers``: "param_dtype: storage dtype
+    (torch.uint8 for FP8/NVFP4 parameters, else param.dtype)"; ``if _param_uses_quantized_storage(param):
+    param_dtype = torch.uint8``, ``_param_uses_quantized_storage`` = ``is_float8tensor(param) or ...``), each
+    buffer's ``param_data = torch.zeros(numel, dtype=self.param_dtype, ...)``, and ``start_param_sync`` gathers
+    exactly that storage (``dist_all_gather_func(bucket.param_data, local_data_view, group=...)``): 1 byte per
+    FP8 parameter, the dtype's bytes for the rest."""
+    a = DTYPE_BYTES.get(job.precision.dtype, 2)
+    dense, expert = a * rp.dense, a * rp.expert
+    if job.precision.fp8 and job.precision.fp8_param:
+        dense -= (a - 1) * (rp.gemm - rp.expert_gemm)
+        expert -= (a - 1) * rp.expert_gemm
+    return dense, expert
+
+
 def static_bytes(job: JobConfig, rp: RankParams, lay: Layout | None = None) -> dict[str, float]:
     """Weights, fp32 gradients, optimizer state (master copy + Adam) and FP8 weight copies."""
     pr = job.precision
@@ -515,11 +542,10 @@ def static_bytes(job: JobConfig, rp: RankParams, lay: Layout | None = None) -> d
         # elements, main weights and moments, on the host; the GPU holds the rest
         opt_per_param *= 1.0 - job.train.optimizer_offload_fraction
     dense_shards, expert_shards = optimizer_shards(job, lay or derive(job))
-    weight_bytes = a * rp.total
+    weight_bytes = sum(param_bytes(job, rp))
     fp8 = 0.0
     if pr.fp8:  # layer GEMM weights only: rp.gemm excludes the output layer
         if pr.fp8_param:
-            weight_bytes -= (a - 1) * rp.gemm  # FP8 primary weights: 1 byte instead of a
             fp8 = rp.gemm  # the transpose, 1 byte
         else:
             fp8 = FP8_WEIGHT_COPY_BYTES * rp.gemm

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from launcher.core import Layout, derive
 from launcher.core.flops import FMA, flops_per_step, kv_channels, layer_flops, query_groups
-from launcher.plan.memory import (DTYPE_BYTES, GRAD_BYTES_FP32, fsdp_layer_params, grad_groups, optimizer_shards,
+from launcher.plan.memory import (DTYPE_BYTES, GRAD_BYTES_FP32, fsdp_layer_params, grad_groups, optimizer_shards, param_bytes,
                                   recompute_fraction, recomputed_modules, sp_shards, stage_layers, stage_params)
 from launcher.core.pipeline.schedules import loss_rank
 from launcher.plan.host import host_seconds, overlap_host_seconds
@@ -37,7 +37,7 @@ ATTENTION_HALF_SEQ = 256
 """Query-block length at which flash attention runs at half its long-sequence rate: its efficiency is
 L / (L + 256) for blocks of L tokens (FlashAttention-2 paper, Fig. 4-7: causal head-dim 128 forward reaches
 ~58% of its 16k rate at 512, ~90% at 2k). With context parallelism a ring step works on blocks of s / (2 CP)."""
-CP_STEP_OVERHEAD_S = 150e-6
+CP_STEP_OVERHEAD_S = 200e-6
 """Fixed cost per context-parallel ring step per attention layer per pass (P2P launch and wait, the
 output/LSE correction kernels of TE's ring attention); fitted, see NOTES.md."""
 MOE_LAYER_OVERHEAD_S = 1.25e-3
@@ -586,7 +586,8 @@ def step_time(job: JobConfig, lay: Layout | None = None, exact: bool = True) -> 
     rp = per_stage[worst]
     grad_bytes = GRAD_BYTES_FP32 if job.precision.grad_reduce_in_fp32 else a
     rs = _ring(grad_bytes * rp.dense, dp_cp, dp_bw) + _ring(grad_bytes * rp.expert, edp, dp_bw)
-    ag = _ring(a * rp.dense, dp_cp, dp_bw) + _ring(a * rp.expert, edp, dp_bw)
+    dense_bytes, expert_bytes = param_bytes(job, rp)  # the storage gathered: FP8 layer GEMM weights 1 byte (fp8_param)
+    ag = _ring(dense_bytes, dp_cp, dp_bw) + _ring(expert_bytes, edp, dp_bw)
     if not par.distributed_optimizer:
         rs, ag = 2 * rs, 0.0  # all-reduce = reduce-scatter + all-gather of gradients; no param gather
     if par.megatron_fsdp:
