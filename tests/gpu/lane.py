@@ -83,14 +83,31 @@ def outcomes(results: Path) -> list[dict]:
 def _kill_jobs_under(path: Path) -> None:
     """Every process whose command line names ``path`` (the jobs pytest started in sessions of their own, which
     killing pytest's process group does not reach)."""
+    killed = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
             if str(path) in (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
                 os.kill(int(proc.name), 9)
+                killed.append(proc)
         except (OSError, ProcessLookupError):
             continue
+    # SIGKILL is delivered asynchronously: wait (bounded) until each is gone or a zombie, so that the lane's
+    # report is written only once no job of it still runs (a check right after the kill found one still alive)
+    deadline = time.monotonic() + 30
+    while killed and time.monotonic() < deadline:
+        killed = [p for p in killed if _alive(p)]
+        if killed:
+            time.sleep(0.05)
+
+
+def _alive(proc: Path) -> bool:
+    try:
+        fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] not in ("Z", "X")
 
 
 def build_report(cases: list[dict], measurements: list[dict], info: dict, *, budget_s: float, elapsed_s: float,
