@@ -963,13 +963,13 @@ def test_embedded_default_trains_with_zb_h1_and_1f1b_losses(tmp_path):
     for kind in ("1f1b", "zb_h1"):
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         proc = subprocess.run([sys.executable, "-m", "launcher", f"schedule.kind={kind}",
-                               f"output_dir={tmp_path / kind}", "train.train_steps=10", "train.eval_interval=0"],
+                               f"output_dir={tmp_path / kind}", "train.train_steps=5", "train.eval_interval=0"],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         (bundle,) = [p for p in (tmp_path / kind).iterdir() if p.is_dir()]
         report = json.loads((bundle / "report" / "metrics.json").read_text())
         runs[kind] = [h["loss"] for h in report["steps"]]
-    assert len(runs["zb_h1"]) == 10
+    assert len(runs["zb_h1"]) == 5  # 5 steps (CI budget): the schedule's losses are pinned step by step elsewhere
     assert runs["zb_h1"] == pytest.approx(runs["1f1b"], rel=RTOL)
     assert runs["zb_h1"][-1] < runs["zb_h1"][0]
 
