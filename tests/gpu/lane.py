@@ -103,6 +103,8 @@ def _kill_jobs_under(path: Path) -> None:
 
 
 def _alive(proc: Path) -> bool:
+    """launcher/core/checkpoint/dirlock.py ``pid_alive``'s rule (a zombie is not alive), kept here because the lane
+    runs in the GPU image's own Python without importing the launcher package (its core pulls in OmegaConf)."""
     try:
         fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
