@@ -282,6 +282,32 @@ def test_no_wing_reaches_a_tool(module):
     assert not bad, f"{module} reaches {bad}"
 
 
+_WITHOUT_HYDRA = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("hydra", "omegaconf"):
+            raise ImportError("blocked: " + name)
+sys.meta_path.insert(0, Block())
+import launcher.core, launcher.rank.training, launcher.rank.loop
+from launcher.core import derive
+from launcher.schema import JobConfig
+print(derive(JobConfig()).world)
+"""
+
+
+def test_the_core_and_the_rank_wing_import_without_hydra_or_omegaconf():
+    """The shared core and the rank wing import, and derive a layout, with Hydra and OmegaConf unimportable: the
+    ranks read config.yaml (OmegaConf, when called) and never compose, and the bare GPU image the benchmark runs on
+    has neither (launcher/core/jobfile.py). Until 9f3c6a2 launcher.schema imported Hydra's ConfigStore at its top,
+    and this failed with "ImportError: blocked: hydra"."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_HYDRA], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0 and proc.stdout.strip().isdigit(), proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if _wing(m) != "tests"))
 def test_no_product_module_reaches_the_tests(module):
     bad = sorted(n for n in reach(module) if _in(n, TESTS))
