@@ -494,6 +494,12 @@ def _cancel_slurm(bundle: Path, info: RunInfo) -> int:
     --signal=TERM``): job.sbatch's trap leaves STOP, every rank saves at the next step and exits, STOPPED is
     written. Then ``scancel`` ends the job, so its script's requeue of a stopped run does not start it again."""
     if info.state == "running" or info.state == "stopping":
+        # job.sbatch requeues a run that stopped cleanly before its time limit; CANCEL tells it this stop is a
+        # cancel (left first: the script's requeue raced the scancel below and won under load, and the requeued
+        # attempt trained on until this command's deadline)
+        tmp = bundle / ".CANCEL.tmp"
+        tmp.write_text(f"cancelled by python -m launcher cancel at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
+        os.replace(tmp, bundle / "CANCEL")
         _scancel("--batch", "--signal=TERM", info.job_id)
         print(f"cancel: SIGTERM to job {info.job_id}'s batch shell (STOP): the ranks save a checkpoint at the next "
               "step boundary", flush=True)
