@@ -173,10 +173,14 @@ def test_bad_input_gets_one_line_naming_the_problem_and_an_alternative(tmp_path)
 from test_slurm_localhost import FINAL, PROFILE, job_info, slurm  # noqa: E402,F401  (the cluster fixture)
 
 
-def test_cancel_of_a_slurm_job_saves_a_checkpoint_first_and_is_not_requeued(slurm, tmp_path):
+def test_cancel_of_a_slurm_job_saves_a_checkpoint_first_and_is_not_requeued(slurm, tmp_path, monkeypatch, capsys):
     """`action=submit` leaves the job id in the bundle; `runs` reads its state from Slurm; `cancel` asks the batch
     shell to stop (SIGTERM: job.sbatch's trap leaves STOP, the ranks save and exit), then scancels the job, so
-    its script's requeue of a stopped run does not start it again."""
+    its script's requeue of a stopped run does not start it again.
+
+    The cancel runs in this process with its final scancel held back until job.sbatch has decided what to do
+    with the clean stop: the order a loaded machine produced (the script reached its `scontrol requeue` before
+    cancel's poll saw STOPPED; the requeued attempt trained on). Here the script must find CANCEL and wait."""
     one_rank = ["cluster.gpus_per_node=1", "parallel.tensor=1", "parallel.pipeline=1"]
     submitted = cli(tmp_path, "recipe=smoke", *PROFILE, *one_rank, "data=mock", "train.train_steps=2000",
                     "checkpoint.save_interval=0", "slurm.time=00:30:00", "output_dir=runs", "name=sl",
@@ -195,11 +199,28 @@ def test_cancel_of_a_slurm_job_saves_a_checkpoint_first_and_is_not_requeued(slur
         row = cli(tmp_path, "runs").stdout.splitlines()[1].split()
         assert row[:8] == [bundle.name, "smoke", "TP1", "PP1", "DP1", "slurm", job_id, "running"], row
 
-        cancel = cli(tmp_path, "cancel", "sl", timeout=900)
-        assert cancel.returncode == 0, (cancel.stdout, cancel.stderr)
+        from launcher import runs
+
+        log = bundle / "logs" / f"slurm-{job_id}.out"
+        decided = re.compile(r"launcher: (stopped .*; cancelled \(python -m launcher cancel\), not requeueing"
+                             r"|stopped before the time limit .*requeueing job|failed \(exit)")
+        real_scancel = runs._scancel
+
+        def late_scancel(*args: str):
+            if args == (job_id,):  # the scancel that ends the job: only once the script has decided
+                wait_for(lambda: log.is_file() and decided.search(log.read_text()), 300,
+                         f"job.sbatch's decision after the stop in {log}", bundle)
+            return real_scancel(*args)
+
+        monkeypatch.setattr(runs, "_scancel", late_scancel)
+        monkeypatch.chdir(tmp_path)
+        code = runs.main(["cancel", "sl"])
+        out, err = capsys.readouterr()
+        assert code == 0, (out, err)
+        assert "cancelled (python -m launcher cancel), not requeueing" in log.read_text(), log.read_text()
         said = re.fullmatch(r"cancelled \S+: stopped at step (\d+) of 2000: STOP file; checkpoint (\S+)",
-                            cancel.stdout.splitlines()[-1])
-        assert said, cancel.stdout
+                            out.splitlines()[-1])
+        assert said, out
         step = int(said[1])
         assert said[2] == str(bundle / "checkpoints" / f"iter_{step:07d}") and step >= info["step"], cancel.stdout
         assert json.loads((Path(said[2]) / "launcher.json").read_text())["step"] == step
