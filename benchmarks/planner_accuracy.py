@@ -231,6 +231,23 @@ def _fsdp() -> list[str]:
     return ["parallel.megatron_fsdp=true", "cluster.env.CUDA_DEVICE_MAX_CONNECTIONS=8"]
 
 
+def indistinguishable() -> list[list[Row]]:
+    """Groups of two or more rows the planner cannot tell apart: the same overrides, i.e. the same job (NVIDIA's
+    releases of one layout, which differ only in what the planner does not take: the container, small recipe
+    settings; see NOTES.md)."""
+    groups: dict = {}
+    for row in ROWS:
+        groups.setdefault(tuple(_overrides(row)), []).append(row)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def floor(rows: list[Row]) -> float:
+    """The least max |error| any one prediction can have against these rows: at the harmonic mean p of the lowest
+    (lo) and highest (hi) published figure, p / lo - 1 = 1 - p / hi = (hi - lo) / (hi + lo)."""
+    lo, hi = min(r.tokens_per_gpu for r in rows), max(r.tokens_per_gpu for r in rows)
+    return (hi - lo) / (hi + lo)
+
+
 def predict(row: Row, cluster: str = "h100"):
     from launcher.config import compose_job
     from launcher.plan import plan_job
@@ -270,6 +287,12 @@ def main() -> int:
     print(_summary("held-out rows (25.11 .. 26.06)", [errs[r.name] for r in ROWS if not r.fitted]))
     print(_summary("MoE rows (fitted + held-out)", [errs[r.name] for r in ROWS if r.ep > 1]))
     print(_summary("all rows", list(errs.values())))
+    print("rows the planner cannot tell apart (one job, several releases): the least max |error| one prediction can "
+          "reach on each group, and the planner's")
+    for group in indistinguishable():
+        head = group[0]
+        print(f"  {head.model} {head.name.split(' ', 2)[2]:<52} releases {', '.join(r.release for r in group):<34} "
+              f"floor {100 * floor(group):.1f}%  planner {100 * max(abs(errs[r.name]) for r in group):.1f}%")
     print("\nH200 predictions (the *_h200 recipes: cluster=h200 and their own layouts; no published H200 training figure exists):")
     from launcher.config import compose_job
     from launcher.plan import plan_job

@@ -561,3 +561,20 @@ def test_the_fitted_constants_are_the_documented_refits_optimum():
     # the errors it reports are the accuracy benchmark's at those constants
     row = next(r for r in pa.ROWS if r.release == "25.09" and r.model == "llama405b")
     assert got["errors"][row.name] == pytest.approx(pa.error(row, pa.predict(row)), abs=1e-12)
+
+
+def test_the_release_spread_floor_is_the_least_max_error_one_prediction_can_have():
+    """benchmarks/planner_accuracy.py prints, for rows the planner cannot tell apart (one job published by several
+    releases), the least max |error| any single prediction reaches: the planner's own error there is never below it."""
+    groups = pa.indistinguishable()
+    assert any(g[0].model == "llama405b" and g[0].gbs == 1536 and len(g) == 3 for g in groups), [g[0].name for g in groups]
+    for group in groups:
+        assert len({tuple(pa._overrides(r)) for r in group}) == 1 and len({r.release for r in group}) == len(group)
+        f = pa.floor(group)
+        lo, hi = min(r.tokens_per_gpu for r in group), max(r.tokens_per_gpu for r in group)
+        worst = lambda p: max(abs(p / r.tokens_per_gpu - 1) for r in group)  # noqa: E731
+        best = 2 * lo * hi / (lo + hi)
+        assert worst(best) == pytest.approx(f, abs=1e-12)
+        assert all(worst(best * k) > f for k in (0.99, 0.999, 1.001, 1.01, lo / best, hi / best)), group[0].name
+        predicted = plan_job(_job(group[0])).perf["tokens_per_s_per_gpu"]
+        assert worst(predicted) >= f - 1e-12
