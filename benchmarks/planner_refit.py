@@ -37,16 +37,15 @@ GRIDS = {
 
 
 def _amax_read(plain):
-    """The planner's FP8 cast traffic with current scaling's separate amax read added."""
+    """The planner's FP8 cast traffic with current scaling's separate amax read added: ``_fp8_cast_bytes`` prices
+    each cast element at a read of ``a`` bytes plus two 1-byte writes, so the extra read is a / (a + 2) of it."""
     import launcher.plan.timing as T
 
     def cast(job, lay, moe):
         f, b = plain(job, lay, moe)
         if job.precision.fp8 in ("tensorwise", "blockwise"):
-            a, t, sp, h, q, kv, ffn = T._layer_dims(job, lay, moe)
-            m = 2 if job.model.activation == "swiglu" else 1
-            f += a * (2 * h / sp + (q + ffn) / t)
-            b += a * (2 * h / sp + (q + 2 * kv + m * ffn) / t)
+            a = T._layer_dims(job, lay, moe)[0]
+            f, b = f * (2 * a + 2) / (a + 2), b * (2 * a + 2) / (a + 2)
         return f, b
     return cast
 

@@ -497,9 +497,10 @@ def _cancel_slurm(bundle: Path, info: RunInfo) -> int:
         # job.sbatch requeues a run that stopped cleanly before its time limit; CANCEL tells it this stop is a
         # cancel (left first: the script's requeue raced the scancel below and won under load, and the requeued
         # attempt trained on until this command's deadline)
-        tmp = bundle / ".CANCEL.tmp"
-        tmp.write_text(f"cancelled by python -m launcher cancel at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
-        os.replace(tmp, bundle / "CANCEL")
+        from launcher.render import atomic_write
+
+        atomic_write(bundle / "CANCEL",
+                     f"cancelled by python -m launcher cancel at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
         _scancel("--batch", "--signal=TERM", info.job_id)
         print(f"cancel: SIGTERM to job {info.job_id}'s batch shell (STOP): the ranks save a checkpoint at the next "
               "step boundary", flush=True)
