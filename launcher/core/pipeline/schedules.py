@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import functools
 import heapq
+from operator import add
 from dataclasses import dataclass
 
 from launcher.schema import Schedule
@@ -233,7 +234,7 @@ def schedule_zb_v(p: int, m: int, costs: tuple = (1.0, 1.0, 1.0)) -> list[list[O
     (1, 1, 0.5) 9.1% against 14.0% (interleaved: 15.8%). Ties keep the plain rule. The order is deterministic for
     given costs; a fixed order tuned to other costs leaves W-sized holes (the planner generates it from its own
     stage costs). The rank executor runs it literally, its p2p program from ``launcher.core.pipeline.p2p.plan``."""
-    return [list(ops) for ops in _zb_v_best(p, m, tuple(float(c) for c in costs))]
+    return [list(ops) for ops in _zb_v_ops(p, m, tuple(float(c) for c in costs))]
 
 
 def zb_v_variants(p: int) -> list[tuple[int, int, float | None]]:
@@ -257,7 +258,7 @@ def _zb_v_best(p: int, m: int, costs: tuple) -> tuple:
     best = None
     for w_first, f_first, slack in zb_v_variants(p):
         try:  # a variant whose ranks' remaining work passes the best makespan so far is dropped there (it cannot win)
-            ops, makespan = _zb_v(p, m, costs, w_first, f_first, slack, bound=best[1] if best else float("inf"))
+            ops, makespan = _zb_v_tuples(p, m, costs, w_first, f_first, slack, bound=best[1] if best else float("inf"))
         except RuntimeError:  # a variant that stalls for these costs (none known) is skipped; the plain rule never does
             continue
         if ops is not None and (best is None or makespan < best[1] - 1e-9 * makespan):
@@ -267,11 +268,18 @@ def _zb_v_best(p: int, m: int, costs: tuple) -> tuple:
         # stages that differ: the orders for their mean triple compete too, timed at the stages' own costs (the list
         # rule is a heuristic: for a few cost sets its per-stage order is the longer one), so an order generated for
         # per-stage costs is never longer at those costs than the one for their mean
-        ops = _zb_v_best(p, m, tuple(sum(t[k] for t in per_stage) / len(per_stage) for k in range(3)))
-        makespan = zb_v_makespan(p, ops, costs)
+        mean = tuple(sum(t[k] for t in per_stage) / len(per_stage) for k in range(3))
+        ops = _zb_v_best(p, m, mean)
+        makespan = zb_v_makespan(p, _zb_v_ops(p, m, mean), costs)
         if makespan < best[1] - 1e-9 * makespan:
             best = (ops, makespan)
     return best[0]
+
+
+@functools.lru_cache(maxsize=512)
+def _zb_v_ops(p: int, m: int, costs: tuple) -> tuple:
+    """``_zb_v_best``'s order as ``Op``s."""
+    return tuple(tuple(Op(*op) for op in ops) for ops in _zb_v_best(p, m, costs))
 
 
 def zb_v_makespan(p: int, order, costs: tuple) -> float:
@@ -339,18 +347,30 @@ def zb_v_stage_costs(p: int, costs: tuple) -> tuple:
 
 def _zb_v(p: int, m: int, costs: tuple, w_first: int, f_first: int, slack: float | None = None,
           bound: float = float("inf")) -> tuple:
+    """``_zb_v_tuples``' order as ``Op``s, and its makespan."""
+    ops, makespan = _zb_v_tuples(p, m, costs, w_first, f_first, slack, bound)
+    return (None if ops is None else tuple(tuple(Op(*op) for op in rank) for rank in ops)), makespan
+
+
+def _zb_v_tuples(p: int, m: int, costs: tuple, w_first: int, f_first: int, slack: float | None = None,
+                 bound: float = float("inf")) -> tuple:
     """One list-scheduled ZB-V order and its makespan at ``costs`` (the times the list scheduler assigned: the same
     as ``launcher.plan.simulator.simulate`` replaying the order at those costs with no communication time);
     ``w_first``, ``f_first``, ``slack``: :func:`zb_v_variants`. ``(None, inf)`` once the clock passes ``bound``
-    with ops left (the makespan would exceed it)."""
+    with ops left (the makespan would exceed it). The order is built as (kind, microbatch, chunk) tuples and made
+    ``Op``s once, for the variant that wins (``_zb_v_best`` tries twelve: this loop is most of a search's time)."""
     limit, last, inf = 2 * p, 2 * p - 1, float("inf")
     per_stage = zb_v_stage_costs(p, costs)
-    # dur[r][c][kind]: rank r's chunk c runs stage stage_of(zb_v, p, r, c)
-    dur = [[dict(zip("FBW", per_stage[stage_of(Schedule.ZB_V, p, r, c)])) for c in (0, 1)] for r in range(p)]
-    end = {"F": [[inf] * m for _ in range(2 * p)], "B": [[inf] * m for _ in range(2 * p)]}  # [stage][mb] -> end
-    f_end, b_end = end["F"], end["B"]
     stage = [[stage_of(Schedule.ZB_V, p, r, c) for c in (0, 1)] for r in range(p)]
-    out: list[list[Op]] = [[] for _ in range(p)]
+    # dur[r][c][kind]: rank r's chunk c runs stage stage[r][c]
+    dur = [[dict(zip("FBW", per_stage[stage[r][c]])) for c in (0, 1)] for r in range(p)]
+    f_end = [[inf] * m for _ in range(2 * p)]  # [stage][mb] -> end of its F
+    b_end = [[inf] * m for _ in range(2 * p)]  # [stage][mb] -> end of its B
+    end = {"F": f_end, "B": b_end}
+    # when a B of rank r's chunk c has its inputs, by microbatch: the next stage's B end (the last stage: its own F)
+    b_src = [[f_end[k] if k == last else b_end[k + 1] for k in stage[r]] for r in range(p)]
+    f_src = [[f_end[k - 1] if k > 0 else None for k in stage[r]] for r in range(p)]  # an F's input: previous F
+    out: list[list[tuple]] = [[] for _ in range(p)]
     free = [0.0] * p
     held = [0] * p  # chunk-microbatches between F and W
     next_f = [[0, 0] for _ in range(p)]  # next microbatch to forward, per chunk
@@ -359,31 +379,31 @@ def _zb_v(p: int, m: int, costs: tuple, w_first: int, f_first: int, slack: float
     total, count, t = 3 * 2 * m * p, 0, 0.0
     left = [m * sum(sum(d.values()) for d in dur[r]) for r in range(p)]  # compute each rank has still to place
     events: list = []  # end times of the ops run so far (min-heap)
+    heappush = heapq.heappush
 
-    def b_inputs(k: int, mb: int) -> float:  # when B's inputs exist (inf: their op is not placed yet)
-        return f_end[k][mb] if k == last else b_end[k + 1][mb]
-
-    def forward(r: int, take: bool = True) -> Op | None:
+    def forward(r: int, take: bool = True) -> tuple | None:
+        nf, src = next_f[r], f_src[r]
         for c in (1, 0):
-            mb, k = next_f[r][c], stage[r][c]
+            mb = nf[c]
             # a chunk-0 F leaves one slot free for a chunk-1 F: the V then always drains (one microbatch at a time
             # through chunk 1, each W freeing its slot) and the list never gets stuck
-            if mb < m and held[r] < limit - (1 - c) and (k == 0 or f_end[k - 1][mb] <= t):
+            if mb < m and held[r] < limit - (1 - c) and (src[c] is None or src[c][mb] <= t):
                 if take:
-                    next_f[r][c] += 1
+                    nf[c] += 1
                     held[r] += 1
                     pending_b[r].append((mb, c))
-                return Op("F", mb, c)
+                return ("F", mb, c)
         return None
 
     def filler(r: int) -> str | None:
         """F or W for a rank with no B ready (None: wait for the next event)."""
         f = None if pending_w[r] and held[r] >= w_first else forward(r, take=False)
-        fill = ([("F", dur[r][f.chunk]["F"])] if f else []) + \
+        fill = ([("F", dur[r][f[2]]["F"])] if f else []) + \
             ([("W", dur[r][pending_w[r][0][1]]["W"])] if pending_w[r] else [])  # (kind, its duration)
         if slack is None or not fill:
             return fill[0][0] if fill else None
-        gap = min((b_inputs(stage[r][c], mb) for mb, c in pending_b[r]), default=inf) - t
+        src = b_src[r]
+        gap = min((src[c][mb] for mb, c in pending_b[r]), default=inf) - t
         fits = [k for k, d in fill if d <= gap * (1 + 1e-12)]
         if fits:
             return fits[0]
@@ -395,32 +415,39 @@ def _zb_v(p: int, m: int, costs: tuple, w_first: int, f_first: int, slack: float
             if free[r] > t:
                 continue
             choice = forward(r) if held[r] < f_first else None
-            b = None if choice else min(((mb, -c) for mb, c in pending_b[r] if b_inputs(stage[r][c], mb) <= t),
-                                        default=None)
+            b = None
+            if choice is None:  # the ready B of the oldest microbatch, the chunk nearer the loss (chunk 1) first
+                src = b_src[r]
+                for mb, c in pending_b[r]:
+                    if src[c][mb] <= t and (b is None or mb < b[0] or (mb == b[0] and c > b[1])):
+                        b = (mb, c)
             if b is not None:
-                mb, c = b[0], -b[1]
-                choice = Op("B", mb, c)
-                pending_b[r].remove((mb, c))
-                pending_w[r].append((mb, c))
+                mb, c = b
+                choice = ("B", mb, c)
+                pending_b[r].remove(b)
+                pending_w[r].append(b)
             elif choice is None:
                 kind = filler(r)
                 if kind == "F":
                     choice = forward(r)
                 elif kind == "W":
                     mb, c = pending_w[r].pop(0)
-                    choice = Op("W", mb, c)
+                    choice = ("W", mb, c)
                     held[r] -= 1
             if choice is not None:
+                kind, mb, c = choice
                 out[r].append(choice)
-                left[r] -= dur[r][choice.chunk][choice.kind]
-                free[r] = t + dur[r][choice.chunk][choice.kind]
-                if choice.kind != "W":
-                    end[choice.kind][stage[r][choice.chunk]][choice.microbatch] = free[r]
-                heapq.heappush(events, free[r])
+                d = dur[r][c][kind]
+                left[r] -= d
+                free[r] = t + d
+                if kind != "W":
+                    end[kind][stage[r][c]][mb] = free[r]
+                heappush(events, free[r])
                 count += 1
         t = _next_event(events, t, count < total, f"zb_v, p={p}, m={m}")
         # each rank still has its own ops to run after t: past the bound, this variant cannot win
-        if count < total and max(max(t, f) + w for f, w in zip(free, left)) >= bound * (1 - 1e-9):
+        # (max over ranks of max(free, t) + left = the larger of max(free + left) and t + max(left))
+        if count < total and bound < inf and max(max(map(add, free, left)), t + max(left)) >= bound * (1 - 1e-9):
             return None, inf
     return tuple(tuple(ops) for ops in out), max(free)
 
