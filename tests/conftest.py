@@ -97,12 +97,14 @@ SLOW_MODULES = {
 """test module, or module::test function -> why it is in the `slow` lane although it starts no ranks."""
 _SPAWNS_RANKS = re.compile(r"""["'](?:torch\.distributed\.run|torchrun|launcher\.rank)["']|action=(?:run|bench)"""
                            r"""|--nproc_per_node"""
+                           r"""|["']bash["'],[^\]\n]*["']launch\.sh["']"""  # a bundle's launch.sh: torchrun and its ranks
                            r"""|\bmp\.spawn\(|multiprocessing\.spawn\(""")
 _STARTS_PER_RANK = re.compile(r"for rank in range\(")
 
 
 def _spawns_ranks(source: str) -> bool:
-    """torchrun/launcher.rank/action=run/action=bench/mp.spawn, or a Popen per rank (a test's own gloo workers)."""
+    """torchrun/launcher.rank/action=run/action=bench/mp.spawn, `bash <bundle>/launch.sh` (its torchrun and ranks),
+    or a Popen per rank (a test's own gloo workers)."""
     return bool(_SPAWNS_RANKS.search(source) or ("Popen(" in source and _STARTS_PER_RANK.search(source)))
 
 
@@ -272,6 +274,7 @@ def _lane_needed(argv) -> str | None:
     words = [str(a) for a in argv]
     if "torch.distributed.run" in words or "launcher.rank" in words or "launcher.rank.agent" in words \
             or Path(words[0]).name == "torchrun" \
+            or (Path(words[0]).name == "bash" and any(Path(w).name == "launch.sh" for w in words[1:])) \
             or ("launcher" in words and ("action=run" in words or "action=bench" in words)):
         return "multirank"
     tool = Path(words[0]).name
