@@ -109,6 +109,10 @@ DSV3_LAYOUT = "Et|(tt|)*30mL"
 
 ROWS = [
     # ---- fitted on (NeMo 24.12, Megatron-Bridge <= 25.09)
+    # The NeMo 24.12 page's table is headed "Container: NeMo24.07": these two figures were measured on NeMo 24.07 (NeMo
+    # commit 8e3d65dcfe "24.07 perf numbers", Sep 2024, which also replaced an earlier 1,549 for the 70B row: a 1.6%
+    # re-measurement; v2.1.0 docs/source/performance/performance_summary.md). Labelled by the page that publishes them;
+    # FP8 delayed scaling either way.
     Row("24.12", "llama3_8b", 8, 128, 1, cp=2, tokens_per_gpu=12273, source=NEMO_2412),
     Row("24.12", "llama3_70b", 64, 128, 1, tp=4, pp=4, vp=5, cp=2, tokens_per_gpu=1524, source=NEMO_2412),
     Row("25.09", "llama3_8b", 8, 128, 1, fsdp=True, tokens_per_gpu=14079),
