@@ -9,7 +9,10 @@ forward and backward (the logits turn over and grow 20-fold: a loss spike) and p
 LAUNCHER_TEST_SPIKE_ONCE=1 only the first time this process computes step K (a transient fault, which a replay
 does not meet), else every time (a poisoned batch: the replay meets it again) (tests/test_loss_spikes.py).
 With LAUNCHER_TEST_SLOW_ASYNC_WRITE=K:S, the background writer of step K's asynchronous checkpoint sleeps S seconds
-before it writes (checkpoint.async_save, tests/test_async_save.py): a kill or a stop signal lands during the write."""
+before it writes (checkpoint.async_save, tests/test_async_save.py): a kill or a stop signal lands during the write.
+With LAUNCHER_TEST_STEP_SLEEP=S, every training step first sleeps S seconds: a run that only has to last (until a
+scheduler's signal comes, tests/test_nothing_lost_slurm.py) waits off the CPU instead of training more steps, which
+the suite's other tests need on a 2-core machine."""
 import importlib.abc
 import importlib.util
 import os
@@ -19,6 +22,7 @@ _STEP = os.environ.get("LAUNCHER_TEST_CRASH_AT_STEP")
 _NAN = os.environ.get("LAUNCHER_TEST_NAN_AT_STEP")
 _SPIKE = os.environ.get("LAUNCHER_TEST_SPIKE_AT_STEP")
 _SLOW_WRITE = os.environ.get("LAUNCHER_TEST_SLOW_ASYNC_WRITE")
+_STEP_SLEEP = os.environ.get("LAUNCHER_TEST_STEP_SLEEP")
 
 
 def _patch_writer(module) -> None:
@@ -44,6 +48,10 @@ def _patch(module) -> None:
     rank = os.environ.get("LAUNCHER_TEST_CRASH_RANK", "0")
 
     def train_step(self, iterators):
+        if _STEP_SLEEP:
+            import time
+
+            time.sleep(float(_STEP_SLEEP))
         if self.step + 1 == step and os.environ.get("RANK") == rank:
             raise RuntimeError(f"injected crash in step {step}")
         if self.step + 1 == nan_step:
@@ -95,7 +103,7 @@ class _Hook(importlib.abc.MetaPathFinder):
         return spec
 
 
-if (_STEP or _NAN or _SPIKE) and os.environ.get("RANK") is not None:
+if (_STEP or _NAN or _SPIKE or _STEP_SLEEP) and os.environ.get("RANK") is not None:
     sys.meta_path.insert(0, _Hook("launcher.rank.loop", _patch))
 if _SLOW_WRITE and os.environ.get("RANK") is not None:
     sys.meta_path.insert(0, _Hook("launcher.rank.checkpoint.async_save", _patch_writer))
