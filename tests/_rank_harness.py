@@ -162,6 +162,17 @@ def run_env(extra: Optional[dict] = None) -> dict:
     return dict(env, **RANK_ENV, **(extra or {}))
 
 
+CRASH_SITE = ROOT / "tests" / "_crash_site"
+"""The test site (its sitecustomize.py) that injects crashes, NaNs, spikes, slow writes and slow steps into ranks."""
+
+
+def crash_site_env(base: Optional[dict] = None, **variables: str) -> dict:
+    """``base`` (default: os.environ) with tests/_crash_site first on PYTHONPATH and its LAUNCHER_TEST_* ``variables``."""
+    base = dict(os.environ if base is None else base)
+    path = os.pathsep.join(p for p in (str(CRASH_SITE), base.get("PYTHONPATH", "")) if p)
+    return dict(base, PYTHONPATH=path, **variables)
+
+
 def _import_time(env: dict) -> dict:
     return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)}
 

@@ -11,10 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _rank_harness import ROOT, TINY, communicate_on_progress, layout
+from _rank_harness import ROOT, TINY, communicate_on_progress, crash_site_env, layout
 from launcher.rank import progress
 
-CRASH_SITE = str(ROOT / "tests" / "_crash_site")
 
 
 def _attempt(id_, resumed, reached, saved=None, outcome=None, error=None):
@@ -77,9 +76,8 @@ def test_running_the_bundle_again_starts_afresh(tmp_path, monkeypatch):
 
 
 def _crash_env(step: int, rank: int) -> dict:
-    path = os.pathsep.join(p for p in (CRASH_SITE, os.environ.get("PYTHONPATH", "")) if p)
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore", PYTHONPATH=path,
-                LAUNCHER_TEST_CRASH_AT_STEP=str(step), LAUNCHER_TEST_CRASH_RANK=str(rank))
+    return crash_site_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore",
+                          LAUNCHER_TEST_CRASH_AT_STEP=str(step), LAUNCHER_TEST_CRASH_RANK=str(rank))
 
 
 def test_a_crash_that_repeats_at_the_same_step_stops_after_the_first_repeat(tmp_path):

@@ -3,19 +3,17 @@
 trained twice: every attempt starts right after the step its predecessor checkpointed at."""
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import time
 
-from _rank_harness import ROOT
+from _rank_harness import crash_site_env
 from test_slurm_localhost import FINAL, ONE_RANK, Job, job_info, log_of, render, slurm  # noqa: F401  (slurm: fixture)
 
 TINY_STEPS = ["model.num_layers=4", "model.hidden_size=64", "model.ffn_hidden_size=128",
               "model.num_attention_heads=4", "model.num_query_groups=2", "model.seq_length=64",
               "model.vocab_size=1024", "train.micro_batch_size=2", "train.global_batch_size=8", "data=mock",
               "train.eval_interval=0", "logging.tensorboard=false", "train.warmup_steps=1"]
-CRASH_SITE = str(ROOT / "tests" / "_crash_site")
 
 
 def _extend_limit_once_requeued(job: Job, limit: str, timeout_s: float) -> None:
@@ -48,9 +46,8 @@ def test_time_limit_checkpoints_requeues_and_finishes_without_retraining_a_step(
                     # the ranks' own stop guard (2 x save + a step + margin) must not beat USR1 here: on loaded
                     # cores a save took 7 s, which with the default 60 s margin needs 75 s, close to the 85 s lead
                     "slurm.signal_margin_s=0")
-    site = os.pathsep.join(p for p in (CRASH_SITE, os.environ.get("PYTHONPATH", "")) if p)
     submit = subprocess.run(["sbatch", "--parsable", str(bundle.sbatch)], capture_output=True, text=True, timeout=120,
-                            check=True, env=dict(os.environ, PYTHONPATH=site, LAUNCHER_TEST_STEP_SLEEP="0.25"))
+                            check=True, env=crash_site_env(LAUNCHER_TEST_STEP_SLEEP="0.25"))
     with Job(bundle, submit.stdout.strip().split(";")[0]) as job:
         _extend_limit_once_requeued(job, "00:10:00", 600)
         info = job.wait(900)

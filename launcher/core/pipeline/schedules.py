@@ -11,8 +11,8 @@ from __future__ import annotations
 import collections
 import functools
 import heapq
-from operator import add
 from dataclasses import dataclass
+from operator import add
 
 from launcher.schema import Schedule
 
