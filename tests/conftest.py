@@ -125,7 +125,7 @@ def _runs_the_default_action(func: ast.AST) -> bool:
     return False
 
 
-_RANK_HELPERS = {"train", "run_train", "run_until", "run_worker"}
+_RANK_HELPERS = {"train", "run_train", "run_until", "run_worker", "run_with_a_stopped_rank"}
 """`_rank_harness` functions that start torchrun."""
 _RANK_FIXTURES = {"reference_run"}
 _SLURM_FIXTURES = {"slurm", "slurm_cluster"}
@@ -267,6 +267,15 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _bash_runs_launch_sh(args: list) -> bool:
+    """`bash [options] <bundle>/launch.sh` executes it; `bash -n` only parses it (test_recipes' syntax check)."""
+    for i, word in enumerate(args):
+        if not word.startswith("-"):
+            return Path(word).name == "launch.sh" and not any(
+                w.startswith("-") and not w.startswith("--") and "n" in w[1:] for w in args[:i])
+    return False
+
+
 def _lane_needed(argv) -> str | None:
     """The mark a child process with this argv needs, if any."""
     if isinstance(argv, (str, bytes)):
@@ -274,7 +283,7 @@ def _lane_needed(argv) -> str | None:
     words = [str(a) for a in argv]
     if "torch.distributed.run" in words or "launcher.rank" in words or "launcher.rank.agent" in words \
             or Path(words[0]).name == "torchrun" \
-            or (Path(words[0]).name == "bash" and any(Path(w).name == "launch.sh" for w in words[1:])) \
+            or (Path(words[0]).name == "bash" and _bash_runs_launch_sh(words[1:])) \
             or ("launcher" in words and ("action=run" in words or "action=bench" in words)):
         return "multirank"
     tool = Path(words[0]).name
