@@ -148,7 +148,40 @@ def writer_results_queue() -> None:
     manager = SyncManager(ctx=multiprocessing.get_context("spawn"))  # Megatron's context for it
     manager.start(initializer=helper_ignores_stop_signals)
     _HELPERS.append(manager)
-    filesystem_async._results_queue = manager.Queue()
+    filesystem_async._results_queue = PickledQueue(manager.Queue())
+
+
+class PickledQueue:
+    """The writers' results queue as Megatron-Core uses it (filesystem_async.py: ``put`` of the write results or
+    an exception, ``get_nowait`` in ``retrieve_write_results``), holding pickled bytes. A manager's server unpickles
+    what it stores, and the write results are torch.distributed.checkpoint objects: Megatron's plain queue made
+    every rank's helper process import torch at the first save (measured: ~4 CPU s each, libtorch mapped in
+    every helper of every rank). The helper now holds bytes and imports nothing; the rank unpickles them.
+    Picklable as the proxy it wraps is (an asynchronous save hands it to its writer process)."""
+
+    def __init__(self, proxy):
+        self._proxy = proxy
+
+    def put(self, item, *args, **kwargs) -> None:
+        import pickle
+
+        self._proxy.put(pickle.dumps(item), *args, **kwargs)
+
+    def get(self, *args, **kwargs):
+        import pickle
+
+        return pickle.loads(self._proxy.get(*args, **kwargs))
+
+    def get_nowait(self):
+        import pickle
+
+        return pickle.loads(self._proxy.get_nowait())
+
+    def empty(self) -> bool:
+        return self._proxy.empty()
+
+    def qsize(self) -> int:
+        return self._proxy.qsize()
 
 
 def _noted(signum, frame) -> None:
