@@ -112,14 +112,20 @@ def _recipes_fingerprint() -> tuple:
 
 def _group_exists(name: str, fingerprint: tuple) -> bool:
     """Whether Hydra's repository (the recipes directory, the ConfigStore, Hydra's own configs) has this config
-    group, asked of Hydra once per name and recipe tree."""
+    group: asked of the repository Hydra builds for the recipe tree (kept with it: it only reads its sources),
+    once per name."""
     key = (fingerprint, name)
     if key not in _GROUPS:
-        from hydra.core.global_hydra import GlobalHydra
+        if _REPOSITORY.get("fingerprint") != fingerprint:
+            from hydra.core.global_hydra import GlobalHydra
 
-        with _hydra():
-            _GROUPS[key] = GlobalHydra.instance().config_loader().repository.group_exists(name)
+            with _hydra():
+                _REPOSITORY.update(fingerprint=fingerprint, repository=GlobalHydra.instance().config_loader().repository)
+        _GROUPS[key] = _REPOSITORY["repository"].group_exists(name)
     return _GROUPS[key]
+
+
+_REPOSITORY: dict = {}
 
 
 SWEEP_RULES = {
