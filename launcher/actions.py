@@ -118,14 +118,18 @@ def _changed(job: JobConfig, overrides: list[str]) -> list[str]:
 
 def search_table(job: JobConfig, results):
     """The ranked layouts: what to type, what the planner predicts, and why each ranks where it does."""
+    from rich.markup import escape  # overrides are data: "[attn,moe_router]" would be read as a style and dropped
     from rich.table import Table
-    table = Table(title=f"{job.model.name} on {job.nodes} x {job.cluster.gpus_per_node} {job.cluster.gpu}: "
-                        f"top {len(results)} layouts by predicted throughput")
+    table = Table(title=escape(f"{job.model.name} on {job.nodes} x {job.cluster.gpus_per_node} {job.cluster.gpu}: "
+                        f"top {len(results)} layouts by predicted throughput"))
+    typed = [_changed(job, c.overrides) for c in results]
     for column in ("#", "overrides", "tokens/s", "TFLOP/s/GPU", "MFU", "peak GB", "why"):
-        table.add_column(column, overflow="fold")
-    for i, c in enumerate(results, 1):
-        table.add_row(str(i), " ".join(_changed(job, c.overrides)) or "(this job's layout)", f"{c.tokens_per_s:,.0f}", f"{c.tflops_per_gpu:.0f}",
-                      f"{100 * c.mfu:.1f}%", f"{c.peak_gb:.1f}", c.why)
+        # one whole override a line (the reasons wrap instead): what the user copies onto the command line
+        table.add_column(column, overflow="fold", no_wrap=column == "overrides")
+    for i, (c, t) in enumerate(zip(results, typed), 1):
+        table.add_row(str(i), escape("\n".join(t) or "(this job's layout)"),
+                      f"{c.tokens_per_s:,.0f}", f"{c.tflops_per_gpu:.0f}", f"{100 * c.mfu:.1f}%", f"{c.peak_gb:.1f}",
+                      escape(c.why))
     return table
 
 
@@ -134,7 +138,12 @@ def _print_rich(renderable) -> None:
         print(renderable)
         return
     from rich.console import Console
-    Console(width=140).print(renderable)
+    from rich.measure import Measurement
+
+    # 140 columns, or wider where a cell cannot fold narrower (rich would crop the line: a cut-off override or
+    # reason); a whole override is what the user copies onto the command line
+    wide = Console(width=400)
+    Console(width=max(140, Measurement.get(wide, wide.options, renderable).minimum)).print(renderable)
 
 
 def prepare_bundle(job: JobConfig, args, checked: Preflight):

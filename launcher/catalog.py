@@ -112,6 +112,7 @@ def params_text(params: dict) -> str:
 
 def table(rows: list[Row], title: Optional[str] = None):
     """The catalogue as a rich table: one row per layout, the model named on its first."""
+    from rich.markup import escape  # names and layouts are data, not rich markup
     from rich.table import Table
 
     out = Table(title=title or "recipe catalogue: planner predictions (not measurements) per layout")
@@ -125,8 +126,9 @@ def table(rows: list[Row], title: Optional[str] = None):
         first = r.title != previous
         previous = r.title
         colour = "green" if r.fits else "red"
-        out.add_row(r.title if first else "", params_text(r.params) if first else "", r.recipe, r.gpu,
-                    str(r.nodes), r.layout, str(r.micro_batch), r.recompute, r.precision,
+        out.add_row(escape(r.title) if first else "", params_text(r.params) if first else "", escape(r.recipe),
+                    escape(r.gpu), str(r.nodes), escape(r.layout), str(r.micro_batch), escape(r.recompute),
+                    escape(r.precision),
                     f"[{colour}]{r.peak_gb:.1f}/{r.gpu_memory_gb:g}[/]",
                     f"{r.tflops_per_gpu:.0f}" if r.tflops_per_gpu >= 10 else f"{r.tflops_per_gpu:.2f}",
                     f"{r.tokens_per_s:,.0f}")

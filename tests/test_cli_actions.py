@@ -114,3 +114,44 @@ def test_the_cli_validates_and_derives_a_job_once(cli, tmp_path, monkeypatch, ar
     job = rules[0]
     assert sum(j is job for j in rules) == 1, "validated again"
     assert sum(j is job for j in derived) == 1, f"derived {sum(j is job for j in derived)} times"
+
+
+def _table_lines_are_whole(out: str) -> None:
+    """Every line of a printed table ends in its border: rich crops a line wider than the console silently."""
+    rows = [line for line in out.splitlines() if line[:1] in "┏┃┡│└"]
+    assert rows, out
+    cut = [line for line in rows if line.rstrip()[-1:] not in "┓┃┩│┘"]
+    assert not cut, "cropped:\n" + "\n".join(cut[:5])
+
+
+def test_search_table_shows_each_override_whole_as_typed(cli):
+    """The table's overrides are what the user types: a list value ([attn,moe_router,...], which rich would read as
+    a style tag and drop) printed as is, one override a line, no line cropped; the same overrides as --json."""
+    from launcher.actions import _changed
+    from launcher.config import compose_job
+
+    args = ("recipe=qwen3_30b_a3b", "action=search")
+    code, out, _ = cli(*args, "--json")
+    assert code == 0
+    job = compose_job(["recipe=qwen3_30b_a3b"])
+    typed = [o for r in json.loads(out) for o in _changed(job, r["overrides"])]
+    assert any("=[" in o and not o.endswith("=[]") for o in typed), "no list-valued override to show"
+    code, out, _ = cli(*args)
+    assert code == 0
+    cells = {cell.strip() for line in out.splitlines() for cell in line.split("│")}
+    missing = [o for o in typed if o not in cells]
+    assert not missing, f"not shown whole on a line of its own: {missing}\n{out}"
+    _table_lines_are_whole(out)
+
+
+def test_plan_table_prints_names_and_warnings_as_data_not_markup():
+    """A warning's hint such as train.cuda_graph_modules=[attn] reaches the plan's text whole."""
+    import dataclasses
+
+    from launcher.config import compose_job
+    from launcher.plan import plan_job
+
+    plan = plan_job(compose_job(["recipe=smoke"]))
+    hint = "warning: train.x=1: a made-up rule; try train.cuda_graph_modules=[attn,moe_router] or [bold]"
+    text = dataclasses.replace(plan, warnings=[hint], name="smoke[red]x").text(width=400)
+    assert hint in text and "smoke[red]x" in text, text

@@ -141,10 +141,11 @@ class Plan:
     def table(self):
         """A rich renderable: layout, memory per stage (GB by contributor), time breakdown, throughput."""
         from rich.console import Group
+        from rich.markup import escape  # names, layouts and warnings are data: "[attn,moe_router]" is not a style
         from rich.table import Table
 
         lay = self.layout
-        title = (f"{self.name}: TP{lay['tp']} PP{lay['pp']}" + (f" VPP{lay['vpp']}" if lay["vpp"] > 1 else "")
+        title = escape(f"{self.name}: TP{lay['tp']} PP{lay['pp']}" + (f" VPP{lay['vpp']}" if lay["vpp"] > 1 else "")
                  + f" CP{lay['cp']}" + (f" EP{lay['ep']}" if lay["ep"] > 1 else "") + f" DP{lay['dp']}"
                  + f" on {lay['world']} GPUs, {lay['schedule']}, mbs {lay['mbs']} x {lay['microbatches']} microbatches,"
                  + f" recompute {lay['recompute']}")
@@ -155,7 +156,7 @@ class Plan:
                   "Megatron-FSDP" if lay["megatron_fsdp"] else "",
                   "MoE all-to-all overlap" if lay["moe_a2a_overlap"] else "",
                   lay.get("zb_v_costs_hint", "")]
-        extras = [e for e in extras if e]
+        extras = [escape(e) for e in extras if e]
         parts = list(self.stages[0].parts)
         mem = Table(title=title, title_justify="left")
         mem.add_column("stage")
@@ -190,7 +191,7 @@ class Plan:
             summary += (f"\nasync save: {c['hidden_s']:.0f} s per save hidden; a save in flight holds "
                         f"{c['host_bytes_per_rank'] / GB:.1f} GB of host memory per rank "
                         f"({c['host_bytes_per_node'] / GB:.0f} GB per node)")
-        return Group(mem, tim, summary, *[f"[yellow]{w}[/]" for w in self.warnings])
+        return Group(mem, tim, summary, *[f"[yellow]{escape(w)}[/]" for w in self.warnings])
 
     def text(self, width: int = 160) -> str:
         """The table as plain text."""
