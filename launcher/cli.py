@@ -37,9 +37,12 @@ def parse_args(argv: list[str]) -> Args:
             args.json = True
         elif token.startswith("-"):
             from launcher.megatron_lm.table import cli_flag_hint  # Megatron-LM's and neighbours' flags: a pointer
-            following = next(it, None) if "=" not in token else None
-            value = following if following is not None and not following.startswith("-") and "=" not in following \
-                else None
+            values = []  # what follows the flag up to the next flag or key=value: Megatron's nargs='+' values too
+            for following in (it if "=" not in token else ()):
+                if following.startswith("-") or "=" in following:
+                    break
+                values.append(following)
+            value = " ".join(values) or None
             raise ConfigError(cli_flag_hint(token, value) or
                               f"unknown flag {token}: flags are --help, --cfg job, --json; settings are key=value")
         else:

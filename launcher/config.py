@@ -283,7 +283,14 @@ def _type_problem(exc: Exception, overrides: list[str]) -> Optional[Problem]:
         return problem
     shown = ("null" if current is None else str(current).lower() if isinstance(current, bool) else
              "[" + ",".join(map(str, current)) + "]" if isinstance(current, list) else str(current))
-    hinted = dataclasses.replace(problem, hint=f"{field}={shown}")
+    hint = f"{field}={shown}"
+    bare = value.strip()
+    if bare[:1] in ("'", '"') and bare[-1:] == bare[:1]:  # Hydra's quoted string: its text
+        bare = bare[1:-1]
+    if "List" in FIELD_TYPES[field][1] and bare.strip() and bare.strip()[0] not in "[{":
+        # a bare value for a list field ("attn", or Megatron's space-separated "attn moe_router"): as a list first
+        hint = f"{field}=[{','.join(bare.replace(',', ' ').split())}] or {hint}"
+    hinted = dataclasses.replace(problem, hint=hint)
     return verified_hint(job, hinted, raw_problems(job))
 
 

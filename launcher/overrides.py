@@ -31,7 +31,7 @@ def check_override(text: str) -> Optional[Problem]:
         return Problem(key, value, "import is a sub-command, not an action",
                        "python -m launcher import SCRIPT_OR_ARGS_FILE")
     if len(parts) == 1 and parts[0] in GROUPS:
-        return _check_group_option(parts[0], value)
+        return _check_group_option(parts[0], value, text[:len(text) - len(text.lstrip("+"))])
     if len(parts) == 1:
         return _unknown(key, value, parts[0], _field_names(JobConfig) + list(GROUPS), "", "") \
             if parts[0] not in _field_names(JobConfig) else None
@@ -73,10 +73,46 @@ def _unknown(key: str, value: str, name: str, known: list[str], prefix: str, res
     return Problem(key, value, "no such field in the schema (launcher/schema.py; see --help)", hint)
 
 
-def _check_group_option(group: str, value: str) -> Optional[Problem]:
+def _check_group_option(group: str, value: str, plus: str = "") -> Optional[Problem]:
+    """An option of a config group that exists, and typed as Hydra takes it: a group no defaults list chooses
+    (experiment) is added with ``+``; one they choose is overridden without (``+recipe=`` adds a second recipe)."""
     options = sorted(p.stem for p in (RECIPES_DIR / group).glob("*.yaml"))
-    if value in options or value in ("null", ""):
-        return None
-    close = difflib.get_close_matches(value, options, n=1)
-    return Problem(group, value, f"no such {group} in recipes/{group}/ ({', '.join(options)})",
-                   f"{group}={close[0] if close else options[0]}")
+    added = group not in _chosen_groups()
+    want = "+" if added else ""
+    close = value if value in options else (difflib.get_close_matches(value, options, n=1) or [None])[0]
+    hint = f"{want}{group}={close or _group_default(group) or options[0]}"
+    a = "an" if group[0] in "aeiou" else "a"
+    if value in ("", "null"):  # Hydra: "Could not find 'recipe/'" / "Config group override must be a string"
+        return Problem(group, value, f"names no {group}; {a} {group} is one of recipes/{group}/ "
+                       f"({', '.join(options)})", hint)
+    if value not in options:
+        return Problem(group, value, f"no such {group} in recipes/{group}/ ({', '.join(options)})", hint)
+    if added and not plus:  # Hydra: "Could not override 'experiment'. No match in the defaults list."
+        return Problem(group, value, f"no defaults list chooses {a} {group}: one is added on top of the recipe "
+                       f"with '+'", hint)
+    if plus == "++":  # Hydra: "force-add of config groups is not supported"
+        return Problem(group, value, f"'++' (force add) is for values, not config groups", hint)
+    if not added and plus == "+":  # Hydra: "Multiple values for recipe. To override a value use 'override ...'"
+        return Problem(group, value, f"the defaults list already chooses {a} {group}: '+' would add a second; "
+                       f"override it without '+'", hint)
+    return None
+
+
+def _chosen_groups() -> set[str]:
+    """The config groups a defaults list chooses: recipes/config.yaml's (``- cluster: local``) and the recipes'
+    (``- /model: smoke``); the others (experiment) are only ever added."""
+    import re
+
+    chosen = set()
+    for path in [RECIPES_DIR / "config.yaml", *sorted((RECIPES_DIR / "recipe").glob("*.yaml"))]:
+        chosen.update(re.findall(r"^\s*-\s*/?(\w+)\s*:", path.read_text(), re.MULTILINE))
+    return chosen
+
+
+def _group_default(group: str) -> Optional[str]:
+    """The option recipes/config.yaml's defaults list chooses for ``group`` (``- cluster: local``), if any."""
+    import re
+
+    found = re.search(rf"^\s*-\s*{re.escape(group)}\s*:\s*([\w.-]+)\s*$", (RECIPES_DIR / "config.yaml").read_text(),
+                      re.MULTILINE)
+    return found.group(1) if found else None

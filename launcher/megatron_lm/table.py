@@ -463,10 +463,22 @@ def hint_for(name: str, value: Optional[str]) -> Optional[str]:
         target = _flag_override(_ARG_DESTS[key], value)
     if target is None:
         return None
-    field, override = target
+    field, override = _as_list(*target)
     if field.rpartition(".")[2] == key:
         return f"{name} is {field} here; try {override}"
     return f"{name} is Megatron's name for {field}; try {override}"
+
+
+def _as_list(field: str, override: str) -> tuple[str, str]:
+    """A list field's override with the value typed as Megatron takes it (``--recompute-modules core_attn mlp``,
+    ``cuda_graph_scope=attn``) written as our list, ``[core_attn,mlp]``: a bare value is not a list here."""
+    from launcher.fields import FIELD_TYPES
+
+    name, sep, value = override.partition("=")
+    if name != field or not sep or "List" not in FIELD_TYPES.get(field, (None, ""))[1] or value == VALUE_NEEDED \
+            or value[:1] in ("[", "'", '"') or " " in value.strip() and "=" in value:
+        return field, override
+    return field, f"{field}=[{','.join(v for v in value.replace(',', ' ').split())}]"
 
 
 def _flag_override(flag: str, value: Optional[str]) -> Optional[tuple[str, str]]:
@@ -503,7 +515,7 @@ def _flag_override(flag: str, value: Optional[str]) -> Optional[tuple[str, str]]
             "parallel.virtual_pipeline",
             f"parallel.virtual_pipeline=<layers per stage / {shown or 'N'}> schedule.kind=interleaved"),
         "--train-samples": ("train.train_steps", "train.train_steps=SAMPLES/GLOBAL_BATCH"),
-        "--data-path": ("data.blend", f"data.kind=indexed 'data.blend=[{shown or 'PREFIX'}]'"),
+        "--data-path": ("data.blend", f"data.kind=indexed 'data.blend=[{(shown or 'PREFIX').replace(' ', ',')}]'"),
         "--tokenizer-model": ("data.tokenizer", f"data.tokenizer={shown or 'PATH/tokenizer.json'}"),
         "--save": ("checkpoint.dir", f"checkpoint.dir={shown or 'DIR'}"),
         "--load": ("checkpoint.dir", f"checkpoint.dir={shown or 'DIR'}"),
