@@ -33,7 +33,8 @@ def compose_dict(overrides: Sequence[str] = ()) -> DictConfig:
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         raise ConfigError(_one_line(exc), _type_problem(exc, list(overrides))
                           or _grammar_problem(exc, list(overrides))
-                          or _sweep_problem(exc, list(overrides))) from None
+                          or _sweep_problem(exc, list(overrides))
+                          or _append_problem(exc, list(overrides))) from None
 
 
 BASES_KEPT = 32
@@ -126,6 +127,27 @@ def _group_exists(name: str, fingerprint: tuple) -> bool:
 
 
 _REPOSITORY: dict = {}
+
+
+def _append_problem(exc: Exception, overrides: list[str]) -> Optional[Problem]:
+    """Hydra's "Could not override 'cluster.env.FOO'. To append to your config use +cluster.env.FOO=bar" (a new
+    key of a free-form dict field) as the key's line, with the '+' Hydra asks for (a checked override: it composes)."""
+    found = re.search(r"Could not override '([^']+)'\.\s+To append to your config use (\+\S+)", str(exc))
+    if not found:
+        return None
+    import shlex
+
+    key = found.group(1)
+    typed = [o for o in overrides if o.split("=", 1)[0] == key]
+    if not typed:
+        return None
+    value, hint = typed[-1].split("=", 1)[1], "+" + typed[-1]  # the value as typed (Hydra's message cuts at a space)
+    try:
+        compose_dict([*(o for o in overrides if o.split("=", 1)[0] != key), hint])
+    except ConfigError:
+        return None
+    return Problem(key, value, f"{key.rsplit('.', 1)[0]} has no key {key.rsplit('.', 1)[1]!r} yet: a new key is "
+                   "added with '+'", shlex.quote(hint))
 
 
 SWEEP_RULES = {

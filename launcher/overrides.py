@@ -20,8 +20,8 @@ def _field_names(cls) -> list[str]:
 
 def check_override(text: str) -> Optional[Problem]:
     """A Problem for an override naming an unknown field or group option; None when it looks fine."""
-    if "=" not in text:
-        return Problem("override", text, "overrides are key=value", "parallel.tensor=2")
+    if "=" not in text or text.startswith("~"):
+        return _not_a_setting(text)
     key, value = text.split("=", 1)
     key = key.lstrip("+~")
     if key.startswith("hydra.") or key.startswith("hydra/"):
@@ -44,6 +44,27 @@ def check_override(text: str) -> Optional[Problem]:
         rest = key[len(section) + len(name) + 1:]  # deeper parts of the key, kept in the hint
         return _unknown(key, value, name, _field_names(SECTIONS[section]), section + ".", rest)
     return None
+
+
+def _not_a_setting(text: str) -> Problem:
+    """``train.lr`` (no value) or Hydra's delete, ``~train.lr`` / ``~train.lr=3e-4`` (Hydra: "Could not delete from
+    config. The value of 'train.lr' is 0.003 and not 0.0003"): the field's own line, with it set to its default."""
+    from launcher.fields import FIELD_TYPES, default_text
+
+    key = text.split("=", 1)[0].lstrip("~+")
+    value = text.split("=", 1)[1] if "=" in text else ""
+    rule = ("Hydra's '~' deletes a key, and every field of the typed schema keeps a value; set the one you want "
+            "(without the override the recipe's value stays)") if text.startswith("~") else "overrides are key=value"
+    if key in GROUPS:
+        added = key not in _chosen_groups()
+        return Problem(key, value, rule, f"{'+' if added else ''}{key}={_group_default(key) or _options(key)[0]}")
+    if key in FIELD_TYPES:
+        return Problem(key, value, rule, f"{key}={default_text(key) or 'VALUE'}")
+    unknown = check_override(f"{key}={value}") if key else None
+    if unknown is not None and unknown.hint.endswith("=") and unknown.hint[:-1] in FIELD_TYPES:
+        # the near name, set to its default (the typo's hint would repeat the empty value)
+        unknown = dataclasses.replace(unknown, hint=unknown.hint + (default_text(unknown.hint[:-1]) or "VALUE"))
+    return unknown or Problem("override", text, rule, "parallel.tensor=2")
 
 
 @dataclass(frozen=True)
@@ -76,7 +97,7 @@ def _unknown(key: str, value: str, name: str, known: list[str], prefix: str, res
 def _check_group_option(group: str, value: str, plus: str = "") -> Optional[Problem]:
     """An option of a config group that exists, and typed as Hydra takes it: a group no defaults list chooses
     (experiment) is added with ``+``; one they choose is overridden without (``+recipe=`` adds a second recipe)."""
-    options = sorted(p.stem for p in (RECIPES_DIR / group).glob("*.yaml"))
+    options = _options(group)
     added = group not in _chosen_groups()
     want = "+" if added else ""
     close = value if value in options else (difflib.get_close_matches(value, options, n=1) or [None])[0]
@@ -96,6 +117,10 @@ def _check_group_option(group: str, value: str, plus: str = "") -> Optional[Prob
         return Problem(group, value, f"the defaults list already chooses {a} {group}: '+' would add a second; "
                        f"override it without '+'", hint)
     return None
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (RECIPES_DIR / group).glob("*.yaml"))
 
 
 def _chosen_groups() -> set[str]:

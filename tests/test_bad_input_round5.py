@@ -5,7 +5,9 @@ with a hint that composes.
   group override must be a string" (with its search path) became the group's line;
 - a list field given a bare value (``train.cuda_graph_modules=attn``; Megatron's ``--recompute-modules core_attn
   mlp`` and ``cuda_graph_scope=attn``): the hint is the same items as our list, ``[core_attn,mlp]``, not a
-  bare value that the field refuses in turn.
+  bare value that the field refuses in turn;
+- a key without a value (``train.lr``), Hydra's delete (``~train.lr``), a new key of a free-form dict without '+'
+  (``cluster.env.FOO=bar``): the field's line set to a value, instead of an unrelated example or Hydra's text.
 """
 from __future__ import annotations
 
@@ -97,3 +99,34 @@ def test_megatrons_names_with_list_values_get_our_list(argv, want, cli):
     line = _line(code, err, "error: ")
     assert line.endswith(f"; try {want}") or f"; try {want} " in line or line.endswith(f" {want}"), line
     compose_job([o for o in shlex.split(want) if "=" in o])  # the override composes: the field's type takes it
+
+
+@pytest.mark.parametrize("typed,field,rule,want", [
+    ("~train.lr", "train.lr", "Hydra's '~' deletes a key", "train.lr=0.0003"),
+    ("~train.lr=3e-4", "train.lr", "Hydra's '~' deletes a key", "train.lr=0.0003"),
+    ("train.lr", "train.lr", "overrides are key=value", "train.lr=0.0003"),
+    ("nodes", "nodes", "overrides are key=value", "nodes=1"),
+    ("~recipe", "recipe", "Hydra's '~' deletes a key", "recipe=smoke"),
+    ("~experiment", "experiment", "Hydra's '~' deletes a key", "+experiment=bf16"),
+    ("train.lrr", "train.lrr", "no such field", "train.lr=0.0003"),
+    ("~train.lrr", "train.lrr", "no such field", "train.lr=0.0003"),
+    ("cluster.env.FOO=bar", "cluster.env.FOO", "a new key is added with '+'", "+cluster.env.FOO=bar"),
+])
+def test_a_key_without_a_value_or_deleted_is_its_fields_line_set_to_a_value(typed, field, rule, want, cli):
+    """``train.lr`` (no value), Hydra's delete (``~train.lr``: "Could not delete from config. The value of 'train.lr'
+    is 0.003 and not 0.0003") and a new key of a free-form dict without '+' ("Could not override 'cluster.env.FOO'.
+    To append to your config use +cluster.env.FOO=bar"): the field's line, and a hint that validates."""
+    code, _, err = cli(typed, "action=validate")
+    line = _line(code, err, f"error: {field}=")
+    assert rule in line and _first_hint(line) == [want], line
+    assert cli(want, "action=validate")[0] == 0
+
+
+def test_a_new_dict_key_with_a_space_keeps_the_value_as_typed(cli):
+    import shlex
+
+    code, _, err = cli("cluster.env.FOO=a b", "action=validate")
+    line = _line(code, err, "error: cluster.env.FOO='a b'")
+    hint = shlex.split(line.rsplit("; try ", 1)[1])
+    assert hint == ["+cluster.env.FOO=a b"], line
+    assert cli(*hint, "action=validate")[0] == 0
