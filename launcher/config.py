@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from launcher import RECIPES_DIR, ROOT
-from launcher.problems import Problem
+from launcher.problems import Problem, errors
 from launcher.core.jobfile import job_to_yaml, load_job  # noqa: F401  (re-exported for login-side callers)
 from launcher.schema import JobConfig, register
 
@@ -141,10 +141,15 @@ def _append_problem(exc: Exception, overrides: list[str]) -> Optional[Problem]:
     typed = [o for o in overrides if o.split("=", 1)[0] == key]
     if not typed:
         return None
-    value, hint = typed[-1].split("=", 1)[1], "+" + typed[-1]  # the value as typed (Hydra's message cuts at a space)
-    try:
-        compose_dict([*(o for o in overrides if o.split("=", 1)[0] != key), hint])
-    except ConfigError:
+    value = typed[-1].split("=", 1)[1]  # as typed (Hydra's message cuts it at a space)
+    rest = [o for o in overrides if o.split("=", 1)[0] != key]
+    for hint in ("+" + typed[-1], f"+{key}={_hydra_quoted(value)}"):  # as typed; else as text (Dict[str, str])
+        try:
+            compose_dict([*rest, hint])
+            break
+        except ConfigError:
+            continue
+    else:
         return None
     return Problem(key, value, f"{key.rsplit('.', 1)[0]} has no key {key.rsplit('.', 1)[1]!r} yet: a new key is "
                    "added with '+'", shlex.quote(hint))
@@ -301,8 +306,12 @@ def _type_problem(exc: Exception, overrides: list[str]) -> Optional[Problem]:
     current = job
     for part in field.split("."):
         current = getattr(current, part)
-    if isinstance(current, dict):
-        return problem
+    if isinstance(current, dict):  # a mapping is not one value to show: the empty one, where the job takes it
+        try:
+            emptied = compose_job([*(o for o in overrides if o not in typed), f"{field}={{}}"])
+        except ConfigError:
+            return problem
+        return dataclasses.replace(problem, hint=f"{field}={{}}") if not errors(raw_problems(emptied)) else problem
     shown = ("null" if current is None else str(current).lower() if isinstance(current, bool) else
              "[" + ",".join(map(str, current)) + "]" if isinstance(current, list) else str(current))
     hint = f"{field}={shown}"

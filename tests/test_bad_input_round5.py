@@ -111,6 +111,7 @@ def test_megatrons_names_with_list_values_get_our_list(argv, want, cli):
     ("train.lrr", "train.lrr", "no such field", "train.lr=0.0003"),
     ("~train.lrr", "train.lrr", "no such field", "train.lr=0.0003"),
     ("cluster.env.FOO=bar", "cluster.env.FOO", "a new key is added with '+'", "+cluster.env.FOO=bar"),
+    ("cluster.env=null", "cluster.env", "must be a mapping", "cluster.env={}"),
 ])
 def test_a_key_without_a_value_or_deleted_is_its_fields_line_set_to_a_value(typed, field, rule, want, cli):
     """``train.lr`` (no value), Hydra's delete (``~train.lr``: "Could not delete from config. The value of 'train.lr'
@@ -129,4 +130,15 @@ def test_a_new_dict_key_with_a_space_keeps_the_value_as_typed(cli):
     line = _line(code, err, "error: cluster.env.FOO='a b'")
     hint = shlex.split(line.rsplit("; try ", 1)[1])
     assert hint == ["+cluster.env.FOO=a b"], line
+    assert cli(*hint, "action=validate")[0] == 0
+
+
+def test_a_new_dict_key_given_a_list_is_offered_as_text(cli):
+    """cluster.env holds text (Dict[str, str]): '+cluster.env.FOO=[1,2]' would not compose either, the quoted one does."""
+    import shlex
+
+    code, _, err = cli("cluster.env.FOO=[1,2]", "action=validate")
+    line = _line(code, err, "error: cluster.env.FOO='[1,2]'")
+    hint = shlex.split(line.rsplit("; try ", 1)[1])
+    assert hint == ['+cluster.env.FOO="[1,2]"'], line
     assert cli(*hint, "action=validate")[0] == 0
