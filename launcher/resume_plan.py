@@ -186,6 +186,9 @@ def info_main(argv: List[str]) -> int:
               file=sys.stdout if ("-h" in argv or "--help" in argv) and not unknown else sys.stderr)
         return 0 if ("-h" in argv or "--help" in argv) and not unknown else 2
     info = checkpoint_info(Path(paths[0]), read_common="--no-state" not in argv)
+    if "error" in info and "--json" not in argv:  # one line on stderr, as every other refusal of the CLI
+        print(f"error: {info_text(info)[0]}", file=sys.stderr)
+        return 2
     print(json.dumps(info, indent=1, default=str) if "--json" in argv else "\n".join(info_text(info)))
     return 2 if "error" in info else 0
 

@@ -223,6 +223,8 @@ def test_checkpoint_info_reads_the_checkpoint_alone(capsys, dp2):
     assert "common_state" not in info and info["consumed_samples"] == K * 8
     assert info["model"]["model.hidden_size"] == 64 and info["layout"]["DP"] == 2
     assert main(["checkpoint-info", str(saved.parent / "nothing")]) == 2
+    said = capsys.readouterr()  # the CLI's one refusal line, on stderr
+    assert said.out == "" and said.err.startswith(f"error: {saved.parent / 'nothing'}: no checkpoint there"), said
 
 
 def test_after_a_global_batch_change_the_checkpoint_counts_what_was_consumed(tmp_path, capsys, dp2):
