@@ -125,12 +125,14 @@ def _options(group: str) -> list[str]:
 
 def _chosen_groups() -> set[str]:
     """The config groups a defaults list chooses: recipes/config.yaml's (``- cluster: local``) and the recipes'
-    (``- /model: smoke``); the others (experiment) are only ever added."""
-    import re
+    (``- /model: smoke``, ``- override /cluster: h100``); the others (experiment) are only ever added."""
+    import yaml
 
     chosen = set()
     for path in [RECIPES_DIR / "config.yaml", *sorted((RECIPES_DIR / "recipe").glob("*.yaml"))]:
-        chosen.update(re.findall(r"^\s*-\s*/?(\w+)\s*:", path.read_text(), re.MULTILINE))
+        for entry in (yaml.safe_load(path.read_text()) or {}).get("defaults") or []:
+            if isinstance(entry, dict):
+                chosen.update(k.replace("override ", "").strip().lstrip("/").split("@")[0] for k in entry)
     return chosen
 
 
