@@ -545,3 +545,46 @@ def test_an_import_named_like_a_shipped_recipe_is_refused_with_a_free_name(cli, 
     suggested = err.split("e.g. --output ")[1].split()[0]
     code, out, err = cli("import", args[0], "--output", suggested, *args[1:])
     assert code == 0 and Path(suggested).exists(), err
+
+
+LIST_FLAGS_SCRIPT = """torchrun --nproc_per_node 8 pretrain_gpt.py \\
+  --tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 \\
+  --num-layers 32 --hidden-size 4096 --num-attention-heads 32 --seq-length 4096 --max-position-embeddings 4096 \\
+  --micro-batch-size 1 --global-batch-size 64 --lr 3e-4 --train-iters 100 --bf16 \\
+  --recompute-granularity selective --recompute-modules core_attn mlp \\
+  --cuda-graph-impl transformer_engine --cuda-graph-scope attn \\
+  --data-path 0.5 /data/a_text_document 0.5 /data/b_text_document --vocab-size 32000
+"""
+
+
+@pytest.mark.parametrize("script", [*SCRIPTS, "list_flags.sh"])
+def test_the_import_reports_each_mapping_as_an_override_that_composes(script, imported, tmp_path):
+    """The report's mapped column is what the user would type: every key=value in it composes (a list is written
+    [core_attn,mlp], not Python's ['core_attn', 'mlp']), and gives the value the recipe got."""
+    import re
+
+    from omegaconf import OmegaConf
+
+    from launcher.config import compose_dict
+
+    if script == "list_flags.sh":
+        (tmp_path / script).write_text(LIST_FLAGS_SCRIPT)
+        done = import_job(tmp_path / script, output=tmp_path / "recipe" / "list_flags.yaml", cluster="h100")
+    else:
+        done = imported[script]
+    got = flatten(done.job)
+    said = [t for e in done.report if e.status == "mapped" for t in e.detail.split()
+            if re.fullmatch(r"[a-z_]+(\.[a-z_]+)*=\S+", t) and t.split("=")[0] in got]
+    assert said, [e.line() for e in done.report]
+    for text in said:
+        key = text.split("=", 1)[0]
+        composed = OmegaConf.to_container(compose_dict([f"cluster={done.job.cluster.name}", text]), resolve=False)
+        for part in key.split("."):
+            composed = composed[part]
+        # nodes and GPUs per node: the torchrun line's (the recipe may spread them); null: the derived default the
+        # recipe writes for a value equal to it (max_position_embeddings = seq_length)
+        if key not in ("nodes", "cluster.gpus_per_node") and got[key] is not None:
+            assert composed == got[key], (text, composed, got[key])
+    if script == "list_flags.sh":
+        assert {"train.recompute_modules=[core_attn,mlp]", "train.cuda_graph_modules=[attn]",
+                "data.blend=[0.5,/data/a_text_document,0.5,/data/b_text_document]"} <= set(said), said

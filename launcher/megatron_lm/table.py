@@ -46,6 +46,18 @@ def fmt(value: Any) -> str:
     return str(value)
 
 
+def override_value(value: Any) -> str:
+    """A value as an override of ours types it (Hydra's grammar): a list as [core_attn,mlp] (not Python's
+    ['core_attn', 'mlp']), a text Hydra would read otherwise quoted ('949,50,1' is a split, unquoted a sweep)."""
+    import re
+
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(override_value(v) for v in value) + "]"
+    if isinstance(value, str) and re.search(r"[\s,\[\]{}()=;'\"\\]", value):
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return fmt(value)
+
+
 @dataclass(frozen=True)
 class Flag:
     """One Megatron-LM argument that, on its own, sets one of our fields."""
@@ -489,9 +501,9 @@ def _flag_override(flag: str, value: Optional[str]) -> Optional[tuple[str, str]]
         f = FLAG_BY_NAME[flag]
         if f.switch is not None:
             val = f.switch if on else (not f.switch if isinstance(f.switch, bool) else f.default)
-            return f.field, f"{f.field}={fmt(val)}"
+            return f.field, f"{f.field}={override_value(val)}"
         if f.parse is not None and shown is not None:
-            shown = fmt(f.parse(shown))
+            shown = override_value(f.parse(shown))
         return f.field, f"{f.field}={shown or VALUE_NEEDED}"
     special = {
         "--bf16": ("precision.dtype", "precision.dtype=bf16"),
