@@ -465,14 +465,11 @@ def hint_for(name: str, value: Optional[str]) -> Optional[str]:
         return f"{name} is a Megatron-LM argument with no effect here ({IGNORED[flag]}); drop it"
     if flag in UNSUPPORTED and flag not in FLAG_BY_NAME:
         return f"{name} is a Megatron-LM argument with no equivalent here: {UNSUPPORTED[flag]}; try --help"
-    # the argument itself; else a Megatron-Core config attribute (its value means what ours means); else an
-    # argparse dest spelled differently from its flag (--norm-epsilon's layernorm_epsilon)
-    target = _flag_override(flag, value)
-    core = _core_names().get(key) or {"params_dtype": "precision.dtype"}.get(key)
-    if target is None and core is not None:
-        target = (core, f"{core}={value if value not in (None, '') else VALUE_NEEDED}")
-    if target is None and key in _ARG_DESTS:
-        target = _flag_override(_ARG_DESTS[key], value)
+    target = _target(flag, key, value)
+    words = (value or "").split()
+    if target is not None and len(words) > 1 and "List" not in _field_kind(target[0]) \
+            and not (value or "").startswith(("'", '"')):
+        target = _target(flag, key, words[0])  # several words after a one-value flag: the first is its value
     if target is None:
         return None
     field, override = _as_list(*target)
@@ -481,13 +478,30 @@ def hint_for(name: str, value: Optional[str]) -> Optional[str]:
     return f"{name} is Megatron's name for {field}; try {override}"
 
 
+def _target(flag: str, key: str, value: Optional[str]) -> Optional[tuple[str, str]]:
+    """(our field, the override to type): the argument itself; else a Megatron-Core config attribute (its value
+    means what ours means); else an argparse dest spelled differently from its flag (--norm-epsilon's
+    layernorm_epsilon)."""
+    target = _flag_override(flag, value)
+    core = _core_names().get(key) or {"params_dtype": "precision.dtype"}.get(key)
+    if target is None and core is not None:
+        target = (core, f"{core}={value if value not in (None, '') else VALUE_NEEDED}")
+    if target is None and key in _ARG_DESTS:
+        target = _flag_override(_ARG_DESTS[key], value)
+    return target
+
+
+def _field_kind(field: str) -> str:
+    from launcher.fields import FIELD_TYPES
+
+    return FIELD_TYPES.get(field, (None, ""))[1]
+
+
 def _as_list(field: str, override: str) -> tuple[str, str]:
     """A list field's override with the value typed as Megatron takes it (``--recompute-modules core_attn mlp``,
     ``cuda_graph_scope=attn``) written as our list, ``[core_attn,mlp]``: a bare value is not a list here."""
-    from launcher.fields import FIELD_TYPES
-
     name, sep, value = override.partition("=")
-    if name != field or not sep or "List" not in FIELD_TYPES.get(field, (None, ""))[1] or value == VALUE_NEEDED \
+    if name != field or not sep or "List" not in _field_kind(field) or value == VALUE_NEEDED \
             or value[:1] in ("[", "'", '"') or " " in value.strip() and "=" in value:
         return field, override
     return field, f"{field}=[{','.join(v for v in value.replace(',', ' ').split())}]"
