@@ -42,8 +42,7 @@ def parse_args(argv: list[str]) -> Args:
                 if following.startswith("-") or "=" in following:
                     break
                 values.append(following)
-            value = " ".join(values) or None
-            raise ConfigError(cli_flag_hint(token, value) or
+            raise ConfigError(cli_flag_hint(token, values[0] if values else None, values[1:]) or
                               f"unknown flag {token}: flags are --help, --cfg job, --json; settings are key=value")
         else:
             args.overrides.append(token)

@@ -90,7 +90,8 @@ def test_a_bare_value_for_a_list_field_is_hinted_as_that_list(args, want, cli):
     (["--data-path", "a", "b"], "'data.blend=[a,b]'"),
     (["--tensor-model-parallel-size", "4", "recipe=smoke"], "parallel.tensor=4"),
     (["--save", "/ck", "stray"], "checkpoint.dir=/ck"),  # a one-value flag takes its first word only
-    (["--split", "949,50,1"], "data.split='949,50,1'"),  # unquoted, Hydra reads a sweep
+    (["--wandb-project", "my proj"], "'logging.wandb_project=\"my proj\"'"),  # one word with a space: quoted
+    (["--split", "949,50,1"], "'data.split=\"949,50,1\"'"),  # unquoted, Hydra reads a sweep
 ])
 def test_megatrons_names_with_list_values_get_our_list(argv, want, cli):
     import shlex

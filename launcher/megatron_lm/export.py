@@ -14,7 +14,7 @@ from typing import Dict, List
 
 from launcher.core import Layout, derive
 from launcher.core.cuda_env import job_env
-from launcher.megatron_lm.table import FLAGS, LAUNCHER_ONLY, REQUIRED, fmt, override_value
+from launcher.megatron_lm.table import FLAGS, LAUNCHER_ONLY, REQUIRED, fmt, typed_override
 from launcher.megatron_lm.translate import flatten, layer_pattern_text
 from launcher.schema import JobConfig, Recompute, Schedule
 
@@ -70,7 +70,7 @@ def to_args(job: JobConfig, lay: Layout | None = None) -> Export:
             if value == f.switch and f.default != f.switch:
                 out.append(f.flag)
             elif value != f.switch and value != f.default:
-                missing.append(f"{f.field}={override_value(value)}")
+                missing.append(typed_override(f.field, value))
         elif value is not None and (f.default is REQUIRED or value != f.default):
             out += [f.flag, f.show(value)]
         elif value is None and f.default not in (None, REQUIRED):
@@ -103,7 +103,7 @@ def to_args(job: JobConfig, lay: Layout | None = None) -> Export:
         if name in v and v[name] != defaults[name] and name not in ("action", "output_dir", "force", "model.name",
                                                                     "parallel.data", "schedule.batch_p2p_comm",
                                                                     "train.train_tokens", "logging.wandb_mode"):
-            missing.append(f"{name}={override_value(v[name])} ({why})")
+            missing.append(f"{typed_override(name, v[name])} ({why})")
     env = job_env(job)  # CUDA_DEVICE_MAX_CONNECTIONS resolved for this job, as env.sh has it
     if job.logging.wandb_project:
         env["WANDB_MODE"] = job.logging.wandb_mode
@@ -128,7 +128,7 @@ def _export_schedule(job: JobConfig, lay, missing: List[str]) -> List[str]:
             out.append("--no-overlap-p2p-communication")
     megatron_batch = not (lay.vpp > 1 and s.overlap_p2p_comm)
     if s.batch_p2p_comm != megatron_batch and not s.overlap_p2p_comm:
-        missing.append(f"schedule.batch_p2p_comm={override_value(s.batch_p2p_comm)} (Megatron-LM batches p2p exactly "
+        missing.append(f"{typed_override('schedule.batch_p2p_comm', s.batch_p2p_comm)} (Megatron-LM batches p2p exactly "
                        "when it does not overlap it)")
     return out
 

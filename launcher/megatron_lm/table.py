@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Sequence
 
 from launcher.core.wiring import BUILT, WIRING
 
@@ -54,8 +54,19 @@ def override_value(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(override_value(v) for v in value) + "]"
     if isinstance(value, str) and re.search(r"[\s,\[\]{}()=;'\"\\]", value):
-        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+        quote = "'" if '"' in value else '"'  # Hydra's quoted string, double quotes unless it holds one
+        return quote + value.replace("\\", "\\\\").replace(quote, "\\" + quote) + quote
     return fmt(value)
+
+
+def typed_override(field: str, value: Any) -> str:
+    """``field=value`` as typed on a shell command line: Hydra's grammar inside (override_value), the shell's
+    quoting outside where the text needs it ('data.split="949,50,1"')."""
+    import re
+    import shlex
+
+    text = f"{field}={override_value(value)}"
+    return shlex.quote(text) if re.search(r"[\s'\"\\]", text) else text
 
 
 @dataclass(frozen=True)
@@ -456,9 +467,10 @@ _ARG_DESTS = {  # argparse dests that differ from the flag's spelling
 }
 
 
-def hint_for(name: str, value: Optional[str]) -> Optional[str]:
+def hint_for(name: str, value: Optional[str], more: Sequence[str] = ()) -> Optional[str]:
     """For a Megatron-LM argument or Megatron-Core config name, the override to type here, as a message;
-    None when ``name`` is neither. ``value`` is what the user typed (None: nothing, e.g. a bare ``--bf16``)."""
+    None when ``name`` is neither. ``value`` is what the user typed (None: nothing, e.g. a bare ``--bf16``);
+    ``more``, the command-line words after it (a list field's items, as Megatron's nargs='+' takes them)."""
     key = _norm(name)
     flag = "--" + key.replace("_", "-")
     if flag in IGNORED and flag not in FLAG_BY_NAME:
@@ -466,10 +478,8 @@ def hint_for(name: str, value: Optional[str]) -> Optional[str]:
     if flag in UNSUPPORTED and flag not in FLAG_BY_NAME:
         return f"{name} is a Megatron-LM argument with no equivalent here: {UNSUPPORTED[flag]}; try --help"
     target = _target(flag, key, value)
-    words = (value or "").split()
-    if target is not None and len(words) > 1 and "List" not in _field_kind(target[0]) \
-            and not (value or "").startswith(("'", '"')):
-        target = _target(flag, key, words[0])  # several words after a one-value flag: the first is its value
+    if target is not None and more and "List" in _field_kind(target[0]):
+        target = _target(flag, key, " ".join([value or "", *more]))  # Megatron's nargs='+': the words are the list
     if target is None:
         return None
     field, override = _as_list(*target)
@@ -485,7 +495,8 @@ def _target(flag: str, key: str, value: Optional[str]) -> Optional[tuple[str, st
     target = _flag_override(flag, value)
     core = _core_names().get(key) or {"params_dtype": "precision.dtype"}.get(key)
     if target is None and core is not None:
-        target = (core, f"{core}={value if value not in (None, '') else VALUE_NEEDED}")
+        target = (core, f"{core}={value or VALUE_NEEDED}" if value in (None, "") or "List" in _field_kind(core)
+                  else typed_override(core, value))
     if target is None and key in _ARG_DESTS:
         target = _flag_override(_ARG_DESTS[key], value)
     return target
@@ -515,10 +526,10 @@ def _flag_override(flag: str, value: Optional[str]) -> Optional[tuple[str, str]]
         f = FLAG_BY_NAME[flag]
         if f.switch is not None:
             val = f.switch if on else (not f.switch if isinstance(f.switch, bool) else f.default)
-            return f.field, f"{f.field}={override_value(val)}"
-        if f.parse is not None and shown is not None:
-            shown = override_value(f.parse(shown))
-        return f.field, f"{f.field}={shown or VALUE_NEEDED}"
+            return f.field, typed_override(f.field, val)
+        if shown is None or (f.parse is None and "List" in _field_kind(f.field)):  # words of a list: _as_list
+            return f.field, f"{f.field}={shown or VALUE_NEEDED}"
+        return f.field, typed_override(f.field, f.parse(shown) if f.parse is not None else shown)
     special = {
         "--bf16": ("precision.dtype", "precision.dtype=bf16"),
         "--fp16": ("precision.dtype", "precision.dtype=fp16"),
@@ -557,11 +568,11 @@ def _flag_override(flag: str, value: Optional[str]) -> Optional[tuple[str, str]]
     return None
 
 
-def cli_flag_hint(token: str, value: Optional[str]) -> Optional[str]:
+def cli_flag_hint(token: str, value: Optional[str], more: Sequence[str] = ()) -> Optional[str]:
     """A one-line answer for a ``--flag`` given to ``python -m launcher``: a neighbour's flag or Megatron's."""
     flag = token.split("=", 1)[0]
     if "=" in token:
         value = token.split("=", 1)[1]
     if flag in CLI_POINTERS:
         return f"{flag} is not a flag here; try {CLI_POINTERS[flag]}"
-    return hint_for(flag, value)
+    return hint_for(flag, value, more)

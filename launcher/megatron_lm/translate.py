@@ -17,7 +17,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from launcher.megatron_lm.table import FLAGS, IGNORED, REQUIRED, UNREAD, UNSUPPORTED, Flag, override_value
+from launcher.megatron_lm.table import FLAGS, IGNORED, REQUIRED, UNREAD, UNSUPPORTED, Flag, typed_override
 from launcher.schema import (FP8_FORMATS, FP8_RECIPES, JobConfig, MOE_LOAD_BALANCING, Recompute, SECTIONS, Schedule)
 
 GPT2_BPE_VOCAB = 50257
@@ -189,7 +189,7 @@ def _simple(args: Args, v: dict, f: Flag) -> None:
                 raise ImportError_(f"{f.flag} needs a value")
             value = f.parse(text) if f.parse else typed(f.field, text)
         v[f.field] = value
-        args.use(f.flag, f"{f.field}={override_value(value)}")
+        args.use(f.flag, typed_override(f.field, value))
     elif f.default is REQUIRED:
         raise ImportError_(f"{f.flag} is required by Megatron-LM and missing")
     elif f.when(v):
@@ -510,7 +510,7 @@ def _cuda_graph_modules(args: Args, v: dict) -> None:
         if modules is None:
             continue
         v["train.cuda_graph_modules"] = [] if modules == ["full"] else list(modules)
-        args.use(flag, f"train.cuda_graph_modules={override_value(v['train.cuda_graph_modules'])}")
+        args.use(flag, typed_override("train.cuda_graph_modules", v["train.cuda_graph_modules"]))
 
 
 def _recompute(args: Args, v: dict) -> None:
@@ -528,7 +528,7 @@ def _recompute(args: Args, v: dict) -> None:
     if "train.recompute_modules" in flatten(JobConfig()):
         if granularity == Recompute.SELECTIVE:
             v["train.recompute_modules"] = [] if modules in (None, ["core_attn"]) else list(modules)
-            args.use("--recompute-modules", f"train.recompute_modules={override_value(v['train.recompute_modules'])}")
+            args.use("--recompute-modules", typed_override("train.recompute_modules", v["train.recompute_modules"]))
         args.use("--recompute-modules", "only selective recompute reads it", "ignored")
     if granularity != Recompute.FULL:
         for flag in ("--recompute-method", "--recompute-num-layers"):
@@ -557,7 +557,7 @@ def _data(args: Args, v: dict) -> None:
         return
     blend = [_number_or_text(x) for x in (args.values("--data-path") or [])]
     v["data.blend"] = blend
-    args.use("--data-path", f"data.kind=indexed data.blend={override_value(blend)}")
+    args.use("--data-path", "data.kind=indexed " + typed_override("data.blend", blend))
     kind_of = args.get("--tokenizer-type")
     if kind_of == "HuggingFaceTokenizer" and args.get("--tokenizer-model"):
         v["data.tokenizer"] = args.get("--tokenizer-model")
