@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 from launcher import RECIPES_DIR, ROOT
 from launcher.problems import Problem, errors
 from launcher.core.jobfile import job_to_yaml, load_job  # noqa: F401  (re-exported for login-side callers)
+from launcher.fields import hydra_quoted, is_list_field, list_text
 from launcher.schema import JobConfig, register
 
 
@@ -143,7 +144,7 @@ def _append_problem(exc: Exception, overrides: list[str]) -> Optional[Problem]:
         return None
     value = typed[-1].split("=", 1)[1]  # as typed (Hydra's message cuts it at a space)
     rest = [o for o in overrides if o.split("=", 1)[0] != key]
-    for hint in ("+" + typed[-1], f"+{key}={_hydra_quoted(value)}"):  # as typed; else as text (Dict[str, str])
+    for hint in ("+" + typed[-1], f"+{key}={hydra_quoted(value)}"):  # as typed; else as text (Dict[str, str])
         try:
             compose_dict([*rest, hint])
             break
@@ -187,7 +188,7 @@ def _sweep_problem(exc: Exception, overrides: list[str]) -> Optional[Problem]:
         elif "float" in kind or "int" in kind:
             rule, alternative = SWEEP_RULES["number"], value.replace(",", ".", 1) if value.count(",") == 1 else None
         else:
-            rule, alternative = SWEEP_RULES["text"], _hydra_quoted(value)
+            rule, alternative = SWEEP_RULES["text"], hydra_quoted(value)
         problem = Problem(field, value, f"must be {field_rule(field)}; {rule}", f"{field}=<{field_rule(field)}>")
         if alternative is None:
             return problem
@@ -213,13 +214,6 @@ GRAMMAR_RULE = ("Hydra's override grammar reads this value only inside quotes (i
 primitive made of letters, digits and a few symbols; anything else must be a quoted string."""
 
 
-def _hydra_quoted(value: str) -> str:
-    """``value`` as a Hydra quoted string (double quotes unless it holds one; quotes inside escaped)."""
-    if '"' not in value:
-        return f'"{value}"'
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
 def _grammar_problem(exc: Exception, overrides: list[str]) -> Optional[Problem]:
     """Hydra's "LexerNoViableAltException: name=a;b ^ See https://hydra.cc/..." (a value its grammar cannot read
     unquoted: shell metacharacters, a newline, non-ASCII letters) as our one line. The value is read again as the
@@ -242,7 +236,7 @@ def _grammar_problem(exc: Exception, overrides: list[str]) -> Optional[Problem]:
         key, sep, value = text.partition("=")
         if not sep:
             return None
-        quoted = f"{key}={_hydra_quoted(value)}"
+        quoted = f"{key}={hydra_quoted(value)}"
         problem = Problem(key.lstrip("+~"), value, GRAMMAR_RULE, shlex.quote(quoted))
         try:
             job = compose_job([*overrides[:i], quoted, *overrides[i + 1:]])
@@ -318,9 +312,9 @@ def _type_problem(exc: Exception, overrides: list[str]) -> Optional[Problem]:
     bare = value.strip()
     if bare[:1] in ("'", '"') and bare[-1:] == bare[:1]:  # Hydra's quoted string: its text
         bare = bare[1:-1]
-    if "List" in FIELD_TYPES[field][1] and bare.strip() and bare.strip()[0] not in "[{":
+    if is_list_field(field) and bare.strip() and bare.strip()[0] not in "[{":
         # a bare value for a list field ("attn", or Megatron's space-separated "attn moe_router"): as a list first
-        hint = f"{field}=[{','.join(bare.replace(',', ' ').split())}] or {hint}"
+        hint = f"{field}={list_text(bare)} or {hint}"
     hinted = dataclasses.replace(problem, hint=hint)
     return verified_hint(job, hinted, raw_problems(job))
 

@@ -88,3 +88,21 @@ def default_text(key: str) -> str | None:
         return None
     value = f.default
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def is_list_field(key: str) -> bool:
+    """Whether the schema types ``key`` as a list (its override is written [a,b])."""
+    return "List" in FIELD_TYPES.get(key, (None, ""))[1]
+
+
+def list_text(words: str) -> str:
+    """Items typed bare, as Megatron-LM's nargs='+' takes them or comma-separated ("core_attn mlp", "a,b"), as the
+    list an override of ours writes: [core_attn,mlp]."""
+    return "[" + ",".join(words.replace(",", " ").split()) + "]"
+
+
+def hydra_quoted(value: str) -> str:
+    """``value`` as a Hydra quoted string (double quotes unless it holds one; quotes inside escaped)."""
+    if '"' not in value:
+        return f'"{value}"'
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"

@@ -6,7 +6,6 @@ import dataclasses
 import inspect
 from functools import lru_cache
 
-from launcher import RECIPES_DIR
 from launcher import schema
 
 USAGE = """usage: python -m launcher [recipe=NAME] [cluster=NAME] [nodes=N] [action=ACTION] [key=value ...]
@@ -47,7 +46,9 @@ def field_docs() -> dict[str, dict[str, str]]:
 
 
 def _options(group: str) -> str:
-    return ", ".join(sorted(p.stem for p in (RECIPES_DIR / group).glob("*.yaml")))
+    from launcher.overrides import group_options
+
+    return ", ".join(group_options(group))
 
 
 def _allowed(f: dataclasses.Field) -> str:

@@ -57,7 +57,7 @@ def _not_a_setting(text: str) -> Problem:
             "(without the override the recipe's value stays)") if text.startswith("~") else "overrides are key=value"
     if key in GROUPS:
         added = key not in _chosen_groups()
-        return Problem(key, value, rule, f"{'+' if added else ''}{key}={_group_default(key) or _options(key)[0]}")
+        return Problem(key, value, rule, f"{'+' if added else ''}{key}={_group_default(key) or group_options(key)[0]}")
     if key in FIELD_TYPES:
         return Problem(key, value, rule, f"{key}={default_text(key) or 'VALUE'}")
     unknown = check_override(f"{key}={value}") if key else None
@@ -97,7 +97,7 @@ def _unknown(key: str, value: str, name: str, known: list[str], prefix: str, res
 def _check_group_option(group: str, value: str, plus: str = "") -> Optional[Problem]:
     """An option of a config group that exists, and typed as Hydra takes it: a group no defaults list chooses
     (experiment) is added with ``+``; one they choose is overridden without (``+recipe=`` adds a second recipe)."""
-    options = _options(group)
+    options = group_options(group)
     added = group not in _chosen_groups()
     want = "+" if added else ""
     close = value if value in options else (difflib.get_close_matches(value, options, n=1) or [None])[0]
@@ -119,27 +119,28 @@ def _check_group_option(group: str, value: str, plus: str = "") -> Optional[Prob
     return None
 
 
-def _options(group: str) -> list[str]:
+def group_options(group: str) -> list[str]:
+    """The options of a config group: the YAML files of recipes/<group>/."""
     return sorted(p.stem for p in (RECIPES_DIR / group).glob("*.yaml"))
 
 
-def _chosen_groups() -> set[str]:
-    """The config groups a defaults list chooses: recipes/config.yaml's (``- cluster: local``) and the recipes'
-    (``- /model: smoke``, ``- override /cluster: h100``); the others (experiment) are only ever added."""
+def _defaults_list(path) -> dict[str, str]:
+    """A recipe file's defaults list as {group: option} (``- cluster: local``, ``- /model: smoke``,
+    ``- override /cluster: h100``; entries without a group, such as ``_self_``, left out)."""
     import yaml
 
-    chosen = set()
-    for path in [RECIPES_DIR / "config.yaml", *sorted((RECIPES_DIR / "recipe").glob("*.yaml"))]:
-        for entry in (yaml.safe_load(path.read_text()) or {}).get("defaults") or []:
-            if isinstance(entry, dict):
-                chosen.update(k.replace("override ", "").strip().lstrip("/").split("@")[0] for k in entry)
-    return chosen
+    entries = (yaml.safe_load(path.read_text()) or {}).get("defaults") or []
+    return {k.replace("override ", "").strip().lstrip("/").split("@")[0]: v
+            for entry in entries if isinstance(entry, dict) for k, v in entry.items()}
+
+
+def _chosen_groups() -> set[str]:
+    """The config groups a defaults list chooses (recipes/config.yaml's and the recipes'); the others (experiment)
+    are only ever added."""
+    return {group for path in [RECIPES_DIR / "config.yaml", *sorted((RECIPES_DIR / "recipe").glob("*.yaml"))]
+            for group in _defaults_list(path)}
 
 
 def _group_default(group: str) -> Optional[str]:
-    """The option recipes/config.yaml's defaults list chooses for ``group`` (``- cluster: local``), if any."""
-    import re
-
-    found = re.search(rf"^\s*-\s*{re.escape(group)}\s*:\s*([\w.-]+)\s*$", (RECIPES_DIR / "config.yaml").read_text(),
-                      re.MULTILINE)
-    return found.group(1) if found else None
+    """The option recipes/config.yaml's defaults list chooses for ``group``, if any."""
+    return _defaults_list(RECIPES_DIR / "config.yaml").get(group)

@@ -43,7 +43,7 @@ def environment(monkeypatch):
 @pytest.mark.parametrize("field", ["+cluster.env.X", "logging.wandb_entity"])
 @pytest.mark.parametrize("quoted", [False, True], ids=["as-typed", "hydra-quoted"])
 def test_no_interpolation_reads_the_environment(form, field, quoted, cli, environment, tmp_path):
-    from launcher.config import _hydra_quoted
+    from launcher.fields import hydra_quoted as _hydra_quoted
     extra = ["+cluster.env.N=WANDB_API_KEY", "+cluster.env.S=API_KEY"] if "cluster.env." in form else []
     value = _hydra_quoted(form) if quoted else form
     code, out, err = cli(*SMOKE, *extra, f"{field}={value}", f"output_dir={tmp_path}", "action=render")

@@ -20,6 +20,7 @@ from functools import lru_cache
 from typing import Any, Callable, Dict, Optional, Sequence
 
 from launcher.core.wiring import BUILT, WIRING
+from launcher.fields import hydra_quoted, is_list_field, list_text
 
 ALWAYS = lambda v: True  # noqa: E731
 MOE = lambda v: bool(v.get("model.num_experts"))  # noqa: E731
@@ -54,8 +55,7 @@ def override_value(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(override_value(v) for v in value) + "]"
     if isinstance(value, str) and re.search(r"[\s,\[\]{}()=;'\"\\]", value):
-        quote = "'" if '"' in value else '"'  # Hydra's quoted string, double quotes unless it holds one
-        return quote + value.replace("\\", "\\\\").replace(quote, "\\" + quote) + quote
+        return hydra_quoted(value)
     return fmt(value)
 
 
@@ -478,7 +478,7 @@ def hint_for(name: str, value: Optional[str], more: Sequence[str] = ()) -> Optio
     if flag in UNSUPPORTED and flag not in FLAG_BY_NAME:
         return f"{name} is a Megatron-LM argument with no equivalent here: {UNSUPPORTED[flag]}; try --help"
     target = _target(flag, key, value)
-    if target is not None and more and "List" in _field_kind(target[0]):
+    if target is not None and more and is_list_field(target[0]):
         target = _target(flag, key, " ".join([value or "", *more]))  # Megatron's nargs='+': the words are the list
     if target is None:
         return None
@@ -495,27 +495,20 @@ def _target(flag: str, key: str, value: Optional[str]) -> Optional[tuple[str, st
     target = _flag_override(flag, value)
     core = _core_names().get(key) or {"params_dtype": "precision.dtype"}.get(key)
     if target is None and core is not None:
-        target = (core, f"{core}={value or VALUE_NEEDED}" if value in (None, "") or "List" in _field_kind(core)
+        target = (core, f"{core}={value or VALUE_NEEDED}" if value in (None, "") or is_list_field(core)
                   else typed_override(core, value))
     if target is None and key in _ARG_DESTS:
         target = _flag_override(_ARG_DESTS[key], value)
     return target
 
 
-def _field_kind(field: str) -> str:
-    from launcher.fields import FIELD_TYPES
-
-    return FIELD_TYPES.get(field, (None, ""))[1]
-
-
 def _as_list(field: str, override: str) -> tuple[str, str]:
     """A list field's override with the value typed as Megatron takes it (``--recompute-modules core_attn mlp``,
     ``cuda_graph_scope=attn``) written as our list, ``[core_attn,mlp]``: a bare value is not a list here."""
     name, sep, value = override.partition("=")
-    if name != field or not sep or "List" not in _field_kind(field) or value == VALUE_NEEDED \
-            or value[:1] in ("[", "'", '"') or " " in value.strip() and "=" in value:
+    if name != field or not sep or not is_list_field(field) or value == VALUE_NEEDED or value[:1] in ("[", "'", '"'):
         return field, override
-    return field, f"{field}=[{','.join(v for v in value.replace(',', ' ').split())}]"
+    return field, f"{field}={list_text(value)}"
 
 
 def _flag_override(flag: str, value: Optional[str]) -> Optional[tuple[str, str]]:
@@ -527,7 +520,7 @@ def _flag_override(flag: str, value: Optional[str]) -> Optional[tuple[str, str]]
         if f.switch is not None:
             val = f.switch if on else (not f.switch if isinstance(f.switch, bool) else f.default)
             return f.field, typed_override(f.field, val)
-        if shown is None or (f.parse is None and "List" in _field_kind(f.field)):  # words of a list: _as_list
+        if shown is None or (f.parse is None and is_list_field(f.field)):  # words of a list: _as_list
             return f.field, f"{f.field}={shown or VALUE_NEEDED}"
         return f.field, typed_override(f.field, f.parse(shown) if f.parse is not None else shown)
     special = {
