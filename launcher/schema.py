@@ -69,6 +69,10 @@ RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", 
 # training loop to wrap the schedule; not built here.
 CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine")
 CUDA_GRAPH_MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess")
+# Megatron-Core 0.19.2 transformer_config.py offload_modules (fine-grained activation offloading): the modules whose
+# saved inputs go to pinned host memory. fused_group_mlp needs use_transformer_engine_op_fuser (not built here).
+ACTIVATION_OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act",
+                              "fused_group_mlp")
 DATA_KINDS = ("indexed", "mock")
 CHECKPOINT_FORMATS = ("torch_dist",)
 CHECKPOINT_VERIFY = ("sizes", "checksum")
@@ -400,6 +404,17 @@ class TrainConfig:
     the router, with shared experts), moe_preprocess (with moe_router). Empty captures the whole layer."""
     cuda_graph_warmup_steps: int = 3
     """With cuda_graph_impl: eager steps (local: runs per graph) before capture (Megatron-Core's default 3)."""
+    activation_offload_modules: List[str] = field(default_factory=list)
+    """Fine-grained activation offloading (Megatron-Core's fine_grained_activation_offloading with offload_modules):
+    the modules whose saved-for-backward tensors are copied to pinned host memory on a side stream during the
+    forward and reloaded ahead of their backward: attn_norm (MLA layers; the TE spec fuses the others' norm into
+    qkv_linear), qkv_linear, core_attn, attn_proj (with core_attn), mlp_norm (MoE layers), expert_fc1, moe_act.
+    Empty: off. GPU with Transformer Engine only; not with the zero-bubble schedules or local CUDA graphs."""
+    activation_offload_fraction: float = 1.0
+    """With activation_offload_modules: the share of each model chunk's offload groups actually offloaded (the
+    later ones are kept on the GPU; Megatron-Core's activation_offload_fraction)."""
+    min_offloaded_tensor_size: int = 1048576
+    """With activation_offload_modules: tensors with fewer elements stay on the GPU (Megatron-Core's default 2^20)."""
     exit_after_minutes: Optional[float] = None
     """Stop cleanly (with a checkpoint) after this wall time; null means no limit."""
     nonfinite: str = choice("stop", NONFINITE_POLICIES)
@@ -534,6 +549,12 @@ class ClusterConfig:
     """Intra-node bandwidth per GPU per direction in GB/s (NVLink)."""
     network_bandwidth_gbps: float = 1.0
     """Inter-node bandwidth per GPU per direction in GB/s (InfiniBand / RoCE)."""
+    host_memory_gb: Optional[float] = None
+    """Host memory per node in GB that activation offloading may pin (planner constant; null: not checked). The
+    search keeps an offloading candidate only if its ranks' pinned buffers fit in it."""
+    host_bandwidth_gbps: float = 10.0
+    """GPU-host bandwidth per GPU per direction in GB/s with every GPU of the node copying (PCIe; planner constant
+    for activation offloading's copies)."""
     checkpoint_write_gbps: float = 1.0
     """Checkpoint write bandwidth per node to checkpoint.dir in GB/s (the planner's save-time estimate, from
     which a null slurm.signal_lead_s is derived)."""

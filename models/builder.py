@@ -44,9 +44,11 @@ def transformer_config(*, model: ModelConfig, parallel: ParallelConfig, precisio
                        recompute_modules: Optional[List[str]] = None,
                        te: Optional[bool] = None, deterministic: bool = False,
                        cuda_graph_impl: str = "none", cuda_graph_modules: Optional[List[str]] = None,
-                       cuda_graph_warmup_steps: int = 3):
+                       cuda_graph_warmup_steps: int = 3, activation_offload_modules: Optional[List[str]] = None,
+                       activation_offload_fraction: float = 1.0, min_offloaded_tensor_size: int = 1 << 20):
     """The megatron.core TransformerConfig (or MLATransformerConfig) for this job (``deterministic``:
-    train.deterministic, Megatron-Core's deterministic code paths; ``cuda_graph_*``: train.cuda_graph_*)."""
+    train.deterministic, Megatron-Core's deterministic code paths; ``cuda_graph_*``: train.cuda_graph_*;
+    ``activation_offload_*``, ``min_offloaded_tensor_size``: train.*, fine-grained activation offloading)."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     layout = layout or layout_of(model=model, parallel=parallel, precision=precision, schedule=schedule)
@@ -99,6 +101,12 @@ def transformer_config(*, model: ModelConfig, parallel: ParallelConfig, precisio
         # (an empty list captures the whole layer); Megatron's "full" default is the deprecated spelling of []
         cuda_graph_impl=cuda_graph_impl, cuda_graph_modules=list(cuda_graph_modules or []),
         cuda_graph_warmup_steps=cuda_graph_warmup_steps,
+        # fine-grained activation offloading (train.activation_offload_*): on for a non-empty module list, as
+        # Megatron-LM's --fine-grained-activation-offloading needs --offload-modules; GPTModel.forward and the
+        # schedules drive PipelineOffloadManager
+        fine_grained_activation_offloading=bool(activation_offload_modules),
+        offload_modules=list(activation_offload_modules or []),
+        activation_offload_fraction=activation_offload_fraction, min_offloaded_tensor_size=min_offloaded_tensor_size,
     )
     if model.multi_latent_attention:
         if not te:
@@ -284,7 +292,9 @@ def build_model(*, model: ModelConfig, parallel: ParallelConfig, precision: Prec
                 recompute: str = "none", recompute_num_layers: Optional[int] = None,
                 recompute_modules: Optional[List[str]] = None, deterministic: bool = False,
                 cuda_graph_impl: str = "none", cuda_graph_modules: Optional[List[str]] = None,
-                cuda_graph_warmup_steps: int = 3) -> List[torch.nn.Module]:
+                cuda_graph_warmup_steps: int = 3, activation_offload_modules: Optional[List[str]] = None,
+                activation_offload_fraction: float = 1.0,
+                min_offloaded_tensor_size: int = 1 << 20) -> List[torch.nn.Module]:
     """GPTModel chunk(s) for this rank: one per virtual pipeline stage, on the current device. ``layout`` is
     the job's derived layout (the rank entry passes it; without one it is derived from these sections)."""
     from megatron.core import parallel_state
@@ -299,7 +309,10 @@ def build_model(*, model: ModelConfig, parallel: ParallelConfig, precision: Prec
                                 schedule=schedule, recompute=recompute, recompute_num_layers=recompute_num_layers,
                                 recompute_modules=recompute_modules,
                                 te=te, deterministic=deterministic, cuda_graph_impl=cuda_graph_impl,
-                                cuda_graph_modules=cuda_graph_modules, cuda_graph_warmup_steps=cuda_graph_warmup_steps)
+                                cuda_graph_modules=cuda_graph_modules, cuda_graph_warmup_steps=cuda_graph_warmup_steps,
+                                activation_offload_modules=activation_offload_modules,
+                                activation_offload_fraction=activation_offload_fraction,
+                                min_offloaded_tensor_size=min_offloaded_tensor_size)
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     kind = schedule.kind if schedule is not None else Schedule.ONE_F_ONE_B
     chunks = []

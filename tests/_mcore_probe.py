@@ -75,7 +75,10 @@ def build(job, rank: int) -> None:
     # the config objects every rank constructs first
     transformer_config(model=job.model, parallel=job.parallel, precision=job.precision, layout=lay,
                        schedule=job.schedule, recompute=tr.recompute, recompute_num_layers=tr.recompute_num_layers,
-                       recompute_modules=tr.recompute_modules, te=False)
+                       recompute_modules=tr.recompute_modules, te=False,
+                       activation_offload_modules=tr.activation_offload_modules,
+                       activation_offload_fraction=tr.activation_offload_fraction,
+                       min_offloaded_tensor_size=tr.min_offloaded_tensor_size)
     optim.ddp_config(parallel=job.parallel, precision=job.precision, on_gpu=False)
     optim.optimizer_config(train=tr, parallel=job.parallel, precision=job.precision, on_gpu=False)
     optim.scheduler_kwargs(train=tr, steps=lay.steps)

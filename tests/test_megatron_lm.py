@@ -134,6 +134,9 @@ def test_moe_layer_patterns_both_ways(text, freq, first_k):
 
 # ---------------------------------------------------------------------------------------------- export / round trip
 
+OFFLOAD_JOB = ["recipe=qwen3_30b_a3b", "train.activation_offload_modules=[qkv_linear,core_attn,attn_proj,expert_fc1]",
+               "train.activation_offload_fraction=0.5", "train.min_offloaded_tensor_size=65536"]
+"""Fine-grained activation offloading (issue 41) with its fraction and size threshold."""
 VARIANTS = [[f"recipe={r}"] for r in RECIPES] + [
     ["recipe=llama3_8b", "model=deepseek_v3", "parallel.expert=8", "parallel.context=1"],  # MoE + MLA + MTP
     ["recipe=llama3_8b", "model=qwen3_30b_a3b", "parallel.expert=8", "train.recompute=full",
@@ -143,6 +146,7 @@ VARIANTS = [[f"recipe={r}"] for r in RECIPES] + [
     # CUDA graphs (issue 41): TE's per-layer graphs over attention and the MoE router, 2 warm-up steps
     ["recipe=qwen3_30b_a3b", "train.cuda_graph_impl=transformer_engine",
      "train.cuda_graph_modules=[attn,moe_router,moe_preprocess]", "train.cuda_graph_warmup_steps=2"],
+    OFFLOAD_JOB,
 ]
 
 
@@ -236,7 +240,10 @@ def _config_differences(argv, env, nodes, gpus, job, monkeypatch, skip=()):
     tr = job.train
     kwargs = dict(model=job.model, parallel=job.parallel, precision=job.precision, layout=lay, schedule=job.schedule,
                   recompute=tr.recompute, recompute_num_layers=tr.recompute_num_layers,
-                  recompute_modules=getattr(tr, "recompute_modules", None), te=lay.transformer_engine)
+                  recompute_modules=getattr(tr, "recompute_modules", None), te=lay.transformer_engine,
+                  activation_offload_modules=tr.activation_offload_modules,
+                  activation_offload_fraction=tr.activation_offload_fraction,
+                  min_offloaded_tensor_size=tr.min_offloaded_tensor_size)
     accepted = inspect.signature(builder.transformer_config).parameters
     ours = builder.transformer_config(**{k: v for k, v in kwargs.items() if k in accepted})
     assert type(ours) is type(theirs)
@@ -522,6 +529,20 @@ def test_an_fsdp_export_passes_megatron_lms_validate_args_and_builds_the_same_co
     job = compose_job(FSDP_JOB)
     exported = to_args(job)
     assert exported.args[exported.args.index("--ckpt-format") + 1] == "fsdp_dtensor"
+    assert _config_differences(exported.args, exported.env, exported.nodes, exported.gpus_per_node, job,
+                               monkeypatch) == {}
+
+
+def test_an_activation_offload_export_passes_megatron_lms_validate_args_and_builds_the_same_core_configs(
+        monkeypatch):
+    """--fine-grained-activation-offloading --offload-modules ... and the environment's NVTE_CPU_OFFLOAD_V1=1, which
+    Megatron-LM's validate_args asserts with TE >= 2.10 (this test's TE version check says yes): Megatron-LM then
+    builds the TransformerConfig our ranks would, offload fields included."""
+    job = compose_job(OFFLOAD_JOB)
+    exported = to_args(job)
+    assert exported.args[exported.args.index("--offload-modules") + 1:][:4] == ["qkv_linear", "core_attn",
+                                                                               "attn_proj", "expert_fc1"]
+    assert "--fine-grained-activation-offloading" in exported.args and exported.env["NVTE_CPU_OFFLOAD_V1"] == "1"
     assert _config_differences(exported.args, exported.env, exported.nodes, exported.gpus_per_node, job,
                                monkeypatch) == {}
 

@@ -57,6 +57,15 @@ VARIANTS = {
     "qwen3_30b_a3b_local_router_graphs": ["recipe=qwen3_30b_a3b", "train.cuda_graph_impl=local",
                                           "train.cuda_graph_modules=[attn,moe_router]"],
     "llama3_8b_local_graphs": ["recipe=llama3_8b", "train.cuda_graph_impl=local", "train.cuda_graph_warmup_steps=1"],
+    # fine-grained activation offloading: a dense model's attention inputs, and an MoE model's expert inputs beside
+    # TE's graphs (attention graphed; the offloaded experts run eagerly), with its fraction and size threshold
+    "llama3_70b_activation_offload": ["recipe=llama3_70b", "train.recompute=none",
+                                      "train.activation_offload_modules=[qkv_linear,core_attn,attn_proj]",
+                                      "train.activation_offload_fraction=0.5",
+                                      "train.min_offloaded_tensor_size=4096"],
+    "qwen3_30b_a3b_offload_with_graphs": ["recipe=qwen3_30b_a3b", "train.cuda_graph_impl=transformer_engine",
+                                          "train.cuda_graph_modules=[attn]",
+                                          "train.activation_offload_modules=[expert_fc1,moe_act]"],
     "deepseek_v3_layout": ["recipe=llama3_70b", "model=deepseek_v3", "nodes=128", "parallel.tensor=2",
                            "parallel.pipeline=8", "parallel.virtual_pipeline=4", "parallel.context=1",
                            "parallel.expert=64", "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=false",
@@ -180,7 +189,10 @@ def _built(job, layout, calls, monkeypatch) -> dict:
                                     recompute_num_layers=tr.recompute_num_layers,
                                     recompute_modules=tr.recompute_modules, deterministic=tr.deterministic,
                                     cuda_graph_impl=tr.cuda_graph_impl, cuda_graph_modules=tr.cuda_graph_modules,
-                                    cuda_graph_warmup_steps=tr.cuda_graph_warmup_steps)
+                                    cuda_graph_warmup_steps=tr.cuda_graph_warmup_steps,
+                                    activation_offload_modules=tr.activation_offload_modules,
+                                    activation_offload_fraction=tr.activation_offload_fraction,
+                                    min_offloaded_tensor_size=tr.min_offloaded_tensor_size)
     called = backend.initialize_tp_comm_overlap(model=job.model, parallel=job.parallel, precision=job.precision,
                                                 train=tr, layout=layout, schedule_kind=job.schedule.kind)
     first = _gpt_kwargs(monkeypatch, job, layout, 0)
@@ -272,6 +284,8 @@ def _expected(field: str, target: str, attr: str, job, lay, built):
         ("train.recompute_modules", TC, "recompute_modules"):
             _recompute_modules(t, moe) if t.recompute == "selective" else SKIP,
         ("train.cuda_graph_modules", TC, "cuda_graph_modules"): _graph_modules(t),
+        ("train.activation_offload_modules", TC, "fine_grained_activation_offloading"):
+            bool(t.activation_offload_modules),
         ("train.recompute_num_layers", TC, "recompute_num_layers"): (t.recompute_num_layers or 1) if t.recompute == "full" else SKIP,
     }
     if (field, target, attr) == ("model.mtp_num_layers", GPT, "mtp_block_spec"):

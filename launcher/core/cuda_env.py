@@ -35,6 +35,10 @@ PRE_BLACKWELL = ("H100", "H200", "GH200", "A100")
 A2A_OVERLAP_CONNECTIONS = "32"
 AUTO = "auto"
 """cluster.env value meaning "derive it from the job" (the GPU profiles' value)."""
+CPU_OFFLOAD_V1 = "NVTE_CPU_OFFLOAD_V1"
+"""Megatron-LM arguments.py, with --fine-grained-activation-offloading: "For fine-grained activation offloading with
+TE >= 2.10.0, NVTE_CPU_OFFLOAD_V1 should be set to 1 to avoid offloading weights." TE reads it when its CPU offload
+module loads; TE < 2.10 has no other implementation and ignores it, so a job with offloading always sets it."""
 
 
 def derived_for(*, gpu: str, megatron_fsdp: bool, moe_a2a_overlap: bool, tensor: int, context: int) -> Optional[str]:
@@ -66,12 +70,15 @@ def max_connections(job: JobConfig) -> Optional[str]:
 
 def job_env(job: JobConfig) -> Dict[str, str]:
     """cluster.env with CUDA_DEVICE_MAX_CONNECTIONS resolved (``auto`` -> derived, or dropped when the job needs
-    none), and train.deterministic's NCCL/cuBLAS/TE settings (launcher/core/determinism.py): what env.sh exports
-    and what a Megatron-LM launch of the job sets."""
+    none), NVTE_CPU_OFFLOAD_V1=1 with activation offloading (``CPU_OFFLOAD_V1``), and train.deterministic's
+    NCCL/cuBLAS/TE settings (launcher/core/determinism.py): what env.sh exports and what a Megatron-LM launch of
+    the job sets."""
     env = {str(k): str(v) for k, v in job.cluster.env.items() if str(k) != VAR}
     value = max_connections(job)
     if value is not None:
         env[VAR] = value
+    if job.train.activation_offload_modules:  # unless the job set it (validation refuses anything but "1")
+        env.setdefault(CPU_OFFLOAD_V1, "1")
     if job.train.deterministic:  # NCCL, cuBLAS and TE read these at first use: before any rank starts
         from launcher.core.determinism import env_for
 

@@ -45,7 +45,8 @@ IDENTITY = {
     **_each("train", "micro_batch_size global_batch_size lr min_lr lr_schedule warmup_steps wsd_decay_steps "
             "weight_decay adam_beta1 adam_beta2 adam_eps clip_grad optimizer_cpu_offload optimizer_offload_fraction "
             "overlap_cpu_optimizer_d2h_h2d seed recompute recompute_num_layers recompute_modules cuda_graph_impl "
-            "cuda_graph_modules cuda_graph_warmup_steps",
+            "cuda_graph_modules cuda_graph_warmup_steps activation_offload_modules activation_offload_fraction "
+            "min_offloaded_tensor_size",
             "the optimisation the checkpoint's state continues: batches, schedule, optimizer, seeds, recompute"),
     **_each("data", "kind blend split tokenizer", "which tokens, in which order, the run trains on"),
     **_each("cluster", "gpus_per_node backend", "the world size per node and the collectives' backend"),
@@ -68,7 +69,7 @@ NOT_IDENTITY = {
             "what cannot be read)"),
     **_each("logging", "log_interval tensorboard wandb_project wandb_entity wandb_mode", "metrics and logs"),
     **_each("cluster", "name launcher gpu gpu_memory_gb peak_tflops_bf16 peak_tflops_fp8 hbm_bandwidth_gbps "
-            "nvlink_bandwidth_gbps network_bandwidth_gbps checkpoint_write_gbps gemm_efficiency fp8_gemm_efficiency "
+            "nvlink_bandwidth_gbps network_bandwidth_gbps host_bandwidth_gbps host_memory_gb checkpoint_write_gbps gemm_efficiency fp8_gemm_efficiency "
             "comm_efficiency network_efficiency memory_reserve_gb profile op_overhead_us compute_units_per_node",
             "hardware facts and planner constants: the plan, not the run"),
     **_each("cluster", "partition account container_image container_mounts workdir python max_restarts "

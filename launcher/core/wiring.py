@@ -172,6 +172,11 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
     "train.cuda_graph_impl": _tc("cuda_graph_impl") + _w(LOOP, "TECudaGraphHelper") + _w(LOOP, "rng tracker"),
     "train.cuda_graph_modules": _tc("cuda_graph_modules", same=False),  # names -> CudaGraphModule members
     "train.cuda_graph_warmup_steps": _tc("cuda_graph_warmup_steps") + _w(LOOP, "TECudaGraphHelper"),
+    # fine-grained activation offloading: TransformerConfig turns it on for a non-empty module list; GPTModel's
+    # forward and Megatron-Core's schedules drive the offload manager (no loop code of ours)
+    "train.activation_offload_modules": _tc("offload_modules") + _tc("fine_grained_activation_offloading", same=False),
+    "train.activation_offload_fraction": _tc("activation_offload_fraction"),
+    "train.min_offloaded_tensor_size": _tc("min_offloaded_tensor_size"),
     "train.exit_after_minutes": _w(LOOP, "deadline"),
     "train.nonfinite": _w(LOOP, "nonfinite"), "train.straggler_interval": _w(LOOP, "straggler_interval"),
     "train.straggler_margin": _w(LOOP, "straggler_margin"),
@@ -198,7 +203,7 @@ WIRING: Dict[str, Tuple[Wire, ...]] = {
     "cluster.peak_tflops_bf16": _w(METRICS, "mfu") + _w(LOGIN),
     **{f"cluster.{name}": _w(LOGIN) for name in (
         "name", "launcher", "gpu", "gpus_per_node", "gpu_memory_gb", "peak_tflops_fp8", "hbm_bandwidth_gbps",
-        "nvlink_bandwidth_gbps", "network_bandwidth_gbps", "gemm_efficiency", "fp8_gemm_efficiency",
+        "nvlink_bandwidth_gbps", "network_bandwidth_gbps", "host_bandwidth_gbps", "host_memory_gb", "gemm_efficiency", "fp8_gemm_efficiency",
         "comm_efficiency", "network_efficiency", "memory_reserve_gb", "profile", "partition", "account", "container_image", "container_mounts",
         "workdir", "python", "env", "secret_env", "max_restarts", "checkpoint_write_gbps", "op_overhead_us",
         "compute_units_per_node")},

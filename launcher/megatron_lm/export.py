@@ -166,6 +166,8 @@ def _export_train(job: JobConfig, lay, missing: List[str]) -> List[str]:
                 "--recompute-num-layers", str(t.recompute_num_layers or 1)]
     if t.cuda_graph_impl != "none" and t.cuda_graph_modules:  # empty: the whole layer, Megatron-LM's default
         out += ["--cuda-graph-modules", *t.cuda_graph_modules]
+    if t.activation_offload_modules:  # Megatron-LM's switch and its list (our switch is a non-empty list)
+        out += ["--fine-grained-activation-offloading", "--offload-modules", *t.activation_offload_modules]
     return out
 
 

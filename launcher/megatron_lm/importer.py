@@ -405,6 +405,8 @@ def _body(values, defaults, root, new_model, env, cluster, source, extra) -> Dic
             gpu=base_job.cluster.gpu, megatron_fsdp=bool(job_values["parallel.megatron_fsdp"]),
             moe_a2a_overlap=bool(job_values["parallel.moe_a2a_overlap"]),
             tensor=int(job_values["parallel.tensor"]), context=int(job_values["parallel.context"]))
+    if values.get("train.activation_offload_modules"):  # what the job's environment sets for it (cuda_env.job_env)
+        profile_env.setdefault(cuda_env.CPU_OFFLOAD_V1, "1")
     keep, report = env_entries(env, profile_env, set(base_job.cluster.secret_env))
     body.update({f"cluster.env.{k}": val for k, val in keep.items()})
     body.update(extra)

@@ -31,10 +31,11 @@ DELAYED = lambda v: v.get("precision.fp8") == "delayed"  # noqa: E731
 INTERLEAVED = lambda v: (v.get("parallel.virtual_pipeline") or 1) > 1  # noqa: E731
 INDEXED = lambda v: v.get("data.kind") == "indexed"  # noqa: E731
 GRAPHS = lambda v: v.get("train.cuda_graph_impl", "none") != "none"  # noqa: E731
+OFFLOAD = lambda v: bool(v.get("train.activation_offload_modules"))  # noqa: E731
 UNREAD = {MOE: "without --num-experts", MLA: "without --multi-latent-attention", ROPE: "without rope positions",
           ROPE_SCALING: "without --use-rope-scaling", DELAYED: "without delayed FP8 scaling",
           INTERLEAVED: "without a virtual pipeline", INDEXED: "with mock data",
-          GRAPHS: "without --cuda-graph-impl"}
+          GRAPHS: "without --cuda-graph-impl", OFFLOAD: "without --fine-grained-activation-offloading"}
 """Why an argument given for a job it does not apply to is not read (Megatron-LM does not read it either)."""
 
 
@@ -197,6 +198,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--overlap-cpu-optimizer-d2h-h2d", "train.overlap_cpu_optimizer_d2h_h2d", False, switch=True),
     Flag("--cuda-graph-impl", "train.cuda_graph_impl", "none"),
     Flag("--cuda-graph-warmup-steps", "train.cuda_graph_warmup_steps", 3, when=GRAPHS),
+    Flag("--activation-offload-fraction", "train.activation_offload_fraction", 1.0, when=OFFLOAD),
+    Flag("--min-offloaded-tensor-size", "train.min_offloaded_tensor_size", 1048576, when=OFFLOAD),
     # ---- data, checkpoints, logging, cluster
     Flag("--split", "data.split", "969,30,1", when=INDEXED, parse=lambda t: t.replace(" ", "")),
     Flag("--data-cache-path", "data.cache_dir", None),
@@ -273,6 +276,8 @@ COMBINED: Dict[str, str] = {
     "--recompute-modules": "train.recompute_modules",
     "--cuda-graph-modules": "train.cuda_graph_modules",
     "--cuda-graph-scope": "train.cuda_graph_modules",  # its deprecated name (hidden in Megatron-LM's parser)
+    "--fine-grained-activation-offloading": "train.activation_offload_modules",  # on with a non-empty list
+    "--offload-modules": "train.activation_offload_modules",
     "--data-path": "data.blend, data.kind",
     "--mock-data": "data.kind",
     "--tokenizer-type": "data.tokenizer",

@@ -1,5 +1,6 @@
 """Megatron-LM ``pretrain_gpt.py`` arguments -> our fields: ``to_fields`` (import; the export direction,
-``to_args``, is ``launcher.megatron_lm.export``).
+``to_args``, is ``launcher.megatron_lm.export``). One room (~630 lines): the rules that several arguments decide
+together, in the order validate_args applies them, each reading what the ones before it decided.
 
 Both directions read ``table.FLAGS`` for the one-argument-one-field cases; the functions here handle the fields
 that several arguments decide together. Import starts from what Megatron-LM does when an argument is absent
@@ -164,6 +165,7 @@ def to_fields(argv: List[str], launch: Launch = Launch()) -> Tuple[Dict[str, Any
     if launch.gpus_per_node:
         v["cluster.gpus_per_node"] = launch.gpus_per_node
     _gates(args, v)
+    _activation_offload(args, v)  # before the flags: its fraction and size are read only with it on
     for f in FLAGS:
         _simple(args, v, f)
     for rule in (_model_shape, _moe, _layout, _precision, _batches, _schedule, _recompute, _cuda_graph_modules, _data,
@@ -511,6 +513,25 @@ def _cuda_graph_modules(args: Args, v: dict) -> None:
             continue
         v["train.cuda_graph_modules"] = [] if modules == ["full"] else list(modules)
         args.use(flag, typed_override("train.cuda_graph_modules", v["train.cuda_graph_modules"]))
+
+
+def _activation_offload(args: Args, v: dict) -> None:
+    """--fine-grained-activation-offloading with --offload-modules -> train.activation_offload_modules (our switch is
+    a non-empty list). Megatron-Core asserts the switch has modules; the modules alone are not read."""
+    on, modules = args.has("--fine-grained-activation-offloading"), args.values("--offload-modules")
+    if on and args.values("--fine-grained-activation-offloading"):
+        raise ImportError_("--fine-grained-activation-offloading takes no value "
+                           f"(got {' '.join(args.values('--fine-grained-activation-offloading'))})")
+    if on and modules:
+        v["train.activation_offload_modules"] = list(modules)
+        override = typed_override("train.activation_offload_modules", list(modules))
+        args.use("--fine-grained-activation-offloading", override)
+        args.use("--offload-modules", override)
+    elif on:
+        args.use("--fine-grained-activation-offloading", "Megatron-Core asserts offload_modules is not empty "
+                 "(transformer_config.py); give --offload-modules", "unsupported")
+    else:
+        args.use("--offload-modules", "not read without --fine-grained-activation-offloading", "ignored")
 
 
 def _recompute(args: Args, v: dict) -> None:

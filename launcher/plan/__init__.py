@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from launcher.core import Layout, padded_vocab
 from launcher.core.flops import flops_per_step, flops_per_token
-from launcher.plan.memory import GB, StageMemory, memory_per_stage, model_params
+from launcher.plan.memory import GB, StageMemory, host_fits, memory_per_stage, model_params
 from launcher.plan.timing import StepTime, step_time, throughput, zb_v_costs_best
 from launcher.problems import Problem
 from launcher.schema import JobConfig, Recompute, Schedule
@@ -108,6 +108,15 @@ class Plan:
     """checkpoint.async_save only: the save time hidden and the host memory a save in flight holds
     (launcher/core/checkpoint/directory.py ``async_save_costs``); empty otherwise."""
 
+    def _offload_text(self) -> str:
+        """What activation offloading moves: its modules and the pinned host memory the busiest rank holds."""
+        mods = self.layout.get("activation_offload_modules")
+        if not mods:
+            return ""
+        host = max(s.host_bytes for s in self.stages)
+        return (f"activation offload {', '.join(mods)}: {host / GB:.1f} GB of pinned host memory per GPU, PCIe "
+                f"time exposed {self.step.breakdown_s.get('offload', 0):.2f} s")
+
     @property
     def peak_stage(self) -> StageMemory:
         return max(self.stages, key=lambda s: s.total)
@@ -155,6 +164,7 @@ class Plan:
                   f"layout {lay['pipeline_layout']}" if lay["pipeline_layout"] else "",
                   "Megatron-FSDP" if lay["megatron_fsdp"] else "",
                   "MoE all-to-all overlap" if lay["moe_a2a_overlap"] else "",
+                  self._offload_text(),
                   lay.get("zb_v_costs_hint", "")]
         extras = [escape(e) for e in extras if e]
         parts = list(self.stages[0].parts)
@@ -230,7 +240,8 @@ def _layout(job: JobConfig, lay: Layout) -> dict:
             "account_for_loss": par.account_for_loss_in_pipeline_split,
             "pipeline_layout": par.pipeline_model_parallel_layout, "stage_layers": list(lay.stage_layers),
             "megatron_fsdp": par.megatron_fsdp, "moe_a2a_overlap": par.moe_a2a_overlap,
-            "recompute_modules": list(job.train.recompute_modules)}
+            "recompute_modules": list(job.train.recompute_modules),
+            "activation_offload_modules": list(job.train.activation_offload_modules)}
 
 
 def _zb_v_costs_hint(job: JobConfig, lay: Layout, st: StepTime) -> str:
@@ -264,8 +275,14 @@ def plan_job(job: JobConfig, *, checked: Checked | None = None) -> Plan:
     layout = _layout(job, lay)
     if job.schedule.kind == Schedule.ZB_V and lay.pp > 1:
         layout["zb_v_costs_hint"] = _zb_v_costs_hint(job, lay, st)
+    stages = memory_per_stage(job, lay)
+    if not host_fits(job, stages):
+        host = max(s.host_bytes for s in stages) * job.cluster.gpus_per_node / GB
+        warnings.append(f"activation offloading pins {host:.0f} GB per node, more than cluster.host_memory_gb="
+                        f"{job.cluster.host_memory_gb:g}: offload fewer train.activation_offload_modules or set "
+                        "train.activation_offload_fraction below 1")
     return Plan(
-        name=job.name, layout=layout, stages=memory_per_stage(job, lay),
+        name=job.name, layout=layout, stages=stages,
         gpu_memory_gb=job.cluster.gpu_memory_gb, flops_per_token=flops_per_token(job.model),
         flops_per_step=flops_per_step(job.model, lay.tokens_per_step),
         params=counts, step=st, perf=throughput(job, st, lay), warnings=warnings, timeouts=_timeouts(job, counts, st),

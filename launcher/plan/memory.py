@@ -295,6 +295,90 @@ def layer_activation_bytes_per_token(job: JobConfig, lay: Layout, moe: bool, *, 
     return per
 
 
+@dataclass(frozen=True)
+class OffloadedTensor:
+    """One tensor a module saves for backward that fine-grained activation offloading copies to the host."""
+
+    module: str
+    device_bytes: float
+    """Bytes per token (of the microbatch, before CP) it would hold on the GPU."""
+    host_bytes: float
+    """Bytes per token it holds in pinned host memory instead (TE saves expert_fc1's bf16 input, not its FP8 cast)."""
+    elements: float
+    """Elements per token: Megatron-Core offloads only tensors of at least min_offloaded_tensor_size elements."""
+
+
+def offloaded_tensors(job: JobConfig, lay: Layout, moe: bool) -> list[OffloadedTensor]:
+    """train.activation_offload_modules: the saved tensors of one layer that go to the host, per token of a
+    microbatch on one rank (the terms of ``layer_activation_bytes_per_token`` each module's offload context wraps:
+    Megatron-Core 0.19.2 transformer_layer.py / attention.py / moe/experts.py ``off_interface`` around the module,
+    ``ChunkOffloadHandler.tensor_need_offloading_checker``), before activation_offload_fraction. Modules whose
+    context wraps nothing on this layer (validation refuses them where they never do) add nothing: attn_norm on
+    the TE spec without MLA (the norm is fused into linear_qkv, input_layernorm is IdentityOp), mlp_norm on a dense
+    TE layer (fused into linear_fc1), core_attn when it is recomputed (attention.py runs the checkpointed
+    attention outside the context), the MoE modules on a dense layer."""
+    mods = set(job.train.activation_offload_modules)
+    if not mods or job.train.recompute == Recompute.FULL:  # a fully recomputed layer keeps only its input
+        return []
+    model, rec = job.model, recomputed_modules(job)
+    t, sp = lay.tp, sp_shards(lay)
+    a = DTYPE_BYTES.get(job.precision.dtype, 2)
+    g = 1 if job.precision.fp8 else a
+    h, n = model.hidden_size, model.num_attention_heads
+    out: list[OffloadedTensor] = []
+
+    def add(module: str, elements: float, size: float, host: float | None = None) -> None:
+        if module in mods and elements > 0:
+            out.append(OffloadedTensor(module, elements * size, elements * (size if host is None else host), elements))
+    mla = model.multi_latent_attention
+    if mla:
+        add("attn_norm", h / sp, a)  # the real input_layernorm of the MLA spec: its input
+        lat = 2 * ((model.q_lora_rank or 0) + model.kv_lora_rank + model.qk_pos_emb_head_dim)
+        add("qkv_linear", h / sp, g)  # the down-projections' input
+        add("qkv_linear", lat, a)  # the up-projections' inputs (latents, gathered sequence)
+        qk = model.qk_head_dim + model.qk_pos_emb_head_dim
+        q_in, kv_in, o = n * qk / t, n * (qk + model.v_head_dim) / t, n * model.v_head_dim / t
+        qkv = 0 if "mla_up_proj" in rec else 1
+    else:
+        add("qkv_linear", h / sp, a)  # TE's LayerNormLinear saves the norm input ...
+        if "layernorm" not in rec:
+            add("qkv_linear", h / sp, g)  # ... and the normed GEMM input (unless recomputed)
+        d = kv_channels(model)
+        q_in, kv_in, o = n * d / t, 2 * query_groups(model) * d / t, n * d / t
+        qkv = 1
+    if "core_attn" not in rec:
+        add("core_attn", qkv * (q_in + kv_in), a)  # Q, K, V saved by the attention kernel
+        # its output O: also linear_proj's saved input unless FP8 casts it (then proj keeps the cast), so it leaves
+        # the GPU only when nothing else holds it (Megatron-Core: "attn_proj cannot be set ... without core_attn")
+        if g != a or "attn_proj" in mods:
+            add("core_attn", o, a)
+    if g != a:
+        add("attn_proj", o, g)  # linear_proj's FP8 cast of its input
+    if moe:
+        e_ffn = model.moe_ffn_hidden_size or model.ffn_hidden_size
+        k, m = model.moe_router_topk, 2 if model.activation == "swiglu" else 1
+        add("mlp_norm", h / sp, a)  # the MoE spec's real pre_mlp_layernorm: its input
+        if "moe" not in rec:
+            # experts.py: with expert_fc1 offloaded TE saves fc1's original (bf16) input instead of its FP8 cast
+            add("expert_fc1", k * h * lay.etp / sp, g, host=a if job.precision.fp8 != "mxfp8" else g)
+            add("moe_act", k * m * e_ffn / sp, a)  # the fc1 output the activation (or its checkpoint) keeps
+    return out
+
+
+def offloaded_bytes_per_token(job: JobConfig, lay: Layout, moe: bool) -> tuple[float, float]:
+    """(GPU bytes freed, host bytes held) per token of a microbatch for one layer: the tensors of
+    ``offloaded_tensors`` at or above min_offloaded_tensor_size elements in one microbatch, times
+    activation_offload_fraction (Megatron-Core keeps that share of each chunk's offload groups, the later ones on
+    the GPU: ``PipelineOffloadManager.post_warmup_callback``)."""
+    tensors = offloaded_tensors(job, lay, moe)
+    if not tensors:
+        return 0.0, 0.0
+    tokens = job.train.micro_batch_size * job.model.seq_length / lay.cp
+    big = [x for x in tensors if x.elements * tokens >= job.train.min_offloaded_tensor_size]
+    share = job.train.activation_offload_fraction
+    return share * sum(x.device_bytes for x in big), share * sum(x.host_bytes for x in big)
+
+
 def recomputed_modules(job: JobConfig) -> frozenset:
     """Submodules recomputed under train.recompute=selective (Megatron's default: core attention)."""
     if job.train.recompute != Recompute.SELECTIVE:
@@ -475,6 +559,9 @@ class StageMemory:
     pending_w: int = 0
     """ZB-H1: microbatches whose weight gradient is pending at the peak (their GEMM inputs and output
     gradients are ``parts['pending_wgrad']``)."""
+    host_bytes: float = 0.0
+    """Pinned host memory the rank's offloaded activations hold at the peak (train.activation_offload_modules;
+    not GPU memory, not in ``total``)."""
 
     @property
     def total(self) -> float:
@@ -486,7 +573,7 @@ class StageMemory:
 
     def to_dict(self) -> dict:
         return {"stage": self.stage, "layers": self.layers, "params": self.params, "in_flight": self.in_flight,
-                "pending_w": self.pending_w, "total_gb": self.total / GB, "parts_gb": {k: v / GB for k, v in self.parts.items()}}
+                "pending_w": self.pending_w, "host_gb": self.host_bytes / GB, "total_gb": self.total / GB, "parts_gb": {k: v / GB for k, v in self.parts.items()}}
 
 
 def grad_groups(lay: Layout) -> tuple[int, int]:
@@ -642,6 +729,18 @@ def stage_memory(job: JobConfig, lay: Layout, stage: int, cache: dict | None = N
         logits = logits if in_flight else 0.0
         pending = n_pending * w_mb
     parts["activations"] = per_mb * in_flight + per_mb_mtp
+    host = 0.0
+    if job.train.activation_offload_modules and pending is None:
+        if ("offload",) not in cache:
+            cache[("offload",)] = {k: offloaded_bytes_per_token(job, lay, k) for k in (False, True)}
+        off = cache[("offload",)]
+        freed = sum(n * off[k][0] for k, n in counts.items() if n) * tokens
+        # every microbatch in flight leaves its offloaded tensors on the host but one layer's: the group reloaded
+        # ahead of its backward (bulk_reload_group prefetches the next; the last group of each name is kept,
+        # post_warmup_callback's offload margin)
+        resident = max((off[k][0] for k, n in counts.items() if n), default=0.0) * tokens
+        parts["activations"] -= max(0.0, freed * in_flight - resident)
+        host = sum(n * off[k][1] for k, n in counts.items() if n) * tokens * in_flight
     parts["output_logits"] = logits
     if pending is not None:
         parts["pending_wgrad"] = pending
@@ -664,7 +763,7 @@ def stage_memory(job: JobConfig, lay: Layout, stage: int, cache: dict | None = N
     work = max((per_token(k, True) for k in per_kind), default=0.0) * tokens
     parts["workspace"] = work * (2 if frac > 0 else 1)
     parts["reserve"] = job.cluster.memory_reserve_gb * GB
-    return StageMemory(stage, n_layers, rp.total, in_flight, parts, n_pending if pending is not None else 0)
+    return StageMemory(stage, n_layers, rp.total, in_flight, parts, n_pending if pending is not None else 0, host)
 
 
 GRAPH_BUFFERS_PER_CALLABLE = 2
@@ -699,6 +798,13 @@ def cuda_graph_bytes(job: JobConfig, lay: Layout, n_dense: int, n_moe: int) -> f
     hidden = a * job.model.hidden_size * tokens / sp_shards(lay)
     callables = n_dense * graphed_callables(job, False) + n_moe * graphed_callables(job, True)
     return GRAPH_BUFFERS_PER_CALLABLE * hidden * callables
+
+
+def host_fits(job: JobConfig, stages: list[StageMemory]) -> bool:
+    """Whether a node's ranks can pin what activation offloading moves to the host: the busiest stage's host bytes
+    on every GPU of the node within cluster.host_memory_gb (null: not checked)."""
+    limit = job.cluster.host_memory_gb
+    return limit is None or max(s.host_bytes for s in stages) * job.cluster.gpus_per_node <= limit * GB
 
 
 def memory_per_stage(job: JobConfig, lay: Layout | None = None, static_cache: dict | None = None,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from launcher.core import Layout, derive
 from launcher.plan import layout_errors
 from launcher.core.flops import query_groups
-from launcher.plan.memory import GB, cuda_graph_bytes, memory_per_stage, stage_layers
+from launcher.plan.memory import GB, cuda_graph_bytes, host_fits, memory_per_stage, stage_layers
 from launcher.plan.timing import step_time, throughput, zb_v_costs_best, zb_v_costs_estimate
 from launcher.schema import JobConfig, Recompute, Schedule
 from launcher.validate import validate
@@ -40,6 +40,10 @@ GRAPH_MODULES = {True: (["attn", "moe_router", "moe_preprocess"], ["attn", "moe_
 no CUDA graphs: NVIDIA's MoE scope (Megatron-Bridge's DeepSeek-V3 / GPT-OSS / Qwen3-30B recipes: attn, moe_router,
 moe_preprocess; the dropless expert part cannot be captured), and the whole dense layer."""
 MODULE_RECOMPUTE = {"mla": ("mla_up_proj", "mlp"), "moe": ("moe_act", "layernorm")}
+OFFLOAD_MODULES = {"dense": ("qkv_linear", "core_attn", "attn_proj"),
+                   "moe": ("qkv_linear", "core_attn", "attn_proj", "expert_fc1", "moe_act")}
+"""train.activation_offload_modules the search tries without recompute: what every layer of the TE spec offloads
+(validate_activation_offload: attn_norm / mlp_norm are fused into the linears of dense layers)."""
 """Per-module selective recomputation tried besides core attention: NVIDIA's DeepSeek-V3 H100 choice for MLA
 models; the cheap output-discarding pair for MoE models."""
 
@@ -213,14 +217,21 @@ def _moe_overlap_possible(job: JobConfig, te: bool) -> bool:
             and job.precision.dtype in ("bf16", "fp16") and (m.mtp_num_layers or 0) <= 1 and te)
 
 
-def _recompute_options(job: JobConfig, te: bool) -> list[tuple[str, list]]:
-    out = [("none", []), ("selective", [])]
+def _recompute_options(job: JobConfig, te: bool) -> list[tuple[str, list, list]]:
+    """(train.recompute, train.recompute_modules, train.activation_offload_modules), least memory saved first: the
+    search keeps the first that fits a layout. Activation offloading comes right after no recompute: it frees the
+    same attention inputs selective recompute would, and costs only what its copies take beyond the compute they
+    run beside (``OFFLOAD_MODULES``; a GPU with Transformer Engine, not beside local CUDA graphs)."""
+    out = [("none", [], [])]
+    if job.cluster.gpu != "cpu" and te and job.train.cuda_graph_impl != "local":
+        out.append(("none", [], list(OFFLOAD_MODULES["moe" if job.model.num_experts else "dense"])))
+    out.append(("selective", [], []))
     if job.model.multi_latent_attention:
-        out.append(("selective", list(MODULE_RECOMPUTE["mla"])))
+        out.append(("selective", list(MODULE_RECOMPUTE["mla"]), []))
     elif job.model.num_experts and job.model.moe_grouped_gemm and te \
             and job.precision.fp8 != "delayed":  # Megatron refuses these two with delayed FP8 scaling
-        out.append(("selective", list(MODULE_RECOMPUTE["moe"])))
-    return out + [("full", [])]
+        out.append(("selective", list(MODULE_RECOMPUTE["moe"]), []))
+    return out + [("full", [], [])]
 
 
 CHOSEN_FOR_ZB_H1 = {"schedule.kind", "parallel.moe_a2a_overlap"}
@@ -296,13 +307,17 @@ def _batch_and_recompute_for(job, fixed, kind, tp, cp, pp, vp, ep, split, fsdp=F
         if kind == Schedule.ZB_H1 and vp > 1 and lay.microbatches % lay.microbatch_group:
             continue  # its order is interleaved's, which needs whole microbatch groups (validate refuses it)
         batch = f"train.micro_batch_size={mbs}"
-        for rec, mods in recomputes:
+        for rec, mods, off in recomputes:
             if skip is not None and skip(layout_key, batch):
                 continue
+            if off and zb:  # the offload manager follows Megatron-Core's own schedules (validate_activation_offload)
+                continue
             a2a = overlap and rec != "full" and "moe" not in mods
-            cand = _with(sized, train=dict(recompute=rec, recompute_modules=mods),
+            cand = _with(sized, train=dict(recompute=rec, recompute_modules=mods, activation_offload_modules=off),
                          parallel=dict(par, moe_a2a_overlap=a2a))
             extra = [f"train.recompute_modules=[{','.join(mods)}]"]
+            if off or job.train.activation_offload_modules:
+                extra.append(f"train.activation_offload_modules=[{','.join(off)}]")
             if job.model.num_experts:
                 extra.append(f"parallel.moe_a2a_overlap={'true' if a2a else 'false'}")
             if kind == Schedule.ZB_V:  # the V's order generated for this candidate's own chunk costs
@@ -330,7 +345,8 @@ def search(job: JobConfig, top: int = 10, layout: Layout | None = None) -> list[
 
     for overrides, cand, lay in candidates(job, layout, skip=dropped):
         key = tuple(o for o in overrides if not o.startswith(("train.recompute=", "train.recompute_modules=",
-                                                               "parallel.moe_a2a_overlap=")))
+                                                               "parallel.moe_a2a_overlap=",
+                                                               "train.activation_offload_modules=")))
         if key in fitted:
             continue  # more recomputation than needed is never faster
         layout_key = tuple(o for o in key if not o.startswith("train.micro_batch_size="))
@@ -345,6 +361,8 @@ def search(job: JobConfig, top: int = 10, layout: Layout | None = None) -> list[
             hopeless.add(layout_key)  # weights, grads and optimizer alone do not fit: no batch or recompute helps
             continue
         peak = max(s.total for s in stages)
+        if cand.train.activation_offload_modules and not host_fits(cand, stages):
+            continue  # the node cannot pin what its ranks offload
         exact = peak > cap and cand.schedule.kind in Schedule.ZERO_BUBBLE
         if exact and cand.schedule.kind == Schedule.ZB_H1 and max(
                 s.total for s in memory_per_stage(cand, lay, static, zb_exact="reached")) > cap * (1 + REACHED_MARGIN):
@@ -480,6 +498,10 @@ def _why(job: JobConfig, lay: Layout, st, peak: float, cap: float, host_saved: f
         bits.append(f"bubble {100 * st.bubble_fraction:.0f}%")
     if tr.recompute != Recompute.NONE:
         bits.append(f"recompute {tr.recompute} costs {st.breakdown_s.get('recompute', 0):.2f} s")
+    if tr.activation_offload_modules:  # what the offloaded activations hold on the host and the copies' exposed time
+        host = max(s.host_bytes for s in memory_per_stage(job, lay))
+        bits.append(f"activation offload holds {host / GB:.1f} GB of host memory, PCIe time exposed "
+                    f"{st.breakdown_s.get('offload', 0.0):.2f} s")
     comm = {k: st.breakdown_s.get(k, 0.0) for k in ("tp_comm", "cp_comm", "ep_comm", "dp_comm")}
     worst = max(comm, key=comm.get)
     if comm[worst] > 0.01 * st.step_s:

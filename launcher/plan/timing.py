@@ -1,4 +1,5 @@
 """Step time: compute from FLOPs per GPU, exposed TP/CP/EP/DP/PP communication, and the pipeline bubble.
+One room (~630 lines): the terms of one layer pass's cost are read together, each beside the overlap that hides it.
 
 Per pipeline stage and microbatch the planner builds three costs, F (forward), B (input gradient) and
 W (weight gradient), each = GEMM FLOPs / (peak x cluster.gemm_efficiency) [FP8 peak for the layer GEMMs
@@ -17,8 +18,9 @@ from dataclasses import dataclass, field
 
 from launcher.core import Layout, derive
 from launcher.core.flops import FMA, flops_per_step, kv_channels, layer_flops, query_groups
-from launcher.plan.memory import (DTYPE_BYTES, GRAD_BYTES_FP32, fsdp_layer_params, grad_groups, optimizer_shards, param_bytes,
-                                  recompute_fraction, recomputed_modules, sp_shards, stage_layers, stage_params)
+from launcher.plan.memory import (DTYPE_BYTES, GRAD_BYTES_FP32, fsdp_layer_params, grad_groups, offloaded_bytes_per_token,
+                                  optimizer_shards, param_bytes, recompute_fraction, recomputed_modules, sp_shards,
+                                  stage_layers, stage_params)
 from launcher.core.pipeline.schedules import loss_rank
 from launcher.plan.host import host_seconds, overlap_host_seconds
 from launcher.plan.measured import op_overhead, shared_units_s
@@ -148,7 +150,7 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
     kinds += [pattern[-1]] * n_mtp
     h = model.hidden_size
     parts = dict.fromkeys(("gemm", "attention", "elementwise", "fp8_cast", "tp_comm", "cp_comm", "ep_comm", "recompute",
-                           "dp_comm", "host"), 0.0)
+                           "dp_comm", "host", "offload"), 0.0)
     fsdp_ag = fsdp_rs = 0.0
     if par.megatron_fsdp:
         dp_bw = _bandwidth(job, t * cp * lay.dp)
@@ -239,6 +241,18 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
         f += n * exposed_f
         b += n * exposed_b
         parts["host"] += n * (exposed_f + exposed_b)
+        # activation offloading: a layer's offloaded tensors go to the host on a D2H stream and come back on an H2D
+        # stream (bulk_reload_group prefetches one group ahead of its backward); both streams run beside compute
+        # and PCIe is full duplex, so in the steady state each direction has a layer's forward and backward (one
+        # of each per microbatch) to move that layer's bytes: only the excess is exposed, D2H on the forward
+        # (the copy's memory is released when it lands), H2D on the backward (which waits for its reload)
+        host_bytes = offloaded_bytes_per_token(job, lay, is_moe)[1] * tokens / cp
+        if host_bytes:
+            copy_s = host_bytes / (cl.host_bandwidth_gbps * 1e9)
+            off_f = off_b = max(0.0, copy_s - (gpu_f + gpu_b))
+            f += n * off_f
+            b += n * off_b
+            parts["offload"] += n * (off_f + off_b)
     f, b = op_overhead(job, counts, f, b, parts)
     if last:  # output layer (+ MTP heads): GEMMs in BF16, plus the loss
         vp = lay.padded_vocab

@@ -58,7 +58,10 @@ def build(job, layout, *, loop: bool = True) -> Training:
                          schedule=job.schedule, seed=tr.seed, recompute=tr.recompute,
                          recompute_num_layers=tr.recompute_num_layers, recompute_modules=tr.recompute_modules,
                          deterministic=tr.deterministic, cuda_graph_impl=tr.cuda_graph_impl,
-                         cuda_graph_modules=tr.cuda_graph_modules, cuda_graph_warmup_steps=tr.cuda_graph_warmup_steps)
+                         cuda_graph_modules=tr.cuda_graph_modules, cuda_graph_warmup_steps=tr.cuda_graph_warmup_steps,
+                         activation_offload_modules=tr.activation_offload_modules,
+                         activation_offload_fraction=tr.activation_offload_fraction,
+                         min_offloaded_tensor_size=tr.min_offloaded_tensor_size)
     model = optim.wrap_ddp(chunks, parallel=job.parallel, precision=job.precision)
     optimizer = optim.build_optimizer(model, train=tr, parallel=job.parallel, precision=job.precision)
     offloaded = optim.host_offload(optimizer) if tr.optimizer_cpu_offload else None

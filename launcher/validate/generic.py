@@ -112,6 +112,9 @@ BOUNDS: dict[str, Bound] = {
     "train.clip_grad": Bound(0, why="0 disables clipping"),
     # hybrid_optimizer.py: the offload threshold is this share of the device parameters' elements
     "train.optimizer_offload_fraction": Bound(0, 1), "train.cuda_graph_warmup_steps": NON_NEGATIVE,
+    # transformer_config.py: "activation_offload_fraction must be in range [0, 1]."; "min_offloaded_tensor_size
+    # must be non-negative."
+    "train.activation_offload_fraction": Bound(0, 1), "train.min_offloaded_tensor_size": NON_NEGATIVE,
     "train.exit_after_minutes": POSITIVE_NUMBER,
     # torch.manual_seed takes 64 bits; the ranks offset the seed per layer (x 1000003) and per rank
     "train.seed": Bound(0, 2**31 - 1),
@@ -124,7 +127,7 @@ BOUNDS: dict[str, Bound] = {
                                                                                    "peak_tflops_fp8")},
     **{f"cluster.{n}": POSITIVE_NUMBER for n in ("gpu_memory_gb",
                                                  "hbm_bandwidth_gbps", "nvlink_bandwidth_gbps",
-                                                 "network_bandwidth_gbps")},
+                                                 "network_bandwidth_gbps", "host_bandwidth_gbps", "host_memory_gb")},
     **{f"cluster.{n}": FRACTION for n in ("gemm_efficiency", "fp8_gemm_efficiency", "comm_efficiency",
                                          "network_efficiency")},
     # a second of overhead per op would price a layer pass at minutes; fitted CPU values are tens of microseconds

@@ -8,7 +8,7 @@ from __future__ import annotations
 from launcher.core import Layout
 from launcher.fields import is_allowed
 from launcher.problems import Problem
-from launcher.schema import CUDA_GRAPH_MODULES, JobConfig, ModelConfig, Recompute, Schedule
+from launcher.schema import ACTIVATION_OFFLOAD_MODULES, CUDA_GRAPH_MODULES, JobConfig, ModelConfig, Recompute, Schedule
 from launcher.validate.generic import Checks, divisor_near, in_bounds, round_up
 
 
@@ -402,6 +402,108 @@ def validate_cuda_graphs(job: JobConfig, lay: Layout) -> list[Problem]:
         c.need(t.cuda_graph_warmup_steps < lay.steps, "train.cuda_graph_warmup_steps", t.cuda_graph_warmup_steps,
                f"the graphs are captured after this many steps and the run has {lay.steps}",
                f"train.cuda_graph_warmup_steps={max(0, lay.steps - 1)}", severity="warning")
+    return c.problems
+
+
+MOE_OFFLOAD_MODULES = ("expert_fc1", "moe_act", "fused_group_mlp")
+"""offload_modules inside the routed experts (moe/experts.py)."""
+
+
+def validate_activation_offload(job: JobConfig, lay: Layout) -> list[Problem]:
+    """train.activation_offload_*: Megatron-Core's TransformerConfig.__post_init__ and Megatron-LM's validate_args
+    (megatron-core 0.19.2) on fine_grained_activation_offloading / offload_modules, one line each, plus the rules
+    marked stricter: a module whose offload context wraps nothing in the layers this job builds (Megatron-Core runs
+    it as a no-op) is refused, since the plan would count memory the run keeps."""
+    c = Checks()
+    t, m, field = job.train, job.model, "train.activation_offload_modules"
+    mods = list(t.activation_offload_modules)
+    if not mods:
+        for name, default in (("activation_offload_fraction", 1.0), ("min_offloaded_tensor_size", 1 << 20)):
+            c.need(getattr(t, name) == default, f"train.{name}", getattr(t, name), "has no effect without "
+                   "train.activation_offload_modules", f"train.{name}={default:g}", severity="warning")
+        return c.problems
+    moe = bool(m.num_experts and m.num_experts > 1)
+    rec = set(t.recompute_modules or ["core_attn"]) if t.recompute == Recompute.SELECTIVE else set()
+    off = "train.activation_offload_modules=[]"
+
+    def without(*names: str) -> str:
+        rest = [x for x in mods if x not in names]
+        return f"train.activation_offload_modules=[{','.join(rest)}]" + (f" or {off}" if rest else "")
+    unknown = [x for x in mods if x not in ACTIVATION_OFFLOAD_MODULES]
+    # transformer_config.py: "Invalid choices for offload_modules: {invalid_modules}. Allowed modules are: ..."
+    c.need(not unknown, field, mods, f"unknown module(s) {unknown}; known: {', '.join(ACTIVATION_OFFLOAD_MODULES)}",
+           without(*unknown))
+    # fine_grained_activation_offload.py: pinned host buffers and torch.cuda.Stream / Event copies; a CPU rank has none
+    c.need(job.cluster.gpu != "cpu", field, mods, "activation offloading copies to pinned host memory on CUDA "
+           "streams; this cluster profile is cpu", off)
+    # arguments.py: "Fine-grained activation offloading is only supported with transformer_engine implementation"
+    c.need(lay.transformer_engine, field, mods, "fine-grained activation offloading is only supported with the "
+           "transformer_engine implementation (Megatron-LM asserts it), and this job plans no Transformer Engine "
+           "layers", off)
+    # stricter: the offload manager is reset by Megatron-Core's own schedules (schedules.py off_interface.reset())
+    # and reloads in their backward order; launcher/rank/zb_executor.py runs neither, and its deferred W closures
+    # would hold tensors the manager has already handed back to its pool
+    c.need(job.schedule.kind not in Schedule.ZERO_BUBBLE, field, mods, f"schedule.kind={job.schedule.kind}: the "
+           "offload manager follows Megatron-Core's 1F1B/interleaved schedules (reset and reload order), which the "
+           "zero-bubble executor does not run", off)
+    # stricter: only TE's capture path drives the offload events (transformer_layer.py _te_cuda_graph_capture,
+    # offload_module_in_cuda_graph; cuda_graphs.py TECudaGraphHelper's warm-up hooks); the local CudaGraphManager
+    # does not
+    c.need(t.cuda_graph_impl != "local", "train.cuda_graph_impl", t.cuda_graph_impl, "Megatron-Core drives "
+           "activation offloading inside Transformer Engine's CUDA graphs only, not the local implementation's",
+           "train.cuda_graph_impl=transformer_engine or " + off)
+    # stricter: under full recompute a layer keeps only its input; the modules' inputs are recomputed in backward,
+    # so there is nothing to offload (Megatron-LM's later 'layer_input' module is the offload for that case)
+    c.need(t.recompute != Recompute.FULL, "train.recompute", t.recompute, "a fully recomputed layer keeps only its "
+           "input, so the offloaded modules hold nothing", "train.recompute=selective or " + off)
+    # transformer_config.py: "attn_proj cannot be set to offload_modules alone without core_attn because the
+    # input of attn_proj is the output of core_attn, which is needed in core_attn.backward()."
+    c.need("attn_proj" not in mods or "core_attn" in mods, field, mods, "attn_proj needs core_attn (its input is "
+           "core attention's output, which core_attn.backward() needs)",
+           f"train.activation_offload_modules=[{','.join(['core_attn'] + mods)}] or " + without("attn_proj"))
+    # stricter: attention.py runs a recomputed core attention through _checkpointed_attention_forward, outside the
+    # offload context: nothing is offloaded
+    c.need("core_attn" not in mods or "core_attn" not in rec, field, mods, "core_attn is recomputed "
+           "(train.recompute=selective recomputes core_attn unless train.recompute_modules says otherwise), and a "
+           "recomputed attention runs outside the offload context", "train.recompute=none or "
+           + without("core_attn", "attn_proj"))
+    # transformer_config.py: "Cannot offload {offload_inside_moe} while recomputing the entire MoE layer."
+    inside = [x for x in mods if x in MOE_OFFLOAD_MODULES]
+    c.need(not (inside and "moe" in rec), field, mods, f"cannot offload {inside} while recomputing the entire MoE "
+           "layer ('moe' in train.recompute_modules)", without(*inside))
+    # transformer_config.py: "fused_group_mlp requires use_transformer_engine_op_fuser." (not set by this launcher)
+    c.need("fused_group_mlp" not in mods, field, mods, "fused_group_mlp requires Transformer Engine's op fuser "
+           "(use_transformer_engine_op_fuser), which this launcher does not set", without("fused_group_mlp"))
+    # stricter: the expert modules exist only in MoE layers (moe/experts.py)
+    c.need(moe or not inside, field, mods, f"{inside} offload inside routed experts, and this model has none",
+           without(*inside))
+    # stricter: the TE spec fuses the pre-attention norm into linear_qkv (input_layernorm is IdentityOp;
+    # transformer_layer.py offloads attn_norm only for a real norm); MLA layers keep a separate norm
+    c.need("attn_norm" not in mods or m.multi_latent_attention, field, mods, "Transformer Engine fuses this "
+           "model's attention norm into linear_qkv (no separate norm input to offload; qkv_linear offloads it)",
+           without("attn_norm"))
+    # stricter: the same for the MLP norm of dense layers (fused into linear_fc1); MoE layers keep TENorm
+    c.need("mlp_norm" not in mods or moe, field, mods, "Transformer Engine fuses a dense layer's MLP norm into "
+           "linear_fc1 (no separate norm input to offload)", without("mlp_norm"))
+    if t.cuda_graph_impl == "transformer_engine":
+        graphs = set(t.cuda_graph_modules)
+        # transformer_layer.py _set_offload_modules: "attn_norm offloading is not supported with attn cudagraph.
+        # Disabling attn_norm offloading."
+        c.need("attn_norm" not in mods or (graphs and "attn" not in graphs), field, mods, "attn_norm offloading is "
+               "not supported with attention inside a CUDA graph (Megatron-Core disables it)", without("attn_norm"))
+        # "mlp_norm offloading is not supported with the current cudagraph scope. Disabling mlp_norm offloading."
+        # (an MoE layer's with attn or moe_router graphed)
+        c.need("mlp_norm" not in mods or not moe or not (not graphs or {"attn", "moe_router"} & graphs), field, mods,
+               "mlp_norm offloading is not supported with attn or moe_router in a CUDA graph (Megatron-Core disables "
+               "it)", without("mlp_norm"))
+    value = job.cluster.env.get("NVTE_CPU_OFFLOAD_V1")
+    # arguments.py: "For fine-grained activation offloading with TE >= 2.10.0, NVTE_CPU_OFFLOAD_V1 should be set to 1
+    # to avoid offloading weights." (the job's environment sets it unless the job gives another value)
+    c.need(value is None or str(value) == "1", "cluster.env.NVTE_CPU_OFFLOAD_V1", value, "must be 1 with activation "
+           "offloading (Megatron-LM asserts it with TE >= 2.10: otherwise TE offloads weights too)",
+           "cluster.env.NVTE_CPU_OFFLOAD_V1=1")
+    c.need(t.activation_offload_fraction > 0, "train.activation_offload_fraction", t.activation_offload_fraction,
+           "offloads no group", "train.activation_offload_fraction=1", severity="warning")
     return c.problems
 
 

@@ -9,8 +9,8 @@ from launcher.core import Layout, derive
 from launcher.problems import Problem, errors
 from launcher.schema import JobConfig
 from launcher.validate.generic import validate_bounds, validate_choices, validate_finite, validate_sizes
-from launcher.validate.model import (validate_cuda_graphs, validate_model, validate_optimizer_levers, validate_precision,
-                                     validate_train)
+from launcher.validate.model import (validate_activation_offload, validate_cuda_graphs, validate_model,
+                                     validate_optimizer_levers, validate_precision, validate_train)
 from launcher.validate.parallel import validate_parallel
 from launcher.validate.run import (validate_checkpoint, validate_cluster, validate_data, validate_deterministic,
                                    validate_job, validate_loaded_weights, validate_logging, validate_post,
@@ -28,6 +28,7 @@ SECTION_CHECKS: tuple[Callable[[JobConfig, Layout], list[Problem]], ...] = (
     validate_precision,
     validate_optimizer_levers,
     validate_cuda_graphs,
+    validate_activation_offload,
     validate_train,
     lambda j, lay: validate_data(j.data),
     lambda j, lay: validate_checkpoint(j.checkpoint),

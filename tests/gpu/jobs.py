@@ -75,6 +75,33 @@ def moe(overlap: bool, steps: int = 10) -> List[str]:
             f"train.train_steps={steps}"]
 
 
+LEVERS = {
+    "plain": [],
+    # TE's per-layer CUDA graphs over attention and the MLP, captured after 2 eager steps
+    "cuda_graphs": ["train.cuda_graph_impl=transformer_engine", "train.cuda_graph_modules=[attn,mlp]",
+                    "train.cuda_graph_warmup_steps=2"],
+    # TE's FusedAdam with bf16 moments and bf16 main gradients
+    "precision_aware": ["parallel.distributed_optimizer=true", "precision.grad_reduce_in_fp32=false",
+                        "precision.precision_aware_optimizer=true", "precision.main_grads_dtype=bf16",
+                        "precision.exp_avg_dtype=bf16", "precision.exp_avg_sq_dtype=bf16"],
+    # half of the Adam state and its step on the host (HybridDeviceOptimizer)
+    "optimizer_offload": ["parallel.distributed_optimizer=true", "precision.precision_aware_optimizer=true",
+                          "train.optimizer_cpu_offload=true",
+                          "train.optimizer_offload_fraction=0.5", "train.overlap_cpu_optimizer_d2h_h2d=true"],
+    # fine-grained activation offloading of the attention inputs (NVTE_CPU_OFFLOAD_V1=1 comes from env.sh)
+    "activation_offload": ["train.activation_offload_modules=[qkv_linear,core_attn,attn_proj]",
+                           "train.min_offloaded_tensor_size=65536"],
+}
+"""Issue 41's speed levers, each alone on the same model, data and steps as ``plain``."""
+
+
+def lever(name: str, steps: int = 8) -> List[str]:
+    """The small Llama on one GPU in BF16 without recompute (activation offloading refuses recomputed attention),
+    with one of ``LEVERS``."""
+    return [*SMALL_LLAMA, *GPU, *gpus(1), *parallel(), "train.recompute=none", "train.global_batch_size=8",
+            f"train.train_steps={steps}", *LEVERS[name]]
+
+
 def checkpointed(n: int, steps: int = 6, every: int = 3) -> List[str]:
     return [*fp8_llama(n, steps), f"checkpoint.save_interval={every}"]
 
@@ -104,6 +131,6 @@ def bench(n: int = 8) -> List[str]:
 
 ALL = {"hang_4": hang(4), "bench_llama3_8b": bench(8), "hang_2": hang(2), "fp8_llama_1": fp8_llama(1), "fp8_llama_8": fp8_llama(8), "moe_ep2": moe(False),
        "moe_ep2_a2a_overlap": moe(True), "checkpointed_1": checkpointed(1), "mfu_1": mfu(1),
-       "fsdp_2": fsdp(True), "ddp_2": fsdp(False),
+       "fsdp_2": fsdp(True), "ddp_2": fsdp(False), **{f"lever_{name}": lever(name) for name in LEVERS},
        **{f"tp2_{kind}_{n}gpu": zero_bubble_tp(kind, n) for kind in ZB_TP_KINDS for n in (4, 8)}}
 """Every job of the lane (the CPU test renders each)."""

@@ -18,6 +18,10 @@ What each test proves, and the CPU check of the same thing where one exists:
 * a checkpoint saved at step 3 resumes to the uninterrupted losses;
 * two pipeline stages start from different weights (CPU: tests/test_rank_seeds.py through the CPU bridge);
 * the logged MFU lies within the planner's band for the job;
+* each of issue 41's speed levers (TE CUDA graphs, the precision-aware optimizer, the optimizer CPU offload,
+  fine-grained activation offloading) trains a small Llama like the plain run; activation offloading lowers the peak
+  (CPU: the config objects, tests/test_wiring.py, tests/test_activation_offload.py; the hybrid optimizer itself,
+  tests/test_optimizer_levers.py);
 * a rank stopped mid-run under NCCL is named by the agent's watchdog from the other ranks' NCCL Flight Recorder
   traces, and the run stops (CPU: tests/test_hang_forensics.py with gloo's Flight Recorder).
 """
@@ -201,6 +205,41 @@ def test_pipeline_stages_start_from_different_weights(tmp_path):
     ranks = sorted((json.loads(p.read_text()) for p in out.glob("rank-*.json")), key=lambda r: r["pp_rank"])
     record("stage_seeds", differ=ranks[1]["gpu_init"] != ranks[2]["gpu_init"])
     assert ranks[1]["gpu_init"] != ranks[2]["gpu_init"]
+
+
+LEVER_TOLERANCE = {"cuda_graphs": 2e-2, "activation_offload": 2e-2, "precision_aware": 5e-2, "optimizer_offload": 5e-2}
+"""Relative loss difference from the plain run per lever: graphs replay the eager kernels and offloading copies
+tensors back bitwise (bf16 kernels may still pick another order); bf16 Adam moments and main gradients round."""
+
+
+@pytest.fixture(scope="module")
+def levers(tmp_path_factory):
+    """Issue 41's speed levers, each alone on the small Llama on one GPU, beside the plain run."""
+    need(1)
+    tmp = tmp_path_factory.mktemp("levers")
+    return {name: run(tmp, f"lever_{name}", jobs.lever(name)) for name in jobs.LEVERS}
+
+
+def _median_step_s(r: Run) -> float:
+    times = sorted(h["ms_per_step"] / 1e3 for s, h in r.steps.items() if s > 3 and "ms_per_step" in h)
+    return times[len(times) // 2] if times else float("nan")
+
+
+@pytest.mark.parametrize("name", [n for n in jobs.LEVERS if n != "plain"])
+def test_each_speed_lever_trains_like_the_plain_run(levers, name):
+    """Each lever runs on a GPU (CUDA graphs captured, TE's FusedAdam, the hybrid optimizer's host step, the offload
+    manager's D2H/H2D streams) and follows the plain run's losses; its step time and peak memory against the plain
+    run's go to the lane's report (ratios from one node, one run each)."""
+    plain, got = levers["plain"], levers[name]
+    ref, losses = plain.losses(), got.losses()
+    peak = lambda r: max(s["peak_gib"] for s in r.final["memory_by_stage"])  # noqa: E731
+    record(f"lever_{name}", worst_rel_loss_diff=_worst(losses, ref), step_time_ratio=_median_step_s(got)
+           / _median_step_s(plain), peak_gib=peak(got), plain_peak_gib=peak(plain))
+    assert all(math.isfinite(v) for v in losses.values())
+    assert _close(losses, ref, LEVER_TOLERANCE[name]), (name, losses, ref)
+    if name == "activation_offload":  # the attention inputs of every layer left the GPU
+        assert peak(got) < peak(plain), (peak(got), peak(plain))
+        assert "export NVTE_CPU_OFFLOAD_V1=1" in (got.bundle / "env.sh").read_text()
 
 
 def test_logged_mfu_is_within_the_planners_band(tmp_path):

@@ -1,0 +1,158 @@
+"""Fine-grained activation offloading (issue 41): train.activation_offload_modules / _fraction /
+min_offloaded_tensor_size against Megatron-Core's own TransformerConfig, the planner's bytes and seconds, the job's
+environment and the Megatron-LM round trip. GPU-only at run time (CUDA streams, pinned memory, TE's offload
+module): here the config objects a GPU rank builds are built on CPU, as the wiring test does."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+
+from launcher.config import compose_job
+from launcher.core import derive
+from launcher.core.cuda_env import job_env
+from launcher.plan import plan_job as plan
+from launcher.plan.memory import (DTYPE_BYTES, GB, layer_activation_bytes_per_token, memory_per_stage,
+                                  offloaded_bytes_per_token)
+from launcher.plan.timing import step_time
+from launcher.problems import errors
+from launcher.schema import ACTIVATION_OFFLOAD_MODULES
+from launcher.validate import raw_problems, validate
+from test_wiring import gpu_rank  # noqa: F401  (the fixture: CUDA 'available', a stand-in transformer_engine)
+
+DENSE = ["recipe=llama3_70b", "train.recompute=none"]
+MOE = ["recipe=qwen3_30b_a3b"]
+RECOMPUTES = [("none", []), ("selective", []), ("selective", ["layernorm"]), ("selective", ["moe_act"]),
+              ("selective", ["moe"])]
+
+
+def _with(job, **train):
+    return dataclasses.replace(job, train=dataclasses.replace(job.train, **train))
+
+
+def _megatron_core_accepts(job) -> tuple[bool, str]:
+    """Megatron-Core's TransformerConfig built as a GPU rank builds it for ``job`` (its __post_init__ asserts)."""
+    from models import builder
+
+    tr = job.train
+    try:
+        builder.transformer_config(model=job.model, parallel=job.parallel, precision=job.precision, layout=derive(job),
+                                   schedule=job.schedule, recompute=tr.recompute,
+                                   recompute_num_layers=tr.recompute_num_layers, recompute_modules=tr.recompute_modules,
+                                   activation_offload_modules=tr.activation_offload_modules,
+                                   activation_offload_fraction=tr.activation_offload_fraction,
+                                   min_offloaded_tensor_size=tr.min_offloaded_tensor_size)
+    except (AssertionError, ValueError) as exc:
+        return False, str(exc)
+    return True, ""
+
+
+@pytest.mark.parametrize("base", [DENSE, MOE], ids=["dense", "moe"])
+def test_what_we_accept_megatron_core_builds_and_what_it_refuses_we_refuse(base, gpu_rank):  # noqa: F811
+    """Every module set of up to three (and all of them) under five recompute settings: a job validation accepts
+    builds its TransformerConfig, and one Megatron-Core's __post_init__ refuses is refused here first, on a line
+    naming an offload field; ours refuses more (the stricter rules: modules that offload nothing in these layers)."""
+    job = compose_job(base)
+    sets = [list(c) for k in (1, 2, 3) for c in itertools.combinations(ACTIVATION_OFFLOAD_MODULES, k)]
+    sets.append(list(ACTIVATION_OFFLOAD_MODULES))
+    both_accept = upstream_refused = stricter = 0
+    wrong = []
+    for (rec, rmods), mods in itertools.product(RECOMPUTES, sets):
+        case = _with(job, recompute=rec, recompute_modules=rmods, activation_offload_modules=mods)
+        if errors(raw_problems(_with(case, activation_offload_modules=[]))):
+            continue  # the recompute setting itself is invalid for this model (e.g. moe_act on a dense one)
+        ours = errors(raw_problems(case))
+        theirs, why = _megatron_core_accepts(case)
+        if not ours and not theirs:
+            wrong.append(f"{rec} {rmods} {mods}: accepted here, Megatron-Core refuses: {why}")
+        elif ours and not any("offload" in p.field or "recompute" in p.field for p in ours):
+            wrong.append(f"{rec} {rmods} {mods}: refused on another field: {[p.line() for p in ours]}")
+        both_accept += not ours and theirs
+        upstream_refused += not theirs
+        stricter += bool(ours) and theirs
+    assert not wrong, "\n".join(wrong[:10])
+    assert both_accept >= 10 and upstream_refused >= 20 and stricter >= 20, (both_accept, upstream_refused, stricter)
+
+
+def _activations(job) -> list[float]:
+    return [s.parts["activations"] for s in memory_per_stage(job, derive(job))]
+
+
+def test_offloading_frees_the_modules_saved_inputs_of_every_microbatch_in_flight_but_one_layer():
+    """Llama3-70B's attention inputs (Q, K, V, its output and the LayerNormLinear's inputs, FP8 casts where TE keeps
+    them): the GPU's activations fall by those bytes for every layer and microbatch in flight less one layer's (the
+    group reloaded ahead of its backward); the host holds them instead."""
+    job = compose_job(DENSE + ["train.activation_offload_modules=[qkv_linear,core_attn,attn_proj]"])
+    plain = _with(job, activation_offload_modules=[])
+    lay = derive(job)
+    freed, host = offloaded_bytes_per_token(job, lay, False)
+    m, a = job.model, DTYPE_BYTES[job.precision.dtype]
+    tp, sp = lay.tp, lay.tp
+    q = m.num_attention_heads * (m.hidden_size // m.num_attention_heads)
+    kv = 2 * m.num_query_groups * (m.hidden_size // m.num_attention_heads)
+    # qkv_linear: norm input (bf16) + FP8 GEMM input; core_attn: Q, K, V and O (bf16); attn_proj: O's FP8 cast
+    assert freed == pytest.approx((a + 1) * m.hidden_size / sp + a * (q + kv) / tp + a * q / tp + 1 * q / tp)
+    assert host == freed
+    assert freed < layer_activation_bytes_per_token(plain, lay, False)
+    tokens = job.train.micro_batch_size * m.seq_length / lay.cp
+    for s, before, after in zip(memory_per_stage(job, lay), _activations(plain), _activations(job)):
+        assert before - after == pytest.approx(freed * tokens * (s.layers * s.in_flight - 1))
+        assert s.host_bytes == pytest.approx(host * tokens * s.layers * s.in_flight)
+
+
+def test_the_fraction_and_the_size_threshold_decide_what_leaves():
+    """activation_offload_fraction scales what is freed; a min_offloaded_tensor_size above every tensor's elements
+    frees nothing (Megatron-Core keeps smaller tensors on the GPU); the MoE modules move the routed tokens."""
+    job = compose_job(MOE + ["train.activation_offload_modules=[expert_fc1,moe_act]"])
+    lay = derive(job)
+    full = offloaded_bytes_per_token(job, lay, True)[0]
+    assert full > 0 and offloaded_bytes_per_token(job, lay, False) == (0.0, 0.0)  # no experts in a dense layer
+    assert offloaded_bytes_per_token(_with(job, activation_offload_fraction=0.25), lay, True)[0] == \
+        pytest.approx(full / 4)
+    assert offloaded_bytes_per_token(_with(job, min_offloaded_tensor_size=1 << 40), lay, True) == (0.0, 0.0)
+    # FP8: TE saves expert fc1's original bf16 input when it is offloaded, so the host holds more than the GPU frees
+    freed, host = offloaded_bytes_per_token(_with(job, activation_offload_modules=["expert_fc1"]), lay, True)
+    assert job.precision.fp8 and host == pytest.approx(2 * freed)
+
+
+def test_the_copies_cost_time_only_beyond_the_compute_they_overlap():
+    """Qwen3-30B-A3B's expert offload: at a tenth of the profile's PCIe rate the step grows by the exposed copies;
+    a link fast enough that a layer's copy takes less than its forward and backward hides them entirely."""
+    job = compose_job(MOE + ["train.activation_offload_modules=[expert_fc1,moe_act]"])
+    lay = derive(job)
+    base = step_time(_with(job, activation_offload_modules=[]), lay).step_s
+
+    def at(gbps):
+        j = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, host_bandwidth_gbps=gbps))
+        return step_time(j, lay)
+    fast, slow = at(1e6), at(5.0)
+    assert fast.breakdown_s["offload"] == 0 and fast.step_s == pytest.approx(base, rel=1e-3)
+    # at the profile's 50 GB/s a layer's copy outlasts its forward but not its forward + backward, which the copy
+    # streams run beside in the steady state (PCIe is full duplex): hidden
+    assert at(50.0).breakdown_s["offload"] == 0
+    assert slow.breakdown_s["offload"] > 1.0 and slow.step_s > base + slow.breakdown_s["offload"] * 0.9
+
+
+def test_the_plan_says_what_offloading_moves_and_it_makes_a_job_fit():
+    """A Llama3-70B layout that does not fit without recompute fits with its attention inputs offloaded; the plan
+    prints the modules, the host memory and the exposed PCIe time."""
+    over = compose_job(DENSE + ["parallel.context=1"])
+    fixed = _with(over, activation_offload_modules=["qkv_linear", "core_attn", "attn_proj"])
+    assert not errors(validate(fixed))
+    before, after = plan(over), plan(fixed)
+    assert not before.fits and after.fits, (before.peak_gb, after.peak_gb)
+    text = after._offload_text()
+    assert "qkv_linear, core_attn, attn_proj" in text and "GB of pinned host memory" in text
+    assert max(s.host_bytes for s in after.stages) / GB > 1
+
+
+def test_the_jobs_environment_sets_what_megatron_lm_asserts():
+    """NVTE_CPU_OFFLOAD_V1=1 with offloading (Megatron-LM asserts it for TE >= 2.10), absent without; a job's own
+    value is kept and validated."""
+    on = compose_job(MOE + ["train.activation_offload_modules=[expert_fc1]"])
+    assert job_env(on)["NVTE_CPU_OFFLOAD_V1"] == "1"
+    assert "NVTE_CPU_OFFLOAD_V1" not in job_env(compose_job(MOE))
+    bad = compose_job(MOE + ["train.activation_offload_modules=[expert_fc1]", "+cluster.env.NVTE_CPU_OFFLOAD_V1=0"])
+    assert job_env(bad)["NVTE_CPU_OFFLOAD_V1"] == "0"
+    assert any(p.field == "cluster.env.NVTE_CPU_OFFLOAD_V1" for p in errors(validate(bad)))
