@@ -156,3 +156,25 @@ def test_the_jobs_environment_sets_what_megatron_lm_asserts():
     bad = compose_job(MOE + ["train.activation_offload_modules=[expert_fc1]", "+cluster.env.NVTE_CPU_OFFLOAD_V1=0"])
     assert job_env(bad)["NVTE_CPU_OFFLOAD_V1"] == "0"
     assert any(p.field == "cluster.env.NVTE_CPU_OFFLOAD_V1" for p in errors(validate(bad)))
+
+
+def test_the_optimizer_cpu_offload_pays_its_pcie_copies():
+    """train.optimizer_cpu_offload (the other offload lever): the host's share of each rank's optimizer shard crosses
+    PCIe twice a step (main gradients down, main parameters up) with nothing to hide behind; the overlap flag
+    pipelines the two directions; the device's optimizer step shrinks to its share."""
+    from launcher.plan.memory import optimizer_shards, stage_params
+
+    base = compose_job(["recipe=llama3_8b", "precision.precision_aware_optimizer=true"])
+    lay = derive(base)
+    dense, expert = optimizer_shards(base, lay)
+    rp = stage_params(base, 0, lay)
+    shard = rp.dense / dense + rp.expert / expert
+    bw = base.cluster.host_bandwidth_gbps * 1e9
+    plain = step_time(base, lay)
+    for fraction, overlap in ((1.0, False), (0.5, False), (1.0, True)):
+        job = _with(base, optimizer_cpu_offload=True, optimizer_offload_fraction=fraction,
+                    overlap_cpu_optimizer_d2h_h2d=overlap)
+        copies = shard * fraction * 4 * (1 if overlap else 2) / bw  # fp32 main parameters and gradients
+        st = step_time(job, lay)
+        assert st.optimizer_s == pytest.approx(plain.optimizer_s * (1 - fraction) + copies)
+        assert st.step_s == pytest.approx(plain.step_s - plain.optimizer_s + st.optimizer_s)

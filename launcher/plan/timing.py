@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from launcher.core import Layout, derive
 from launcher.core.flops import FMA, flops_per_step, kv_channels, layer_flops, query_groups
-from launcher.plan.memory import (DTYPE_BYTES, GRAD_BYTES_FP32, fsdp_layer_params, grad_groups, offloaded_bytes_per_token,
+from launcher.plan.memory import (DTYPE_BYTES, GRAD_BYTES_FP32, OPTIMIZER_STATE_BYTES, fsdp_layer_params, grad_groups, offloaded_bytes_per_token,
                                   optimizer_shards, param_bytes, recompute_fraction, recomputed_modules, sp_shards,
                                   stage_layers, stage_params)
 from launcher.core.pipeline.schedules import loss_rank
@@ -617,12 +617,28 @@ def step_time(job: JobConfig, lay: Layout | None = None, exact: bool = True) -> 
     dense_shards, expert_shards = optimizer_shards(job, lay)
     shard = rp.dense / dense_shards + rp.expert / expert_shards
     optimizer_s = shard * (3 * 4 * 2 + grad_bytes + a) / (cl.hbm_bandwidth_gbps * 1e9 * HBM_EFFICIENCY)
+    if job.train.optimizer_cpu_offload:
+        optimizer_s = optimizer_s * (1 - job.train.optimizer_offload_fraction) + optimizer_offload_copy_s(job, shard)
     step = pipeline_s + dp_exposed + optimizer_s
     busiest = max(costs, key=lambda c: c.f + c.b + c.w)
     breakdown = {k: v * m for k, v in busiest.parts.items()}
     breakdown.update(pp_bubble=bubble_s, dp_comm=breakdown.get("dp_comm", 0.0) + dp_exposed, optimizer=optimizer_s)
     return StepTime(step, pipeline_s, bubble_s, bubble_frac, dp_exposed, optimizer_s, breakdown,
                     [(c.f, c.b, c.w) for c in costs])
+
+
+def optimizer_offload_copy_s(job: JobConfig, shard: float) -> float:
+    """train.optimizer_cpu_offload: the PCIe copies of the host's share of the optimizer each step. Megatron-Core's
+    HybridDeviceOptimizer (optimizer/cpu_offloading/hybrid_optimizer.py) copies each offloaded main gradient to
+    pinned host memory before the host Adam step (``_set_sub_optimizer_grads``) and the updated main parameter back
+    after it (``param_copy_back_gpu_hook``), in the main-parameter dtype. No compute runs beside them (the step sits
+    between the last backward and the next forward); with overlap_cpu_optimizer_d2h_h2d the two directions pipeline
+    per parameter group, so the longer one counts. A lower bound: the host Adam step itself is not priced."""
+    pr, tr = job.precision, job.train
+    elements = shard * tr.optimizer_offload_fraction
+    bytes_ = OPTIMIZER_STATE_BYTES[pr.main_params_dtype] if pr.dtype != "fp32" else 4
+    bw = job.cluster.host_bandwidth_gbps * 1e9
+    return elements * bytes_ / bw * (1 if tr.overlap_cpu_optimizer_d2h_h2d else 2)
 
 
 def throughput(job: JobConfig, st: StepTime, lay: Layout | None = None) -> dict:
