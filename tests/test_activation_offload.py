@@ -178,3 +178,21 @@ def test_the_optimizer_cpu_offload_pays_its_pcie_copies():
         st = step_time(job, lay)
         assert st.optimizer_s == pytest.approx(plain.optimizer_s * (1 - fraction) + copies)
         assert st.step_s == pytest.approx(plain.step_s - plain.optimizer_s + st.optimizer_s)
+
+
+@pytest.mark.parametrize("extra,modules,statuses", [
+    (["--fine-grained-activation-offloading", "--offload-modules", "core_attn", "expert_fc1",
+      "--activation-offload-fraction", "0.5"], ["core_attn", "expert_fc1"], ["mapped", "mapped", "mapped"]),
+    (["--offload-modules", "core_attn"], None, ["ignored"]),  # Megatron-LM reads the list only with the switch
+    (["--fine-grained-activation-offloading"], None, ["unsupported"]),  # TransformerConfig asserts a module list
+    (["--activation-offload-fraction", "0.5"], None, ["ignored"]),
+])
+def test_megatron_lm_offload_arguments_import_as_megatron_lm_reads_them(extra, modules, statuses):
+    from launcher.megatron_lm.translate import to_fields
+
+    base = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "128",
+            "--max-position-embeddings", "128", "--micro-batch-size", "1", "--global-batch-size", "8",
+            "--train-iters", "10", "--lr", "1e-4", "--bf16", "--mock-data"]
+    values, report = to_fields(base + extra)
+    assert values.get("train.activation_offload_modules") == modules
+    assert [e.status for e in report if "offload" in e.flag] == statuses

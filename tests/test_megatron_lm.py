@@ -79,6 +79,11 @@ HINTS = [
     (["recipe=llama405b", "parallel.tensorr=2"], "parallel.tensorr='2': no such field"),
     (["recipe=llama405b", "parallel.tensorr=2"], "try parallel.tensor=2"),
     (["recipe=llama405b", "paralel.tensor=2"], "try parallel.tensor=2"),
+    # activation offloading (issue 41): Megatron's switch and its module list are one list field here
+    (["recipe=qwen3_30b_a3b", "--offload-modules", "core_attn", "expert_fc1"],
+     "try train.activation_offload_modules=[core_attn,expert_fc1]"),
+    (["recipe=qwen3_30b_a3b", "--fine-grained-activation-offloading"], "try train.activation_offload_modules=[qkv_linear]"),
+    (["recipe=qwen3_30b_a3b", "--activation-offload-fraction", "0.5"], "try train.activation_offload_fraction=0.5"),
 ]
 
 

@@ -555,6 +555,9 @@ def _flag_override(flag: str, value: Optional[str]) -> Optional[tuple[str, str]]
         "--save": ("checkpoint.dir", f"checkpoint.dir={shown or 'DIR'}"),
         "--load": ("checkpoint.dir", f"checkpoint.dir={shown or 'DIR'}"),
         "--tensorboard-dir": ("logging.tensorboard", "logging.tensorboard=true"),
+        # the switch alone names no module: the attention input every TE layer has (validate_activation_offload)
+        "--fine-grained-activation-offloading": ("train.activation_offload_modules",
+                                                 "train.activation_offload_modules=[qkv_linear]"),
         "--moe-layer-freq": ("model.moe_layer_freq", f"model.moe_layer_freq={shown or 'N'} (model.moe_first_k_dense=K "
                                                      "for a leading dense block)"),
     }
