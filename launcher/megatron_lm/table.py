@@ -338,6 +338,12 @@ IGNORED: Dict[str, str] = {
 """Arguments accepted without effect on the job, with why."""
 
 UNSUPPORTED: Dict[str, str] = {
+    "--cpu-offloading-num-layers": "Megatron-Core's layer-level CPU offloading (TE's offload context, no pipeline "
+                                   "parallelism) is not built; train.activation_offload_modules is the fine-grained one",
+    "--delay-offload-until-cuda-graph": "the offload manager's tuning is left at Megatron-Core's default",
+    "--delta-offload-bytes-across-pp-ranks": "the offload manager's tuning is left at Megatron-Core's default",
+    "--fine-grained-offloading-max-inflight-offloads": "the offload manager's tuning is left at Megatron-Core's "
+                                                       "default (needed only with full-iteration CUDA graphs)",
     "--apply-layernorm-1p": "zero-centred LayerNorm gamma is not in the schema",
     "--openai-gelu": "only swiglu, gelu and squared_relu activations (model.activation)",
     "--quick-geglu": "only swiglu, gelu and squared_relu activations (model.activation)",
