@@ -196,3 +196,17 @@ def test_megatron_lm_offload_arguments_import_as_megatron_lm_reads_them(extra, m
     values, report = to_fields(base + extra)
     assert values.get("train.activation_offload_modules") == modules
     assert [e.status for e in report if "offload" in e.flag] == statuses
+
+
+def test_every_search_candidate_validates_and_some_offload():
+    """The search's offload candidates (and their CUDA-graph twins, where TE graphs cannot hold the offloaded
+    modules) pass the launcher's whole validation, not only the layout rules it re-checks itself."""
+    from launcher.plan.search import search
+
+    args = ["recipe=deepseek_v3"]  # memory-bound on H100: offloading layouts lead, one with a graphed twin
+    found = search(compose_job(args), top=40)
+    offloading = [c for c in found if any(o.startswith("train.activation_offload_modules=[q") for o in c.overrides)]
+    assert offloading, [c.overrides for c in found]
+    assert all("activation offload holds" in c.why for c in offloading)
+    wrong = [(c.overrides, [p.line() for p in errors(validate(compose_job(args + c.overrides)))]) for c in found]
+    assert not [w for w in wrong if w[1]], [w for w in wrong if w[1]][:3]

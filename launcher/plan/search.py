@@ -19,7 +19,7 @@ from launcher.plan.memory import GB, cuda_graph_bytes, host_fits, memory_per_sta
 from launcher.plan.timing import step_time, throughput, zb_v_costs_best, zb_v_costs_estimate
 from launcher.schema import JobConfig, Recompute, Schedule
 from launcher.validate import validate
-from launcher.validate.model import validate_cuda_graphs
+from launcher.validate.model import validate_activation_offload, validate_cuda_graphs
 from launcher.validate.schedule import zb_h1_rules
 
 MICRO_BATCH_SIZES = (1, 2, 4)
@@ -432,12 +432,14 @@ class _GraphChoice:
         if not self.allowed:
             return None
         t, par = cand.train, cand.parallel
-        key = (cand.schedule.kind, t.recompute, tuple(t.recompute_modules), par.megatron_fsdp, par.moe_a2a_overlap)
-        if key not in self._cache:
-            self._cache[key] = next((mods for mods in self.options if not [
-                p for p in validate_cuda_graphs(_with(cand, train=dict(cuda_graph_impl=self.impl,
-                                                                       cuda_graph_modules=mods)), lay)
-                if p.severity == "error"]), None)
+        key = (cand.schedule.kind, t.recompute, tuple(t.recompute_modules), par.megatron_fsdp, par.moe_a2a_overlap,
+               tuple(t.activation_offload_modules))
+        if key not in self._cache:  # the graphs' own rules, and activation offloading's beside graphs
+            def refused(mods) -> bool:
+                graphed = _with(cand, train=dict(cuda_graph_impl=self.impl, cuda_graph_modules=mods))
+                return any(p.severity == "error" for p in
+                           validate_cuda_graphs(graphed, lay) + validate_activation_offload(graphed, lay))
+            self._cache[key] = next((mods for mods in self.options if not refused(mods)), None)
         mods = self._cache[key]
         if mods is None:
             return None

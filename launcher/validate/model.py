@@ -487,6 +487,19 @@ def validate_activation_offload(job: JobConfig, lay: Layout) -> list[Problem]:
            "linear_fc1 (no separate norm input to offload)", without("mlp_norm"))
     if t.cuda_graph_impl == "transformer_engine":
         graphs = set(t.cuda_graph_modules)
+        # stricter: Megatron-Core hands offloading inside a TE graph to the graph's own stream only for the attention
+        # and dense-MLP scopes (transformer_layer.py offload_module_in_cuda_graph); a whole-layer or whole-MoE graph
+        # would capture the offload hooks' copies without it
+        captured = set(mods) if not graphs else set(mods) & set(MOE_OFFLOAD_MODULES) if "moe" in graphs else set()
+        c.need(not captured, field, mods, "these modules would run inside " + ("the whole-layer CUDA graph" if not graphs
+               else "the MoE block's CUDA graph") + ", which Megatron-Core does not offload from",
+               "train.cuda_graph_modules=[attn] or " + without(*captured))
+        # transformer_layer.py: "Offloading modules captured in cuda graph requires TE>=2.14.0." (and torch >= 2.9);
+        # the image's Transformer Engine is 2.7 (Dockerfile: NGC 25.09)
+        in_attn = [x for x in mods if x in ("qkv_linear", "core_attn", "attn_proj")] if "attn" in graphs else []
+        c.need(not in_attn, field, mods, f"offloading {in_attn} inside the attention CUDA graph needs Transformer "
+               "Engine >= 2.14 (Megatron-Core asserts it); the image's is 2.7 (NGC 25.09)",
+               "train.cuda_graph_modules=[" + ",".join(sorted(graphs - {"attn"})) + "] or " + without(*in_attn))
         # transformer_layer.py _set_offload_modules: "attn_norm offloading is not supported with attn cudagraph.
         # Disabling attn_norm offloading."
         c.need("attn_norm" not in mods or (graphs and "attn" not in graphs), field, mods, "attn_norm offloading is "
