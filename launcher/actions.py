@@ -69,7 +69,7 @@ def _plan_pictures(job: JobConfig, args, checked: Preflight) -> None:
 
 def do_search(job: JobConfig, args, checked: Preflight) -> int:
     from launcher.plan.search import search
-    results = search(job, top=10, layout=checked.layout)
+    results = search(job, top=10, layout=checked.layout, problems=checked.problems)
     _say_calibrated(job, args)
     if args.json:
         print(json.dumps([c.to_dict() for c in results], indent=2))

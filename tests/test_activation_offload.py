@@ -210,3 +210,14 @@ def test_every_search_candidate_validates_and_some_offload():
     assert all("activation offload holds" in c.why for c in offloading)
     wrong = [(c.overrides, [p.line() for p in errors(validate(compose_job(args + c.overrides)))]) for c in found]
     assert not [w for w in wrong if w[1]], [w for w in wrong if w[1]][:3]
+
+
+def test_a_candidate_that_breaks_a_rule_the_job_keeps_is_not_returned(monkeypatch):
+    """The search's safety net: with the graph twin's offload check taken away (a rule gap), the twin that breaks
+    validate_activation_offload is still not returned, because a candidate may not add errors the job lacks."""
+    from launcher.plan import search as search_module
+
+    monkeypatch.setattr(search_module, "validate_activation_offload", lambda job, lay: [])
+    args = ["recipe=deepseek_v3"]
+    found = search_module.search(compose_job(args), top=40)
+    assert found and not [c.overrides for c in found if errors(validate(compose_job(args + c.overrides)))]

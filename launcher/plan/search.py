@@ -18,7 +18,9 @@ from launcher.core.flops import query_groups
 from launcher.plan.memory import GB, cuda_graph_bytes, host_fits, memory_per_stage, stage_layers
 from launcher.plan.timing import step_time, throughput, zb_v_costs_best, zb_v_costs_estimate
 from launcher.schema import JobConfig, Recompute, Schedule
+from launcher.problems import errors
 from launcher.validate import validate
+from launcher.validate.hints import problem_key
 from launcher.validate.model import validate_activation_offload, validate_cuda_graphs
 from launcher.validate.schedule import zb_h1_rules
 
@@ -327,9 +329,10 @@ def _batch_and_recompute_for(job, fixed, kind, tp, cp, pp, vp, ep, split, fsdp=F
             yield layout + [f"train.micro_batch_size={mbs}", f"train.recompute={rec}"] + extra, cand, lay
 
 
-def search(job: JobConfig, top: int = 10, layout: Layout | None = None) -> list[Candidate]:
+def search(job: JobConfig, top: int = 10, layout: Layout | None = None,
+           problems: list | None = None) -> list[Candidate]:
     """The ``top`` fitting layouts for job.model on job.nodes x gpus_per_node, fastest first (``layout``: the job's
-    own layout, derived if None).
+    own layout, derived if None; ``problems``: the job's own validation, validated here if None).
 
     Candidates are valid by construction; memory is predicted for all of them, the fitting ones are
     pre-ranked with the closed-form bubble, then the best few are re-timed with the schedule simulator and
@@ -340,6 +343,8 @@ def search(job: JobConfig, top: int = 10, layout: Layout | None = None) -> list[
     statics: dict = {}  # per parallel layout: its split and static bytes (micro batch and recompute do not change them)
     hopeless: set = set()  # parallel layouts whose static bytes alone exceed the GPU
     graphs = _GraphChoice(job, layout or derive(job))
+    # a candidate may keep the job's own errors, not add others
+    job_errors = {problem_key(p) for p in errors(validate(job) if problems is None else problems)}
     def dropped(layout_key: tuple, batch) -> bool:  # what the checks below drop, told before a candidate is built
         return layout_key in hopeless or (batch is not None and layout_key + (batch,) in fitted)
 
@@ -389,7 +394,8 @@ def search(job: JobConfig, top: int = 10, layout: Layout | None = None) -> list[
             if tied_twin_shown:  # shown once (what they would cost), not beside every layout, crowding the others out
                 continue
             tied_twin_shown = True
-        if layout_errors(validate(cand)):
+        problems = validate(cand)
+        if layout_errors(problems) or _new_errors(problems, job_errors):
             continue
         st = step_time(cand, lay)
         if cand.schedule.kind == Schedule.ZB_V:  # per-stage costs where the planner times their order shorter
@@ -408,6 +414,13 @@ def search(job: JobConfig, top: int = 10, layout: Layout | None = None) -> list[
                                  _why(cand, lay, st, peak, cap, host_saved)))
     results.sort(key=lambda c: -c.tokens_per_s)  # stable: at equal speed a layout's eager line before its graphed one
     return results[:top]
+
+
+def _new_errors(problems, job_errors: set) -> list:
+    """A candidate's errors that the job itself does not have: what the search's own choices (recompute, offload,
+    graphs, FSDP's queues, ...) broke beyond the layout rules, so it is not returned. The job's own (a missing data
+    path, a secret unset) are the job's, not the candidate's."""
+    return [p for p in errors(problems) if problem_key(p) not in job_errors]
 
 
 class _GraphChoice:
