@@ -24,7 +24,12 @@ from launcher.plan.search import search  # noqa: E402
 
 
 def reference() -> None:
-    """The yardstick: compose, validate and plan the smoke recipe (the same kind of pure-Python work)."""
+    """The yardstick: compose, validate and plan the smoke recipe (the same kind of pure-Python work). Hydra's
+    defaults-list merge included, as when the budgets were set: launcher.config keeps composed bases (stop 52), and
+    a cached reference (~14 ms instead of ~0.2 s) turned every search's ratio over budget (166x, 105x)."""
+    import launcher.config
+
+    launcher.config._BASES.clear()
     plan_job(compose_job(["recipe=smoke"]))
 
 
