@@ -340,6 +340,10 @@ def test_search_qwen3_30b_on_16_h100s_finds_nvidia_layout_family_fast():
     job = _job(Q30)  # NVIDIA's 25.09 settings: token drop, alltoall dispatcher, no all-to-all overlap
     found = search(job, top=20)  # "fast": benchmarks/planner_speed.py times it against a same-run reference
     assert found and all(c.peak_gb <= c.gpu_memory_gb for c in found)
+    # against the levers NVIDIA's releases use: none offloads activations, whose time the planner reads from the
+    # code, unmeasured (an offloading PP2 x EP8 layout at mbs 4 is predicted 15% faster; launcher/plan/NOTES.md)
+    found = [c for c in found if not any(o.startswith("train.activation_offload_modules=[") and not o.endswith("[]")
+                                         for o in c.overrides)]
     best = found[0].tokens_per_s
     # NVIDIA's layout is within the model's error of the best layout found, and NVIDIA's family (TP1 x PP2
     # interleaved x EP8) is among the search's best within that error (layouts NVIDIA did not measure, e.g.

@@ -42,10 +42,12 @@ GRAPH_MODULES = {True: (["attn", "moe_router", "moe_preprocess"], ["attn", "moe_
 no CUDA graphs: NVIDIA's MoE scope (Megatron-Bridge's DeepSeek-V3 / GPT-OSS / Qwen3-30B recipes: attn, moe_router,
 moe_preprocess; the dropless expert part cannot be captured), and the whole dense layer."""
 MODULE_RECOMPUTE = {"mla": ("mla_up_proj", "mlp"), "moe": ("moe_act", "layernorm")}
-OFFLOAD_MODULES = {"dense": ("qkv_linear", "core_attn", "attn_proj"),
-                   "moe": ("qkv_linear", "core_attn", "attn_proj", "expert_fc1", "moe_act")}
-"""train.activation_offload_modules the search tries without recompute: what every layer of the TE spec offloads
-(validate_activation_offload: attn_norm / mlp_norm are fused into the linears of dense layers)."""
+OFFLOAD_MODULES = {"dense": ("qkv_linear", "core_attn", "attn_proj"), "moe": ("expert_fc1", "moe_act")}
+"""train.activation_offload_modules the search tries without recompute. Dense: the attention inputs every layer of
+the TE spec offloads (validate_activation_offload: the norms are fused into the linears). MoE: the routed experts'
+inputs, the bulk of an MoE layer's activations (top-k copies of each token), which stay outside the CUDA-graph
+scopes the search pairs with MoE layouts (GRAPH_MODULES: offloading inside the attention graph needs TE >= 2.14,
+the image has 2.7), so an offloading MoE candidate keeps its graphed twin."""
 """Per-module selective recomputation tried besides core attention: NVIDIA's DeepSeek-V3 H100 choice for MLA
 models; the cheap output-discarding pair for MoE models."""
 
@@ -220,19 +222,22 @@ def _moe_overlap_possible(job: JobConfig, te: bool) -> bool:
 
 
 def _recompute_options(job: JobConfig, te: bool) -> list[tuple[str, list, list]]:
-    """(train.recompute, train.recompute_modules, train.activation_offload_modules), least memory saved first: the
-    search keeps the first that fits a layout. Activation offloading comes right after no recompute: it frees the
-    same attention inputs selective recompute would, and costs only what its copies take beyond the compute they
-    run beside (``OFFLOAD_MODULES``; a GPU with Transformer Engine, not beside local CUDA graphs)."""
-    out = [("none", [], [])]
-    if job.cluster.gpu != "cpu" and te and job.train.cuda_graph_impl != "local":
-        out.append(("none", [], list(OFFLOAD_MODULES["moe" if job.model.num_experts else "dense"])))
-    out.append(("selective", [], []))
+    """(train.recompute, train.recompute_modules, train.activation_offload_modules), cheapest first: the search
+    keeps the first that fits a layout. Activation offloading (``OFFLOAD_MODULES``, without recompute; a GPU with
+    Transformer Engine, not beside local CUDA graphs) comes after selective recompute and before full recompute:
+    the planner prices its copies as hidden behind compute, a figure read from the code and not yet measured,
+    where selective recompute's cost rests on NVIDIA's published rows; so it is offered where the alternative is
+    recomputing whole layers (a forward pass more), not in place of a measured cheap recompute (before that
+    ordering, an offloading PP2 x EP8 layout at mbs 4 ranked 15% above every layout NVIDIA published for
+    Qwen3-30B-A3B on 16 H100s, on the grouped-GEMM efficiency curve extrapolated to twice the tokens)."""
+    out = [("none", [], []), ("selective", [], [])]
     if job.model.multi_latent_attention:
         out.append(("selective", list(MODULE_RECOMPUTE["mla"]), []))
     elif job.model.num_experts and job.model.moe_grouped_gemm and te \
             and job.precision.fp8 != "delayed":  # Megatron refuses these two with delayed FP8 scaling
         out.append(("selective", list(MODULE_RECOMPUTE["moe"]), []))
+    if job.cluster.gpu != "cpu" and te and job.train.cuda_graph_impl != "local":
+        out.append(("none", [], list(OFFLOAD_MODULES["moe" if job.model.num_experts else "dense"])))
     return out + [("full", [], [])]
 
 
@@ -516,7 +521,7 @@ def _why(job: JobConfig, lay: Layout, st, peak: float, cap: float, host_saved: f
     if tr.activation_offload_modules:  # what the offloaded activations hold on the host and the copies' exposed time
         host = max(s.host_bytes for s in memory_per_stage(job, lay))
         bits.append(f"activation offload holds {host / GB:.1f} GB of host memory, PCIe time exposed "
-                    f"{st.breakdown_s.get('offload', 0.0):.2f} s")
+                    f"{st.breakdown_s.get('offload', 0.0):.2f} s (read from the code, not yet measured)")
     comm = {k: st.breakdown_s.get(k, 0.0) for k in ("tp_comm", "cp_comm", "ep_comm", "dp_comm")}
     worst = max(comm, key=comm.get)
     if comm[worst] > 0.01 * st.step_s:
