@@ -98,7 +98,7 @@ def test_offloading_frees_the_modules_saved_inputs_of_every_microbatch_in_flight
     tokens = job.train.micro_batch_size * m.seq_length / lay.cp
     for s, before, after in zip(memory_per_stage(job, lay), _activations(plain), _activations(job)):
         assert before - after == pytest.approx(freed * tokens * (s.layers * s.in_flight - 1))
-        assert s.host_bytes == pytest.approx(host * tokens * s.layers * s.in_flight)
+        assert s.host_bytes == s.host["activations"] == pytest.approx(host * tokens * s.layers * s.in_flight)
 
 
 def test_the_fraction_and_the_size_threshold_decide_what_leaves():
@@ -221,3 +221,25 @@ def test_a_candidate_that_breaks_a_rule_the_job_keeps_is_not_returned(monkeypatc
     args = ["recipe=deepseek_v3"]
     found = search_module.search(compose_job(args), top=40)
     assert found and not [c.overrides for c in found if errors(validate(compose_job(args + c.overrides)))]
+
+
+def test_host_memory_counts_every_offload_and_the_plan_warns_past_the_node():
+    """The host side of both offload levers: the optimizer CPU offload's share of the rank's optimizer shard holds
+    its main parameter, a gradient copy and two moments on the host (HybridDeviceOptimizer); activation offloading
+    its pinned tensors. Past cluster.host_memory_gb the plan says so, naming each part per node."""
+    from launcher.plan.memory import optimizer_shards, stage_params
+
+    job = compose_job(MOE + ["train.activation_offload_modules=[expert_fc1]", "precision.precision_aware_optimizer=true",
+                             "train.optimizer_cpu_offload=true", "train.optimizer_offload_fraction=0.5"])
+    lay = derive(job)
+    dense, expert = optimizer_shards(job, lay)
+    stages = memory_per_stage(job, lay)
+    for s in stages:
+        rp = stage_params(job, s.stage, lay)
+        assert s.host["optimizer"] == pytest.approx((rp.dense / dense + rp.expert / expert) * 0.5 * (4 + 4 + 4 + 4))
+        assert s.host_bytes == pytest.approx(s.host["optimizer"] + s.host["activations"])
+    assert not any("host memory per node" in w for w in plan(job).warnings)
+    busiest = max(s.host_bytes for s in stages) * job.cluster.gpus_per_node / GB
+    small = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, host_memory_gb=busiest * 0.99))
+    [warning] = [w for w in plan(small).warnings if "host memory per node" in w]
+    assert "activations" in warning and "optimizer" in warning

@@ -113,7 +113,7 @@ class Plan:
         mods = self.layout.get("activation_offload_modules")
         if not mods:
             return ""
-        host = max(s.host_bytes for s in self.stages)
+        host = max(s.host.get("activations", 0.0) for s in self.stages)
         return (f"activation offload {', '.join(mods)}: {host / GB:.1f} GB of pinned host memory per GPU, PCIe "
                 f"time exposed {self.step.breakdown_s.get('offload', 0):.2f} s")
 
@@ -276,17 +276,21 @@ def plan_job(job: JobConfig, *, checked: Checked | None = None) -> Plan:
     if job.schedule.kind == Schedule.ZB_V and lay.pp > 1:
         layout["zb_v_costs_hint"] = _zb_v_costs_hint(job, lay, st)
     stages = memory_per_stage(job, lay)
-    if not host_fits(job, stages):
-        host = max(s.host_bytes for s in stages) * job.cluster.gpus_per_node / GB
-        warnings.append(f"activation offloading pins {host:.0f} GB per node, more than cluster.host_memory_gb="
-                        f"{job.cluster.host_memory_gb:g}: offload fewer train.activation_offload_modules or set "
-                        "train.activation_offload_fraction below 1")
+    saving = _async_save(job, counts)
+    if not host_fits(job, stages, saving.get("host_bytes_per_node", 0.0)):
+        busiest = max(stages, key=lambda s: s.host_bytes)
+        parts = {k: v * job.cluster.gpus_per_node for k, v in busiest.host.items() if v}
+        if saving:
+            parts["async save"] = saving["host_bytes_per_node"]
+        warnings.append(f"host memory per node: {', '.join(f'{k} {v / GB:.0f} GB' for k, v in parts.items())}, "
+                        f"more than cluster.host_memory_gb={job.cluster.host_memory_gb:g}: offload less "
+                        "(train.activation_offload_modules / _fraction, train.optimizer_offload_fraction)")
     return Plan(
         name=job.name, layout=layout, stages=stages,
         gpu_memory_gb=job.cluster.gpu_memory_gb, flops_per_token=flops_per_token(job.model),
         flops_per_step=flops_per_step(job.model, lay.tokens_per_step),
         params=counts, step=st, perf=throughput(job, st, lay), warnings=warnings, timeouts=_timeouts(job, counts, st),
-        checkpoint=_async_save(job, counts))
+        checkpoint=saving)
 
 
 def _async_save(job: JobConfig, counts: dict) -> dict:

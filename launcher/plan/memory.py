@@ -559,9 +559,13 @@ class StageMemory:
     pending_w: int = 0
     """ZB-H1: microbatches whose weight gradient is pending at the peak (their GEMM inputs and output
     gradients are ``parts['pending_wgrad']``)."""
-    host_bytes: float = 0.0
-    """Pinned host memory the rank's offloaded activations hold at the peak (train.activation_offload_modules;
-    not GPU memory, not in ``total``)."""
+    host: dict = field(default_factory=dict)
+    """Host memory the rank's offloads hold at the peak, by lever (not GPU memory, not in ``total``): activations
+    (train.activation_offload_modules, pinned) and optimizer (train.optimizer_cpu_offload's state and copies)."""
+
+    @property
+    def host_bytes(self) -> float:
+        return float(sum(self.host.values()))
 
     @property
     def total(self) -> float:
@@ -573,7 +577,8 @@ class StageMemory:
 
     def to_dict(self) -> dict:
         return {"stage": self.stage, "layers": self.layers, "params": self.params, "in_flight": self.in_flight,
-                "pending_w": self.pending_w, "host_gb": self.host_bytes / GB, "total_gb": self.total / GB, "parts_gb": {k: v / GB for k, v in self.parts.items()}}
+                "pending_w": self.pending_w, "host_gb": self.host_bytes / GB,
+                "host_parts_gb": {k: v / GB for k, v in self.host.items()}, "total_gb": self.total / GB, "parts_gb": {k: v / GB for k, v in self.parts.items()}}
 
 
 def grad_groups(lay: Layout) -> tuple[int, int]:
@@ -609,6 +614,19 @@ def param_bytes(job: JobConfig, rp: RankParams) -> tuple[float, float]:
         dense -= (a - 1) * (rp.gemm - rp.expert_gemm)
         expert -= (a - 1) * rp.expert_gemm
     return dense, expert
+
+
+def optimizer_host_bytes(job: JobConfig, rp: RankParams, lay: Layout) -> float:
+    """train.optimizer_cpu_offload: what the host holds for the rank's offloaded share of its optimizer shard.
+    HybridDeviceOptimizer (hybrid_optimizer.py ``_get_sub_optimizer_param_groups``) clones each offloaded main
+    parameter into pinned host memory, keeps its Adam moments there (the host optimizer's state) and a pinned copy of
+    its gradient (``cpu_copy_map_grad``), all in the main parameters' dtype."""
+    pr = job.precision
+    main = OPTIMIZER_STATE_BYTES[pr.main_params_dtype] if pr.dtype != "fp32" else 4
+    dense_shards, expert_shards = optimizer_shards(job, lay)
+    elements = (rp.dense / dense_shards + rp.expert / expert_shards) * job.train.optimizer_offload_fraction
+    # main parameter + gradient copy, two moments
+    return elements * (2 * main + OPTIMIZER_STATE_BYTES[pr.exp_avg_dtype] + OPTIMIZER_STATE_BYTES[pr.exp_avg_sq_dtype])
 
 
 def static_bytes(job: JobConfig, rp: RankParams, lay: Layout | None = None) -> dict[str, float]:
@@ -729,7 +747,7 @@ def stage_memory(job: JobConfig, lay: Layout, stage: int, cache: dict | None = N
         logits = logits if in_flight else 0.0
         pending = n_pending * w_mb
     parts["activations"] = per_mb * in_flight + per_mb_mtp
-    host = 0.0
+    host = {"optimizer": optimizer_host_bytes(job, rp, lay)} if job.train.optimizer_cpu_offload else {}
     if job.train.activation_offload_modules and pending is None:
         if ("offload",) not in cache:
             cache[("offload",)] = {k: offloaded_bytes_per_token(job, lay, k) for k in (False, True)}
@@ -740,7 +758,7 @@ def stage_memory(job: JobConfig, lay: Layout, stage: int, cache: dict | None = N
         # post_warmup_callback's offload margin)
         resident = max((off[k][0] for k, n in counts.items() if n), default=0.0) * tokens
         parts["activations"] -= max(0.0, freed * in_flight - resident)
-        host = sum(n * off[k][1] for k, n in counts.items() if n) * tokens * in_flight
+        host["activations"] = sum(n * off[k][1] for k, n in counts.items() if n) * tokens * in_flight
     parts["output_logits"] = logits
     if pending is not None:
         parts["pending_wgrad"] = pending
@@ -800,11 +818,11 @@ def cuda_graph_bytes(job: JobConfig, lay: Layout, n_dense: int, n_moe: int) -> f
     return GRAPH_BUFFERS_PER_CALLABLE * hidden * callables
 
 
-def host_fits(job: JobConfig, stages: list[StageMemory]) -> bool:
-    """Whether a node's ranks can pin what activation offloading moves to the host: the busiest stage's host bytes
-    on every GPU of the node within cluster.host_memory_gb (null: not checked)."""
+def host_fits(job: JobConfig, stages: list[StageMemory], per_node: float = 0.0) -> bool:
+    """Whether a node can hold what its ranks offload: the busiest stage's host bytes on every GPU of the node, plus
+    ``per_node`` (an async checkpoint save's staging copy), within cluster.host_memory_gb (null: not checked)."""
     limit = job.cluster.host_memory_gb
-    return limit is None or max(s.host_bytes for s in stages) * job.cluster.gpus_per_node <= limit * GB
+    return limit is None or max(s.host_bytes for s in stages) * job.cluster.gpus_per_node + per_node <= limit * GB
 
 
 def memory_per_stage(job: JobConfig, lay: Layout | None = None, static_cache: dict | None = None,

@@ -371,7 +371,7 @@ def search(job: JobConfig, top: int = 10, layout: Layout | None = None,
             hopeless.add(layout_key)  # weights, grads and optimizer alone do not fit: no batch or recompute helps
             continue
         peak = max(s.total for s in stages)
-        if cand.train.activation_offload_modules and not host_fits(cand, stages):
+        if (cand.train.activation_offload_modules or cand.train.optimizer_cpu_offload) and not host_fits(cand, stages):
             continue  # the node cannot pin what its ranks offload
         exact = peak > cap and cand.schedule.kind in Schedule.ZERO_BUBBLE
         if exact and cand.schedule.kind == Schedule.ZB_H1 and max(
@@ -519,7 +519,7 @@ def _why(job: JobConfig, lay: Layout, st, peak: float, cap: float, host_saved: f
     if tr.recompute != Recompute.NONE:
         bits.append(f"recompute {tr.recompute} costs {st.breakdown_s.get('recompute', 0):.2f} s")
     if tr.activation_offload_modules:  # what the offloaded activations hold on the host and the copies' exposed time
-        host = max(s.host_bytes for s in memory_per_stage(job, lay))
+        host = max(s.host.get("activations", 0.0) for s in memory_per_stage(job, lay))
         bits.append(f"activation offload holds {host / GB:.1f} GB of host memory, PCIe time exposed "
                     f"{st.breakdown_s.get('offload', 0.0):.2f} s (read from the code, not yet measured)")
     comm = {k: st.breakdown_s.get(k, 0.0) for k in ("tp_comm", "cp_comm", "ep_comm", "dp_comm")}
