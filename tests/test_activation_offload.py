@@ -243,3 +243,18 @@ def test_host_memory_counts_every_offload_and_the_plan_warns_past_the_node():
     small = dataclasses.replace(job, cluster=dataclasses.replace(job.cluster, host_memory_gb=busiest * 0.99))
     [warning] = [w for w in plan(small).warnings if "host memory per node" in w]
     assert "activations" in warning and "optimizer" in warning
+
+
+def test_the_copies_share_the_pcie_link_with_the_inter_node_expert_traffic(monkeypatch):
+    """DeepSeek-V3 (EP64 over 8 nodes): the GPU's PCIe link also carries its GPUDirect network traffic, the
+    inter-node dispatch and combine of every layer; the copies' exposed time is what they add beyond that traffic,
+    so it grows with it (and is none where no expert traffic leaves the node)."""
+    from launcher.plan import timing
+
+    job = compose_job(["recipe=deepseek_v3", "train.recompute=none", "train.recompute_modules=[]",
+                       "train.activation_offload_modules=[expert_fc1,moe_act]"])
+    lay = derive(job)
+    shared = step_time(job, lay).breakdown_s["offload"]
+    monkeypatch.setattr(timing, "_dispatch_network_bytes", lambda *a: 0.0)
+    alone = step_time(job, lay).breakdown_s["offload"]
+    assert shared > alone and shared > 1.0, (shared, alone)

@@ -246,10 +246,15 @@ def stage_costs(job: JobConfig, lay: Layout, stage: int) -> StageCosts:
         # and PCIe is full duplex, so in the steady state each direction has a layer's forward and backward (one
         # of each per microbatch) to move that layer's bytes: only the excess is exposed, D2H on the forward
         # (the copy's memory is released when it lands), H2D on the backward (which waits for its reload)
+        # The GPU's PCIe link also carries its network traffic (GPUDirect RDMA to a NIC behind the same switch): a
+        # layer's inter-node expert dispatch and combine, both passes, each direction; only what the copies add to
+        # that is charged here (the traffic's own time is ep_comm's)
         host_bytes = offloaded_bytes_per_token(job, lay, is_moe)[1] * tokens / cp
         if host_bytes:
-            copy_s = host_bytes / (cl.host_bandwidth_gbps * 1e9)
-            off_f = off_b = max(0.0, copy_s - (gpu_f + gpu_b))
+            bw = cl.host_bandwidth_gbps * 1e9
+            net = 4 * _dispatch_network_bytes(job, lay, a * h * tokens / cp / sp) if is_moe and lay.ep > 1 else 0.0
+            window = gpu_f + gpu_b
+            off_f = off_b = max(0.0, (host_bytes + net) / bw - window) - max(0.0, net / bw - window)
             f += n * off_f
             b += n * off_b
             parts["offload"] += n * (off_f + off_b)
@@ -361,6 +366,17 @@ def _dispatch_time(job: JobConfig, lay: Layout, token_bytes: float) -> float:
     nodes = max(1, ep // _ep_ranks_per_node(job, lay))
     on = token_bytes * k * (ep - 1) / ep  # every copy crosses NVLink once (direct, or forwarded in its node)
     return _links_time(job, on, token_bytes * _capacity_scale(m) * remote_nodes_per_token(m, nodes)) + etp
+
+
+def _dispatch_network_bytes(job: JobConfig, lay: Layout, token_bytes: float) -> float:
+    """Bytes one dispatch (or combine) sends off the node from each rank, as ``_dispatch_time`` prices them: the
+    off-node peers' share of the all-to-all's top-k copies, or the flex dispatcher's one copy per remote node."""
+    m = job.model
+    k = m.moe_router_topk * _capacity_scale(m)
+    ep, on_node = lay.ep, _ep_ranks_per_node(job, lay)
+    if m.moe_token_dispatcher_type != "flex":
+        return token_bytes * k * (ep - on_node) / ep
+    return token_bytes * _capacity_scale(m) * remote_nodes_per_token(m, max(1, ep // on_node))
 
 
 def _etp_exchange(job: JobConfig, lay: Layout, routed_bytes: float) -> float:
