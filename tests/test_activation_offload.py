@@ -258,3 +258,13 @@ def test_the_copies_share_the_pcie_link_with_the_inter_node_expert_traffic(monke
     monkeypatch.setattr(timing, "_dispatch_network_bytes", lambda *a: 0.0)
     alone = step_time(job, lay).breakdown_s["offload"]
     assert shared > alone and shared > 1.0, (shared, alone)
+
+
+@pytest.mark.parametrize("typed,meant", [("CORE_ATTN", "core_attn"), ("core_atn", "core_attn"),
+                                         ("Expert_FC1", "expert_fc1")])
+def test_a_misspelled_module_is_hinted_as_the_module_meant(typed, meant):
+    """Another case or a typo is answered with the list it was probably meant as (the hint validates), before the
+    list without it."""
+    job = compose_job(MOE + [f"train.activation_offload_modules=[{typed},moe_act]"])
+    [problem] = [p for p in errors(validate(job)) if p.field == "train.activation_offload_modules"]
+    assert problem.hint.startswith(f"train.activation_offload_modules=[{meant},moe_act]"), problem.hint

@@ -405,6 +405,14 @@ def validate_cuda_graphs(job: JobConfig, lay: Layout) -> list[Problem]:
     return c.problems
 
 
+def _nearest(name: str, known: tuple) -> str | None:
+    """The known name ``name`` was probably meant as (another case, a typo), or None."""
+    import difflib
+
+    found = difflib.get_close_matches(str(name).lower(), known, n=1, cutoff=0.75)
+    return found[0] if found else None
+
+
 MOE_OFFLOAD_MODULES = ("expert_fc1", "moe_act", "fused_group_mlp")
 """offload_modules inside the routed experts (moe/experts.py)."""
 
@@ -431,8 +439,11 @@ def validate_activation_offload(job: JobConfig, lay: Layout) -> list[Problem]:
         return f"train.activation_offload_modules=[{','.join(rest)}]" + (f" or {off}" if rest else "")
     unknown = [x for x in mods if x not in ACTIVATION_OFFLOAD_MODULES]
     # transformer_config.py: "Invalid choices for offload_modules: {invalid_modules}. Allowed modules are: ..."
+    spelled = [_nearest(x, ACTIVATION_OFFLOAD_MODULES) if x in unknown else x for x in mods]  # CORE_ATTN, core_atn
+    respelled = f"train.activation_offload_modules=[{','.join(x for x in spelled if x)}] or " if any(
+        x and x != y for x, y in zip(spelled, mods)) else ""
     c.need(not unknown, field, mods, f"unknown module(s) {unknown}; known: {', '.join(ACTIVATION_OFFLOAD_MODULES)}",
-           without(*unknown))
+           respelled + without(*unknown))
     # fine_grained_activation_offload.py: pinned host buffers and torch.cuda.Stream / Event copies; a CPU rank has none
     c.need(job.cluster.gpu != "cpu", field, mods, "activation offloading copies to pinned host memory on CUDA "
            "streams; this cluster profile is cpu", off)
