@@ -260,11 +260,17 @@ def test_the_copies_share_the_pcie_link_with_the_inter_node_expert_traffic(monke
     assert shared > alone and shared > 1.0, (shared, alone)
 
 
-@pytest.mark.parametrize("typed,meant", [("CORE_ATTN", "core_attn"), ("core_atn", "core_attn"),
-                                         ("Expert_FC1", "expert_fc1")])
-def test_a_misspelled_module_is_hinted_as_the_module_meant(typed, meant):
-    """Another case or a typo is answered with the list it was probably meant as (the hint validates), before the
-    list without it."""
-    job = compose_job(MOE + [f"train.activation_offload_modules=[{typed},moe_act]"])
-    [problem] = [p for p in errors(validate(job)) if p.field == "train.activation_offload_modules"]
-    assert problem.hint.startswith(f"train.activation_offload_modules=[{meant},moe_act]"), problem.hint
+@pytest.mark.parametrize("field,typed,meant,extra", [
+    ("train.activation_offload_modules", "[CORE_ATTN,moe_act]", "[core_attn,moe_act]", []),
+    ("train.activation_offload_modules", "[core_atn,moe_act]", "[core_attn,moe_act]", []),
+    ("train.activation_offload_modules", "[Expert_FC1,moe_act]", "[expert_fc1,moe_act]", []),
+    ("train.recompute_modules", "[Core_Attn,layernorm]", "[core_attn,layernorm]",
+     ["train.recompute=selective", "precision.fp8=tensorwise"]),
+    ("train.cuda_graph_modules", "[ATTN,moe_routr]", "[attn,moe_router]", ["train.cuda_graph_impl=transformer_engine"]),
+])
+def test_a_misspelled_module_is_hinted_as_the_module_meant(field, typed, meant, extra):
+    """The module lists (offload, recompute, CUDA graphs): another case or a typo is answered with the list it was
+    probably meant as (the hint validates, as every hint), before the list without it."""
+    job = compose_job(MOE + [f"{field}={typed}", *extra])
+    [problem] = [p for p in errors(validate(job)) if p.field == field]
+    assert problem.hint.startswith(f"{field}={meant}"), problem.hint

@@ -230,12 +230,29 @@ def validate_choices(job: JobConfig) -> list[Problem]:
 
 def closest_choice(value, allowed: tuple) -> str:
     """The allowed value nearest to a misspelt one (``1F1B`` -> ``1f1b``), else the first allowed value."""
+    return meant(value, allowed) or str(allowed[0])
+
+
+def meant(value, allowed) -> str | None:
+    """The allowed value a misspelt one was probably meant as (another case, a close typo), or None."""
     names = [str(a) for a in allowed]
     folded = {n.lower(): n for n in names}
     if str(value).lower() in folded:
         return folded[str(value).lower()]
     near = difflib.get_close_matches(str(value), names, n=1, cutoff=0.75)
-    return near[0] if near else names[0]
+    return near[0] if near else None
+
+
+def respelled_list(field: str, values: list, allowed: tuple) -> str:
+    """For a list field with unknown names: ``field=[...] or `` with each unknown name as the name it was probably
+    meant as (``[CORE_ATTN,mlp]`` -> ``[core_attn,mlp]``; names with no likely meaning dropped), or '' when no
+    unknown name has one."""
+    unknown = [v for v in values if v not in allowed]
+    fixed = {v: meant(v, allowed) for v in unknown}
+    if not any(fixed.values()):
+        return ""
+    spelled = [fixed.get(v, v) if v in fixed else v for v in values]
+    return f"{field}=[{','.join(v for v in spelled if v)}] or "
 
 
 def validate_sizes(job: JobConfig) -> list[Problem]:

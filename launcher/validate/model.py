@@ -9,7 +9,7 @@ from launcher.core import Layout
 from launcher.fields import is_allowed
 from launcher.problems import Problem
 from launcher.schema import ACTIVATION_OFFLOAD_MODULES, CUDA_GRAPH_MODULES, JobConfig, ModelConfig, Recompute, Schedule
-from launcher.validate.generic import Checks, divisor_near, in_bounds, round_up
+from launcher.validate.generic import Checks, divisor_near, in_bounds, respelled_list, round_up
 
 
 HOPPER_OR_NEWER = ("H100", "H200", "GH200", "B200", "GB200")
@@ -364,7 +364,8 @@ def validate_cuda_graphs(job: JobConfig, lay: Layout) -> list[Problem]:
     unknown = [x for x in mods if x not in CUDA_GRAPH_MODULES]
     # cuda_graph_config.py: CudaGraphModule[name] (KeyError for anything else; "mamba" is for hybrid models)
     c.need(not unknown, "train.cuda_graph_modules", mods, f"unknown module(s) {unknown}; known: "
-           f"{', '.join(CUDA_GRAPH_MODULES)} (empty captures the whole layer)", "train.cuda_graph_modules=[]")
+           f"{', '.join(CUDA_GRAPH_MODULES)} (empty captures the whole layer)",
+           respelled_list("train.cuda_graph_modules", mods, CUDA_GRAPH_MODULES) + "train.cuda_graph_modules=[]")
     where = "train.cuda_graph_impl"
     # torch.cuda.graph captures CUDA streams; a CPU rank has none
     c.need(job.cluster.gpu != "cpu", where, impl, "CUDA graphs need CUDA (torch.cuda.graph); this cluster "
@@ -405,14 +406,6 @@ def validate_cuda_graphs(job: JobConfig, lay: Layout) -> list[Problem]:
     return c.problems
 
 
-def _nearest(name: str, known: tuple) -> str | None:
-    """The known name ``name`` was probably meant as (another case, a typo), or None."""
-    import difflib
-
-    found = difflib.get_close_matches(str(name).lower(), known, n=1, cutoff=0.75)
-    return found[0] if found else None
-
-
 MOE_OFFLOAD_MODULES = ("expert_fc1", "moe_act", "fused_group_mlp")
 """offload_modules inside the routed experts (moe/experts.py)."""
 
@@ -439,11 +432,8 @@ def validate_activation_offload(job: JobConfig, lay: Layout) -> list[Problem]:
         return f"train.activation_offload_modules=[{','.join(rest)}]" + (f" or {off}" if rest else "")
     unknown = [x for x in mods if x not in ACTIVATION_OFFLOAD_MODULES]
     # transformer_config.py: "Invalid choices for offload_modules: {invalid_modules}. Allowed modules are: ..."
-    spelled = [_nearest(x, ACTIVATION_OFFLOAD_MODULES) if x in unknown else x for x in mods]  # CORE_ATTN, core_atn
-    respelled = f"train.activation_offload_modules=[{','.join(x for x in spelled if x)}] or " if any(
-        x and x != y for x, y in zip(spelled, mods)) else ""
     c.need(not unknown, field, mods, f"unknown module(s) {unknown}; known: {', '.join(ACTIVATION_OFFLOAD_MODULES)}",
-           respelled + without(*unknown))
+           respelled_list(field, mods, ACTIVATION_OFFLOAD_MODULES) + without(*unknown))
     # fine_grained_activation_offload.py: pinned host buffers and torch.cuda.Stream / Event copies; a CPU rank has none
     c.need(job.cluster.gpu != "cpu", field, mods, "activation offloading copies to pinned host memory on CUDA "
            "streams; this cluster profile is cpu", off)

@@ -12,7 +12,7 @@ from launcher.core.cuda_env import PRE_BLACKWELL, max_connections
 from launcher.fields import get_value
 from launcher.problems import Problem
 from launcher.schema import JobConfig, ModelConfig, ParallelConfig, Recompute
-from launcher.validate.generic import Checks, divisor_near, in_bounds, round_up
+from launcher.validate.generic import Checks, divisor_near, in_bounds, respelled_list, round_up
 
 
 SIZES = ("parallel.tensor", "parallel.pipeline", "parallel.context", "parallel.expert", "nodes", "cluster.gpus_per_node")
@@ -208,7 +208,8 @@ def _validate_recompute_modules(c: Checks, job: JobConfig, lay: Layout) -> None:
 
     moe_norm = [m for m in mods if m in ("moe_act", "layernorm")]
     rules = [
-        (not unknown, f"unknown module(s) {unknown}; known: {', '.join(RECOMPUTE_MODULES)}", without()),
+        (not unknown, f"unknown module(s) {unknown}; known: {', '.join(RECOMPUTE_MODULES)}",
+         respelled_list(f, mods, RECOMPUTE_MODULES) + without()),
         (job.train.recompute == Recompute.SELECTIVE, "apply to train.recompute=selective only",
          f"train.recompute=selective or {f}=[]"),
         ("mla_up_proj" not in mods or model.multi_latent_attention, "mla_up_proj needs model.multi_latent_attention",
