@@ -616,13 +616,19 @@ def param_bytes(job: JobConfig, rp: RankParams) -> tuple[float, float]:
     return dense, expert
 
 
+def main_param_bytes(pr) -> int:
+    """Bytes of one main (master) parameter: precision.main_params_dtype's (the precision-aware optimizer; fp32
+    unless asked), fp32 when the model itself trains in fp32."""
+    return OPTIMIZER_STATE_BYTES[pr.main_params_dtype] if pr.dtype != "fp32" else 4
+
+
 def optimizer_host_bytes(job: JobConfig, rp: RankParams, lay: Layout) -> float:
     """train.optimizer_cpu_offload: what the host holds for the rank's offloaded share of its optimizer shard.
     HybridDeviceOptimizer (hybrid_optimizer.py ``_get_sub_optimizer_param_groups``) clones each offloaded main
     parameter into pinned host memory, keeps its Adam moments there (the host optimizer's state) and a pinned copy of
     its gradient (``cpu_copy_map_grad``), all in the main parameters' dtype."""
     pr = job.precision
-    main = OPTIMIZER_STATE_BYTES[pr.main_params_dtype] if pr.dtype != "fp32" else 4
+    main = main_param_bytes(pr)
     dense_shards, expert_shards = optimizer_shards(job, lay)
     elements = (rp.dense / dense_shards + rp.expert / expert_shards) * job.train.optimizer_offload_fraction
     # main parameter + gradient copy, two moments

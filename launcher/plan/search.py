@@ -42,14 +42,14 @@ GRAPH_MODULES = {True: (["attn", "moe_router", "moe_preprocess"], ["attn", "moe_
 no CUDA graphs: NVIDIA's MoE scope (Megatron-Bridge's DeepSeek-V3 / GPT-OSS / Qwen3-30B recipes: attn, moe_router,
 moe_preprocess; the dropless expert part cannot be captured), and the whole dense layer."""
 MODULE_RECOMPUTE = {"mla": ("mla_up_proj", "mlp"), "moe": ("moe_act", "layernorm")}
+"""Per-module selective recomputation tried besides core attention: NVIDIA's DeepSeek-V3 H100 choice for MLA
+models; the cheap output-discarding pair for MoE models."""
 OFFLOAD_MODULES = {"dense": ("qkv_linear", "core_attn", "attn_proj"), "moe": ("expert_fc1", "moe_act")}
 """train.activation_offload_modules the search tries without recompute. Dense: the attention inputs every layer of
 the TE spec offloads (validate_activation_offload: the norms are fused into the linears). MoE: the routed experts'
 inputs, the bulk of an MoE layer's activations (top-k copies of each token), which stay outside the CUDA-graph
 scopes the search pairs with MoE layouts (GRAPH_MODULES: offloading inside the attention graph needs TE >= 2.14,
 the image has 2.7), so an offloading MoE candidate keeps its graphed twin."""
-"""Per-module selective recomputation tried besides core attention: NVIDIA's DeepSeek-V3 H100 choice for MLA
-models; the cheap output-discarding pair for MoE models."""
 
 
 @dataclass
@@ -371,7 +371,7 @@ def search(job: JobConfig, top: int = 10, layout: Layout | None = None,
             hopeless.add(layout_key)  # weights, grads and optimizer alone do not fit: no batch or recompute helps
             continue
         peak = max(s.total for s in stages)
-        if (cand.train.activation_offload_modules or cand.train.optimizer_cpu_offload) and not host_fits(cand, stages):
+        if not host_fits(cand, stages):
             continue  # the node cannot pin what its ranks offload
         exact = peak > cap and cand.schedule.kind in Schedule.ZERO_BUBBLE
         if exact and cand.schedule.kind == Schedule.ZB_H1 and max(

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 from launcher.core import Layout, derive
 from launcher.core.flops import FMA, flops_per_step, kv_channels, layer_flops, query_groups
-from launcher.plan.memory import (DTYPE_BYTES, GRAD_BYTES_FP32, OPTIMIZER_STATE_BYTES, fsdp_layer_params, grad_groups, offloaded_bytes_per_token,
-                                  optimizer_shards, param_bytes, recompute_fraction, recomputed_modules, sp_shards,
-                                  stage_layers, stage_params)
+from launcher.plan.memory import (DTYPE_BYTES, GRAD_BYTES_FP32, fsdp_layer_params, grad_groups, main_param_bytes,
+                                  offloaded_bytes_per_token, optimizer_shards, param_bytes, recompute_fraction,
+                                  recomputed_modules, sp_shards, stage_layers, stage_params)
 from launcher.core.pipeline.schedules import loss_rank
 from launcher.plan.host import host_seconds, overlap_host_seconds
 from launcher.plan.measured import op_overhead, shared_units_s
@@ -362,21 +362,19 @@ def _dispatch_time(job: JobConfig, lay: Layout, token_bytes: float) -> float:
     etp = _etp_exchange(job, lay, token_bytes * k)
     if m.moe_token_dispatcher_type != "flex":
         return _a2a_time(job, lay, token_bytes * k) + etp
-    ep = lay.ep
-    nodes = max(1, ep // _ep_ranks_per_node(job, lay))
-    on = token_bytes * k * (ep - 1) / ep  # every copy crosses NVLink once (direct, or forwarded in its node)
-    return _links_time(job, on, token_bytes * _capacity_scale(m) * remote_nodes_per_token(m, nodes)) + etp
+    on = token_bytes * k * (lay.ep - 1) / lay.ep  # every copy crosses NVLink once (direct, or forwarded in its node)
+    return _links_time(job, on, _dispatch_network_bytes(job, lay, token_bytes)) + etp
 
 
 def _dispatch_network_bytes(job: JobConfig, lay: Layout, token_bytes: float) -> float:
-    """Bytes one dispatch (or combine) sends off the node from each rank, as ``_dispatch_time`` prices them: the
-    off-node peers' share of the all-to-all's top-k copies, or the flex dispatcher's one copy per remote node."""
+    """Bytes one dispatch (or combine) sends off the node from each rank (``_dispatch_time``'s network part, and
+    what shares the PCIe link with activation offloading's copies): the off-node peers' share of the all-to-all's
+    top-k copies, or the flex dispatcher's one copy per remote node."""
     m = job.model
-    k = m.moe_router_topk * _capacity_scale(m)
-    ep, on_node = lay.ep, _ep_ranks_per_node(job, lay)
     if m.moe_token_dispatcher_type != "flex":
-        return token_bytes * k * (ep - on_node) / ep
-    return token_bytes * _capacity_scale(m) * remote_nodes_per_token(m, max(1, ep // on_node))
+        return _a2a_split(job, lay, token_bytes * m.moe_router_topk * _capacity_scale(m))[1]
+    nodes = max(1, lay.ep // _ep_ranks_per_node(job, lay))
+    return token_bytes * _capacity_scale(m) * remote_nodes_per_token(m, nodes)
 
 
 def _etp_exchange(job: JobConfig, lay: Layout, routed_bytes: float) -> float:
@@ -424,8 +422,14 @@ def _capacity_scale(model) -> float:
 def _a2a_time(job: JobConfig, lay: Layout, nbytes: float) -> float:
     """One expert-parallel all-to-all of ``nbytes`` leaving each rank (before the (EP-1)/EP off-rank share):
     the on-node peers over NVLink and the off-node peers over the network run at the same time."""
+    return _links_time(job, *_a2a_split(job, lay, nbytes))
+
+
+def _a2a_split(job: JobConfig, lay: Layout, nbytes: float) -> tuple[float, float]:
+    """(on-node, off-node) bytes of an all-to-all of ``nbytes`` leaving each rank: its EP peers on the node, and
+    the others."""
     ep, on_node = lay.ep, _ep_ranks_per_node(job, lay)
-    return _links_time(job, nbytes * (on_node - 1) / ep, nbytes * (ep - on_node) / ep)
+    return nbytes * (on_node - 1) / ep, nbytes * (ep - on_node) / ep
 
 
 def _ep_ranks_per_node(job: JobConfig, lay: Layout) -> int:
@@ -652,9 +656,8 @@ def optimizer_offload_copy_s(job: JobConfig, shard: float) -> float:
     per parameter group, so the longer one counts. A lower bound: the host Adam step itself is not priced."""
     pr, tr = job.precision, job.train
     elements = shard * tr.optimizer_offload_fraction
-    bytes_ = OPTIMIZER_STATE_BYTES[pr.main_params_dtype] if pr.dtype != "fp32" else 4
     bw = job.cluster.host_bandwidth_gbps * 1e9
-    return elements * bytes_ / bw * (1 if tr.overlap_cpu_optimizer_d2h_h2d else 2)
+    return elements * main_param_bytes(pr) / bw * (1 if tr.overlap_cpu_optimizer_d2h_h2d else 2)
 
 
 def throughput(job: JobConfig, st: StepTime, lay: Layout | None = None) -> dict:

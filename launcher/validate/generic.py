@@ -251,7 +251,7 @@ def respelled_list(field: str, values: list, allowed: tuple) -> str:
     fixed = {v: meant(v, allowed) for v in unknown}
     if not any(fixed.values()):
         return ""
-    spelled = [fixed.get(v, v) if v in fixed else v for v in values]
+    spelled = [fixed[v] if v in fixed else v for v in values]
     return f"{field}=[{','.join(v for v in spelled if v)}] or "
 
 
